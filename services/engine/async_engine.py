@@ -1,0 +1,206 @@
+"""AsyncLLMEngine: the engine loop in its own thread, requests and outputs on an asyncio loop.
+
+The model steps in a dedicated thread (torch releases the GIL while it computes), so the event
+loop stays free for the network. Requests and aborts cross into the engine thread through a
+queue; outputs come back with `call_soon_threadsafe` into unbounded per-request streams, so the
+decode loop never waits for a consumer, however slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.engine.config import EngineConfig
+from services.engine.errors import InvalidRequestError
+from services.engine.llm_engine import LLMEngine, Prompt
+from services.engine.outputs import EngineStats, RequestOutput
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an internal error; every open stream receives it."""
+
+
+class RequestStream:
+    """The outputs of one request as an async iterator; ends after the finished output."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncLLMEngine:
+    """Asyncio front of an LLMEngine: `generate()` streams a request's outputs, `abort()` stops it."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = engine.get_stats()
+
+    @classmethod
+    def from_pretrained(cls, model: str, **overrides: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_pretrained(model, **overrides))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        """Start the engine thread (idempotent). Call from the event loop that will read outputs."""
+        if self.is_running:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> RequestStream:
+        """Validate and queue a request; its outputs arrive on the returned stream.
+
+        Raises InvalidRequestError (naming the field) right away for bad input.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop failed: {self._dead}")
+        if not self.is_running:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        request = self.engine.prepare_request(request_id, prompt, params, priority=priority)
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request))
+        self._wake.set()
+        return stream
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; leaving the iteration early (or being cancelled) aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        stream = self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream ends with a finish_reason "abort" output."""
+        if request_id in self._streams:
+            self._inbox.put(("abort", request_id))
+            self._wake.set()
+
+    def get_stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its latest step."""
+        return self._stats
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, final: bool) -> None:
+        def put() -> None:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream._put(item)
+                if final:
+                    del self._streams[request_id]
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(put)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request: Request = payload
+                try:
+                    self.engine.enqueue(request)
+                except InvalidRequestError as exc:
+                    self._deliver(request.request_id, exc, final=True)
+            else:
+                self.engine.abort_request(payload)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.get_stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for output in engine.step():
+                    self._deliver(output.request_id, output, final=output.finished)
+                self._stats = engine.get_stats()
+            # Shutting down: end every open request as aborted.
+            self._drain_inbox()
+            engine.abort_request(engine.unfinished_request_ids())
+            for output in engine.step():
+                self._deliver(output.request_id, output, final=True)
+        except BaseException as exc:
+            log.exception("engine loop failed")
+            self._dead = exc
+            error = EngineDeadError(f"engine loop failed: {type(exc).__name__}: {exc}")
+            for request_id in list(self._streams):
+                self._deliver(request_id, error, final=True)

@@ -1,0 +1,189 @@
+"""Engine configuration: frozen dataclasses, built from keyword arguments or from EXPERT_* variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the variable or field."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory to give it.
+
+    Sizing precedence: an explicit `num_blocks`, else `kv_cache_bytes`, else `memory_fraction` of the
+    memory available after the weights are loaded.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks: must be at least 2, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes: must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"memory_fraction: must be in (0, 0.95], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step (the prefill chunk size), sequences at once, aging."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    aging_seconds: float = 2.0  # one priority level gained per this many seconds of waiting
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens: must be at least max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        if self.aging_seconds < 0:
+            raise ConfigError(f"aging_seconds: must be >= 0 (0 disables aging), got {self.aging_seconds}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start: the checkpoint, where to run, cache and scheduling.
+
+    device / dtype "auto": CUDA with bfloat16 when a GPU is present, else the CPU with float32.
+    kernels "auto": the native CPU kernels when they apply (CPU, float32), else torch operators.
+    static_decode_shapes pads decode batches to fixed sizes (needed for CUDA-graph capture);
+    "auto" turns it on for CUDA only, since on a CPU padding costs compute and buys nothing.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    seed: int | None = None
+    static_decode_shapes: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "kernels": ("auto", "native", "torch"),
+            "static_decode_shapes": ("auto", "on", "off"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ConfigError(f"device: expected auto, cpu or cuda[:N], got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads: must be at least 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """A copy with top-level, cache or scheduler fields replaced by keyword (unknown names rejected)."""
+        top = {f.name for f in fields(self)}
+        cache_names = {f.name for f in fields(CacheConfig)}
+        sched_names = {f.name for f in fields(SchedulerConfig)}
+        mine, cache, sched = {}, {}, {}
+        for name, value in overrides.items():
+            if name in top:
+                mine[name] = value
+            elif name in cache_names:
+                cache[name] = value
+            elif name in sched_names:
+                sched[name] = value
+            else:
+                raise ConfigError(f"{name}: not an engine setting")
+        config = replace(self, **mine)
+        if cache:
+            config = replace(config, cache=replace(config.cache, **cache))
+        if sched:
+            config = replace(config, scheduler=replace(config.scheduler, **sched))
+        return config
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineConfig:
+        """Read EXPERT_* variables (see docs/configuration.md); unset ones keep their defaults."""
+        env = os.environ if env is None else env
+        reader = _EnvReader(env)
+        return cls(
+            model=reader.text("EXPERT_MODEL_PATH", DEFAULT_MODEL),
+            device=reader.text("EXPERT_DEVICE", "auto"),
+            dtype=reader.text("EXPERT_DTYPE", "auto"),
+            kernels=reader.text("EXPERT_KERNELS", "auto"),
+            num_threads=reader.integer("EXPERT_NUM_THREADS"),
+            max_model_len=reader.integer("EXPERT_MAX_MODEL_LEN"),
+            seed=reader.integer("EXPERT_SEED"),
+            static_decode_shapes=reader.text("EXPERT_STATIC_DECODE_SHAPES", "auto"),
+            cache=CacheConfig(
+                block_size=reader.integer("EXPERT_KV_BLOCK_SIZE") or 16,
+                num_blocks=reader.integer("EXPERT_KV_NUM_BLOCKS"),
+                kv_cache_bytes=reader.integer("EXPERT_KV_CACHE_BYTES"),
+                memory_fraction=reader.number("EXPERT_KV_CACHE_MEMORY_FRACTION", 0.2),
+                enable_prefix_caching=reader.boolean("EXPERT_PREFIX_CACHING", True),
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS") or 64,
+                max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS") or 2048,
+                aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
+            ),
+        )
+
+
+class _EnvReader:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def _raw(self, name: str) -> str | None:
+        value = self.env.get(name)
+        return value.strip() if value is not None and value.strip() != "" else None
+
+    def text(self, name: str, default: str) -> str:
+        return self._raw(name) or default
+
+    def integer(self, name: str) -> int | None:
+        raw = self._raw(name)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+
+    def number(self, name: str, default: float) -> float:
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
+
+    def boolean(self, name: str, default: bool) -> bool:
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {raw!r}")

@@ -1,0 +1,72 @@
+"""Builds and loads the engine's C++ CPU kernels (torch.ops.expert_kernels).
+
+The kernels are compiled once per machine kind with torch's cpp_extension and cached; later
+loads only check that the sources are unchanged. Machines with AVX2+FMA get vector code, others
+a portable build that computes the same values more slowly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("gemm.cpp", "norm.cpp", "rope_cache.cpp", "attention.cpp", "activation.cpp", "registration.cpp")
+_lock = threading.Lock()
+_loaded: bool | None = None
+_error: str | None = None
+
+
+def _isa() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx2" if capability in ("AVX2", "AVX512") else "portable"
+
+
+def build_dir() -> Path:
+    """Where compiled kernels are cached: $EXPERT_KERNELS_DIR, else ~/.cache/expert-system/kernels."""
+    root = os.environ.get("EXPERT_KERNELS_DIR") or Path.home() / ".cache" / "expert-system" / "kernels"
+    return Path(root) / f"torch-{torch.__version__}-{_isa()}"
+
+
+def _flags() -> list[str]:
+    # fp-contract off: only the explicit fused multiply-adds in the sources may fuse, so the
+    # elementwise kernels round like torch's and the reduction orders stay the written ones.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+    if _isa() == "avx2":
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def load(verbose: bool = False) -> bool:
+    """Compile (if needed) and load the kernels; False with `load_error()` set when impossible."""
+    global _loaded, _error
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            directory = build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+            load_extension(
+                name=f"expert_kernels_{_isa()}",
+                sources=sources,
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=verbose,
+            )
+            _loaded = hasattr(torch.ops.expert_kernels, "linear")
+        except Exception as exc:  # compiler missing, unsupported platform, build failure
+            _error = f"{type(exc).__name__}: {exc}"
+            _loaded = False
+        return _loaded
+
+
+def load_error() -> str | None:
+    """Why the kernels could not be loaded, if they could not."""
+    return _error

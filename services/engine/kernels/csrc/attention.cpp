@@ -1,0 +1,167 @@
+// Causal attention over the paged KV cache, for any mix of prefill chunks and decode tokens.
+//
+// Sequence b owns queries [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b] tokens
+// in the cache after this step's writes; its queries are the last ones, so query i sits at
+// position seq_lens[b] - q_len + i and sees keys 0..position. The kernel reads the block table
+// directly: no gather into a contiguous copy.
+//
+// Each (query row, head) is computed alone, keys in ascending order, with the same fixed-order
+// dot product, softmax and weighted sum whatever the batch, the chunking or the query's
+// neighbours: a token's attention output is bitwise the same in prefill, chunked prefill, decode
+// and recompute after preemption. Work items group the query heads that share a KV head so that
+// the keys and values they read are still in cache for the next head.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace expert {
+namespace {
+
+constexpr int64_t kQueryTile = 8;  // queries per work item in prefill
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end;
+};
+
+struct CacheView {
+  const float* k;
+  const float* v;
+  const int32_t* block_table;  // this sequence's row
+  int64_t num_kv_heads, block_size, head_dim;
+  inline int64_t offset(int64_t kv_head, int64_t token) const {
+    const int64_t block = block_table[token / block_size];
+    return ((block * num_kv_heads + kv_head) * block_size + token % block_size) * head_dim;
+  }
+};
+
+template <int D>
+void attend_row(const float* q, const CacheView& cache, int64_t kv_head, int64_t num_keys, float scale,
+                float* scores, float* out) {
+  constexpr int C = D / kLanes;
+  Vec qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = Vec::load(q + c * kLanes);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j0 = 0; j0 < num_keys; j0 += cache.block_size) {
+    const int64_t j1 = std::min(num_keys, j0 + cache.block_size);
+    const float* k = cache.k + cache.offset(kv_head, j0);
+    for (int64_t j = j0; j < j1; ++j, k += D) {
+      Vec acc = Vec::zero();
+      for (int c = 0; c < C; ++c) acc = Vec::fma(qv[c], Vec::load(k + c * kLanes), acc);
+      const float s = hsum(acc) * scale;
+      scores[j] = s;
+      m = s > m ? s : m;
+    }
+  }
+  const Vec vm = Vec::broadcast(m);
+  Vec vsum = Vec::zero();
+  int64_t j = 0;
+  for (; j + kLanes <= num_keys; j += kLanes) {
+    const Vec e = exp(Vec::load(scores + j) - vm);
+    e.store(scores + j);
+    vsum = vsum + e;
+  }
+  float sum = hsum(vsum);
+  for (; j < num_keys; ++j) {
+    scores[j] = exp_scalar(scores[j] - m);
+    sum += scores[j];
+  }
+  Vec o[C];
+  for (int c = 0; c < C; ++c) o[c] = Vec::zero();
+  for (int64_t j0 = 0; j0 < num_keys; j0 += cache.block_size) {
+    const int64_t j1 = std::min(num_keys, j0 + cache.block_size);
+    const float* v = cache.v + cache.offset(kv_head, j0);
+    for (int64_t jj = j0; jj < j1; ++jj, v += D) {
+      const Vec p = Vec::broadcast(scores[jj]);
+      for (int c = 0; c < C; ++c) o[c] = Vec::fma(p, Vec::load(v + c * kLanes), o[c]);
+    }
+  }
+  const Vec vs = Vec::broadcast(sum);
+  for (int c = 0; c < C; ++c) (o[c] / vs).store(out + c * kLanes);
+}
+
+using RowFn = void (*)(const float*, const CacheView&, int64_t, int64_t, float, float*, float*);
+
+RowFn row_function(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_row<16>;
+    case 32: return attend_row<32>;
+    case 64: return attend_row<64>;
+    case 80: return attend_row<80>;
+    case 96: return attend_row<96>;
+    case 128: return attend_row<128>;
+    case 256: return attend_row<256>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool paged_attention_supports(int64_t head_dim) { return row_function(head_dim) != nullptr; }
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, "paged_attention: query must be [T, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: cache must be contiguous [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "paged_attention: block_tables, seq_lens and query_start_loc must be int32");
+  auto q = query.contiguous();
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2), B = lens.size(0);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "paged_attention: head layout mismatch");
+  const RowFn row = row_function(D);
+  TORCH_CHECK(row != nullptr, "paged_attention: unsupported head_dim ", D);
+  const int64_t group = Hq / Hkv, max_blocks = bt.size(1);
+  const int32_t* pbt = bt.data_ptr<int32_t>();
+  const int32_t* plen = lens.data_ptr<int32_t>();
+  const int32_t* pqsl = qsl.data_ptr<int32_t>();
+  TORCH_CHECK(qsl.size(0) == B + 1 && pqsl[B] == T, "paged_attention: query_start_loc does not cover the queries");
+
+  std::vector<WorkItem> items;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t q_len = pqsl[b + 1] - pqsl[b];
+    TORCH_CHECK(q_len >= 0 && plen[b] >= q_len && plen[b] <= max_blocks * block_size,
+                "paged_attention: sequence ", b, " has inconsistent lengths");
+    max_len = std::max<int64_t>(max_len, plen[b]);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int32_t q0 = 0; q0 < q_len; q0 += kQueryTile)
+        items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), q0,
+                         static_cast<int32_t>(std::min<int64_t>(q_len, q0 + kQueryTile))});
+  }
+  auto out = at::empty({T, Hq * D}, q.options());
+  const float* pq = q.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(std::max<int64_t>(max_len, 1));
+    for (int64_t i = i0; i < i1; ++i) {
+      const WorkItem& it = items[i];
+      const CacheView cache{kc, vc, pbt + it.seq * max_blocks, Hkv, block_size, D};
+      const int64_t q_len = pqsl[it.seq + 1] - pqsl[it.seq];
+      const int64_t first_pos = plen[it.seq] - q_len;
+      for (int64_t qi = it.q_begin; qi < it.q_end; ++qi) {
+        const int64_t token = pqsl[it.seq] + qi;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = it.kv_head * group + g;
+          row(pq + (token * Hq + h) * D, cache, it.kv_head, first_pos + qi + 1, fscale, scores.data(),
+              po + token * Hq * D + h * D);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace expert

@@ -1,0 +1,42 @@
+// Registers the kernels as torch operators under torch.ops.expert_kernels.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace expert {
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                      double eps);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale);
+bool paged_attention_supports(int64_t head_dim);
+
+bool supports_head_dim(int64_t head_dim) { return head_dim % 16 == 0 && paged_attention_supports(head_dim); }
+}  // namespace expert
+
+TORCH_LIBRARY(expert_kernels, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &expert::pack_linear_weight);
+  m.def("linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor", &expert::linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &expert::rms_norm);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+        &expert::fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &expert::silu_and_mul);
+  m.def(
+      "rotary_embedding_and_cache(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, "
+      "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor",
+      &expert::rotary_embedding_and_cache);
+  m.def(
+      "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale) -> Tensor",
+      &expert::paged_attention);
+  m.def("supports_head_dim(int head_dim) -> bool", &expert::supports_head_dim);
+}

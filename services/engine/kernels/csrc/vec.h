@@ -1,0 +1,122 @@
+// Eight-lane float vector used by every kernel in this directory.
+//
+// Why a wrapper: the kernels must give bitwise-identical results for a row whatever else is in
+// the batch (batch invariance), so every reduction has one fixed order. Writing the kernels
+// against this one type keeps that order explicit, and the portable fallback computes exactly
+// the same lanes with std::fma, so a machine without AVX2 gets the same numbers, only slower.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EXPERT_VEC_AVX2 1
+#endif
+
+namespace expert {
+
+constexpr int kLanes = 8;
+
+#if defined(EXPERT_VEC_AVX2)
+
+struct Vec {
+  __m256 v;
+  static inline Vec zero() { return {_mm256_setzero_ps()}; }
+  static inline Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static inline Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  static inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
+  inline Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
+  inline Vec operator-(Vec o) const { return {_mm256_sub_ps(v, o.v)}; }
+  inline Vec operator*(Vec o) const { return {_mm256_mul_ps(v, o.v)}; }
+  inline Vec operator/(Vec o) const { return {_mm256_div_ps(v, o.v)}; }
+  static inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static inline Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
+  // a * b + c with one rounding.
+  static inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline Vec round(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  // 2^n for integral n in [-126, 127], built in the exponent field.
+  static inline Vec pow2(Vec n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+  }
+  inline void lanes(float* out) const { _mm256_storeu_ps(out, v); }
+};
+
+#else
+
+struct Vec {
+  float v[kLanes];
+  static inline Vec zero() { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = 0.f; return r; }
+  static inline Vec broadcast(float x) { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = x; return r; }
+  static inline Vec broadcast(const float* p) { return broadcast(*p); }
+  static inline Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  inline void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+#define EXPERT_VEC_BINOP(op) \
+  inline Vec operator op(Vec o) const { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = v[i] op o.v[i]; return r; }
+  EXPERT_VEC_BINOP(+)
+  EXPERT_VEC_BINOP(-)
+  EXPERT_VEC_BINOP(*)
+  EXPERT_VEC_BINOP(/)
+#undef EXPERT_VEC_BINOP
+  static inline Vec max(Vec a, Vec b) { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  static inline Vec min(Vec a, Vec b) { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i]; return r; }
+  static inline Vec fma(Vec a, Vec b, Vec c) { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+  static inline Vec round(Vec a) { Vec r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }
+  static inline Vec pow2(Vec n) {
+    Vec r;
+    for (int i = 0; i < kLanes; ++i) {
+      int32_t bits = (static_cast<int32_t>(n.v[i]) + 127) << 23;
+      std::memcpy(&r.v[i], &bits, sizeof(float));
+    }
+    return r;
+  }
+  inline void lanes(float* out) const { std::memcpy(out, v, sizeof(v)); }
+};
+
+#endif
+
+// Sum of the eight lanes in one fixed tree order: ((0+4)+(2+6)) + ((1+5)+(3+7)).
+inline float hsum(Vec a) {
+  float l[kLanes];
+  a.lanes(l);
+  float s04 = l[0] + l[4], s15 = l[1] + l[5], s26 = l[2] + l[6], s37 = l[3] + l[7];
+  return (s04 + s26) + (s15 + s37);
+}
+
+inline float hmax(Vec a) {
+  float l[kLanes];
+  a.lanes(l);
+  float m = l[0];
+  for (int i = 1; i < kLanes; ++i) m = l[i] > m ? l[i] : m;
+  return m;
+}
+
+// exp(x) to about one ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r,
+// then scaling by 2^n. Inputs below -87 flush towards zero; the kernels only pass x <= 88.
+inline Vec exp(Vec x) {
+  const Vec hi = Vec::broadcast(88.0f), lo = Vec::broadcast(-87.3365478515625f);
+  x = Vec::min(Vec::max(x, lo), hi);
+  Vec n = Vec::round(x * Vec::broadcast(1.44269504088896341f));
+  Vec r = Vec::fma(n, Vec::broadcast(-0.693359375f), x);
+  r = Vec::fma(n, Vec::broadcast(2.12194440e-4f), r);
+  Vec p = Vec::broadcast(1.9875691500e-4f);
+  p = Vec::fma(p, r, Vec::broadcast(1.3981999507e-3f));
+  p = Vec::fma(p, r, Vec::broadcast(8.3334519073e-3f));
+  p = Vec::fma(p, r, Vec::broadcast(4.1665795894e-2f));
+  p = Vec::fma(p, r, Vec::broadcast(1.6666665459e-1f));
+  p = Vec::fma(p, r, Vec::broadcast(5.0000001201e-1f));
+  p = Vec::fma(p, r * r, r + Vec::broadcast(1.0f));
+  return p * Vec::pow2(n);
+}
+
+// Scalar twin of exp(Vec) for tails, computing the same steps as one lane.
+inline float exp_scalar(float x) {
+  float l[kLanes];
+  exp(Vec::broadcast(x)).lanes(l);
+  return l[0];
+}
+
+}  // namespace expert

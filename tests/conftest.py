@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny generated checkpoints, the default model, and engines built on them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Nothing in the tests may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Llama, Qwen2 and Qwen3 checkpoint (weights saved by transformers)."""
+    from tests.helpers.tiny_checkpoint import ARCHITECTURES, write_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: write_checkpoint(root / arch, arch, seed=i) for i, arch in enumerate(ARCHITECTURES)}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints: dict[str, Path]) -> Path:
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default SmolLM2 model converted by `make model`."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip(f"default model missing at {DEFAULT_MODEL}: run `make model`")
+    return DEFAULT_MODEL
