@@ -21,6 +21,7 @@ DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("chat", help="chat with a model", description=__doc__)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory")
+    # Other engine settings come from the EXPERT_* environment variables (docs/configuration.md).
     parser.add_argument("--system", help="a system message to start the conversation with")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.95)
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.engine import ConfigError, InvalidRequestError, LLMEngine, SamplingParams
+    from services.engine import ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
     from services.engine.models.errors import CheckpointError
 
     try:
@@ -45,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
             f"--model: {args.model} is not a checkpoint directory (`make model` makes the default)"
         )
     try:
-        engine = LLMEngine.from_pretrained(str(args.model), max_model_len=args.max_model_len)
+        config = EngineConfig.from_env().with_overrides(
+            model=str(args.model), max_model_len=args.max_model_len
+        )
+        engine = LLMEngine(config)
     except (CheckpointError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     print(

@@ -123,8 +123,17 @@ class EngineConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineConfig:
         """Read EXPERT_* variables (see docs/configuration.md); unset ones keep their defaults."""
-        env = os.environ if env is None else env
-        reader = _EnvReader(env)
+        try:
+            return cls._from_env(_EnvReader(os.environ if env is None else env))
+        except ConfigError as exc:
+            field_name, _, message = str(exc).partition(": ")
+            variable = ENV_VARIABLES.get(field_name)
+            if variable is None:
+                raise
+            raise ConfigError(f"{variable}: {message}") from None
+
+    @classmethod
+    def _from_env(cls, reader: _EnvReader) -> EngineConfig:
         return cls(
             model=reader.text("EXPERT_MODEL_PATH", DEFAULT_MODEL),
             device=reader.text("EXPERT_DEVICE", "auto"),
@@ -135,18 +144,39 @@ class EngineConfig:
             seed=reader.integer("EXPERT_SEED"),
             static_decode_shapes=reader.text("EXPERT_STATIC_DECODE_SHAPES", "auto"),
             cache=CacheConfig(
-                block_size=reader.integer("EXPERT_KV_BLOCK_SIZE") or 16,
+                block_size=reader.integer("EXPERT_KV_BLOCK_SIZE", 16),
                 num_blocks=reader.integer("EXPERT_KV_NUM_BLOCKS"),
                 kv_cache_bytes=reader.integer("EXPERT_KV_CACHE_BYTES"),
                 memory_fraction=reader.number("EXPERT_KV_CACHE_MEMORY_FRACTION", 0.2),
                 enable_prefix_caching=reader.boolean("EXPERT_PREFIX_CACHING", True),
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS") or 64,
-                max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS") or 2048,
+                max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS", 64),
+                max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS", 2048),
                 aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
             ),
         )
+
+
+# Field name -> environment variable, for error messages about values read from the environment.
+ENV_VARIABLES = {
+    "model": "EXPERT_MODEL_PATH",
+    "device": "EXPERT_DEVICE",
+    "dtype": "EXPERT_DTYPE",
+    "kernels": "EXPERT_KERNELS",
+    "num_threads": "EXPERT_NUM_THREADS",
+    "max_model_len": "EXPERT_MAX_MODEL_LEN",
+    "seed": "EXPERT_SEED",
+    "static_decode_shapes": "EXPERT_STATIC_DECODE_SHAPES",
+    "block_size": "EXPERT_KV_BLOCK_SIZE",
+    "num_blocks": "EXPERT_KV_NUM_BLOCKS",
+    "kv_cache_bytes": "EXPERT_KV_CACHE_BYTES",
+    "memory_fraction": "EXPERT_KV_CACHE_MEMORY_FRACTION",
+    "enable_prefix_caching": "EXPERT_PREFIX_CACHING",
+    "max_num_seqs": "EXPERT_MAX_NUM_SEQS",
+    "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
+    "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",
+}
 
 
 class _EnvReader:
@@ -160,10 +190,10 @@ class _EnvReader:
     def text(self, name: str, default: str) -> str:
         return self._raw(name) or default
 
-    def integer(self, name: str) -> int | None:
+    def integer(self, name: str, default: int | None = None) -> int | None:
         raw = self._raw(name)
         if raw is None:
-            return None
+            return default
         try:
             return int(raw)
         except ValueError:

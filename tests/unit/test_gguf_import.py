@@ -18,7 +18,7 @@ import torch
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from services.engine.models.gguf_import import GGUFImportError, import_gguf
+from services.engine.models.gguf import GGUFImportError, import_gguf
 from tests.helpers.tiny_gguf import (
     SPECIALS,
     USER_DEFINED,
@@ -390,12 +390,12 @@ def test_unsupported_tokenizer_model_is_named(tmp_path):
 
 
 def test_interrupted_conversion_leaves_no_directory(smollm, tmp_path, monkeypatch):
-    from services.engine.models import gguf_import
+    from services.engine.models.gguf import importer
 
     def interrupted(*_args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_import, "_write_json", interrupted)
+    monkeypatch.setattr(importer, "_write_json", interrupted)
     with pytest.raises(KeyboardInterrupt):
         import_gguf(smollm.tiny.path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
