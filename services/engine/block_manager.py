@@ -159,9 +159,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count an admitted sequence's prefix-cache lookup (tokens asked for, tokens found)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached_tokens
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, cached: Seq[KVBlock] = (), *, keep_watermark: bool = False

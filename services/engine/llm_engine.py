@@ -153,6 +153,10 @@ class LLMEngine:
             raise InvalidRequestError("request_id", "must be a non-empty string")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(
+                "n", f"{params.n} outputs exceed max_num_seqs {self.config.scheduler.max_num_seqs}"
+            )
         text, token_ids = self._tokenize(prompt)
         self._check_lengths(token_ids, params)
         vocab = self.model_config.vocab_size

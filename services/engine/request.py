@@ -92,7 +92,7 @@ class Request:
         out.token_ids.append(token)
         if out.logprobs is not None and sample.logprob is not None:
             ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
-            ranked.setdefault(token, Logprob(token, sample.logprob, 0))
+            ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
             out.logprobs.append(ranked)
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
 

@@ -27,6 +27,7 @@ DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class SampledToken:
     token_id: int
     logprob: float | None = None
+    rank: int | None = None  # of the sampled token in the model's distribution, 1 = most likely
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
@@ -172,6 +173,7 @@ class ModelRunner:
     def _collect(seqs: list[Sequence], result: SamplerOutput) -> dict[int, list[SampledToken]]:
         tokens = result.token_ids.tolist()
         sampled = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
+        ranks = result.sampled_ranks.tolist() if result.sampled_ranks is not None else None
         top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
         top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         out: dict[int, list[SampledToken]] = {}
@@ -180,6 +182,9 @@ class ModelRunner:
             top: tuple[tuple[int, float], ...] = ()
             if wanted and top_ids is not None:
                 top = tuple(zip(top_ids[i][:wanted], top_vals[i][:wanted], strict=True))
-            logprob = sampled[i] if sampled is not None and wanted is not None else None
-            out.setdefault(seq.seq_id, []).append(SampledToken(tokens[i], logprob, top))
+            if sampled is not None and ranks is not None and wanted is not None:
+                sample = SampledToken(tokens[i], sampled[i], ranks[i], top)
+            else:
+                sample = SampledToken(tokens[i])
+            out.setdefault(seq.seq_id, []).append(sample)
         return out

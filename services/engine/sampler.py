@@ -42,6 +42,7 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor  # [S] int64
     sampled_logprobs: torch.Tensor | None = None  # [S] float32
+    sampled_ranks: torch.Tensor | None = None  # [S] int64, 1 = the most likely token
     top_logprobs: torch.Tensor | None = None  # [S, N] float32
     top_token_ids: torch.Tensor | None = None  # [S, N] int64
 
@@ -112,7 +113,8 @@ def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             probs = torch.where(keep, sorted_logits, neg_inf).softmax(dim=-1)
             # keep a token if the mass strictly before it is below top_p (the top token always stays)
             before = probs.cumsum(dim=-1) - probs
-            keep &= before < batch.top_p[:, None]
+            # rows with top-p off keep everything (rounding can push a cumulative sum past 1.0)
+            keep &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
         masked_sorted = torch.where(keep, sorted_logits, neg_inf)
         logits = torch.full_like(logits, neg_inf).scatter(1, order, masked_sorted)
     if batch.any_min_p:
@@ -147,6 +149,7 @@ class Sampler:
         if batch.num_logprobs >= 0:
             logprobs = raw.log_softmax(dim=-1)
             out.sampled_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            out.sampled_ranks = (logprobs > out.sampled_logprobs[:, None]).sum(dim=-1) + 1
             if batch.num_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = logprobs.topk(batch.num_logprobs, dim=-1)
         return out

@@ -60,9 +60,18 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise InvalidRequestError("stop", f"expected a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise InvalidRequestError(
+                "stop_token_ids", f"expected a list of token ids, got {self.stop_token_ids!r}"
+            )
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
@@ -110,6 +119,9 @@ class SamplingParams:
             _number(f"stop_token_ids[{i}]", token, integer=True)
             if token < 0:
                 raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be a token id >= 0, got {token}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, OutputKind):
             raise InvalidRequestError("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
         if self.logprobs is not None:

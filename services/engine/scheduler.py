@@ -6,8 +6,10 @@ waiting sequences in priority order, a chunk each. So a long prompt is spread ov
 and never holds back the running decodes. When a running sequence needs a block and the pool is
 empty, the least important running sequence (lowest effective priority, then latest arrival) is
 preempted: its blocks are freed and it goes back to waiting, to be recomputed later from its
-tokens (which the prefix cache often makes cheap). Effective priority = priority + seconds
-waited / aging_seconds, so nothing starves. Higher priority values are more important.
+tokens (which the prefix cache often makes cheap). A waiting sequence that does not fit may
+likewise preempt running ones of strictly lower effective priority. Effective priority =
+priority + seconds since arrival / aging_seconds, so nothing starves. Higher values are more
+important.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class _Step:
+    """The step being built: remaining token budget, what is scheduled, who was preempted."""
+
+    budget: int
+    scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled[seq.seq_id] = (seq, num_new)
+        self.budget -= num_new
 
 
 class Scheduler:
@@ -79,15 +94,9 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = status
 
-    def _importance(self, now: float) -> Callable[[Sequence], tuple[float, float, int]]:
+    def _effective_priority(self, seq: Sequence, now: float) -> float:
         aging = self.config.aging_seconds
-
-        def key(seq: Sequence) -> tuple[float, float, int]:
-            boost = (now - seq.arrival_time) / aging if aging > 0 else 0.0
-            # Most important first: higher effective priority, then earlier arrival.
-            return (-(seq.priority + boost), seq.arrival_time, seq.seq_id)
-
-        return key
+        return seq.priority + ((now - seq.arrival_time) / aging if aging > 0 else 0.0)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -100,61 +109,78 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the token budget; may preempt to make room."""
-        key = self._importance(self.clock())
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[int, tuple[Sequence, int]] = {}
-        preempted: list[Sequence] = []
+        now = self.clock()
+        priority = {seq.seq_id: self._effective_priority(seq, now) for seq in self.running + self.waiting}
 
+        def key(seq: Sequence) -> tuple[float, float, int]:
+            # Most important first: higher effective priority, then earlier arrival.
+            return (-priority[seq.seq_id], seq.arrival_time, seq.seq_id)
+
+        step = _Step(self.config.max_num_batched_tokens)
         ordered = sorted(self.running, key=key)
         decoding = [s for s in ordered if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in ordered if s.num_uncomputed_tokens > 1]
         for seq in decoding + prefilling:
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, step.budget)
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(seq, num_new):
                 victim = max(self.running, key=key)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim.seq_id in scheduled:
-                    budget += scheduled.pop(victim.seq_id)[1]
+                self._preempt_in_step(victim, step)
                 if victim is seq:
                     break
             else:
-                scheduled[seq.seq_id] = (seq, num_new)
-                budget -= num_new
+                step.add(seq, num_new)
 
-        if not preempted:
-            self._admit(key, budget, scheduled)
-        return SchedulerOutput(list(scheduled.values()), self.kv.take_copies(), preempted)
+        if not step.preempted:  # after making room by preemption, admitting would only churn
+            self._admit(key, priority, step)
+        return SchedulerOutput(list(step.scheduled.values()), self.kv.take_copies(), step.preempted)
+
+    def _preempt_in_step(self, victim: Sequence, step: _Step) -> None:
+        self._preempt(victim)
+        step.preempted.append(victim)
+        if victim.seq_id in step.scheduled:
+            step.budget += step.scheduled.pop(victim.seq_id)[1]
 
     def _admit(
-        self,
-        key: Callable[[Sequence], tuple[float, float, int]],
-        budget: int,
-        scheduled: dict[int, tuple[Sequence, int]],
+        self, key: Callable[[Sequence], tuple[float, float, int]], priority: dict[int, float], step: _Step
     ) -> None:
-        """Move waiting sequences to running, most important first, while budget and blocks last."""
-        self.waiting.sort(key=key)
-        admitted = 0
-        for seq in self.waiting:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            cached = self.kv.find_cached_prefix(seq)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, num_new, cached, keep_watermark=True):
-                break  # strict priority order: nothing behind it jumps the queue
-            seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled[seq.seq_id] = (seq, num_new)
-            budget -= num_new
-            admitted += 1
-        del self.waiting[:admitted]
+        """Move waiting sequences to running, most important first, while budget and blocks last.
+
+        Strict priority order: when the most important waiting sequence does not fit, nothing behind
+        it jumps the queue; instead running sequences of strictly lower effective priority are
+        preempted to make room for it.
+        """
+        admitted: set[int] = set()
+        for seq in sorted(self.waiting, key=key):
+            while not self._try_admit(seq, step):
+                victim = max(self.running, key=key, default=None)
+                if step.budget == 0 or victim is None or priority[victim.seq_id] >= priority[seq.seq_id]:
+                    self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
+                    return
+                self._preempt_in_step(victim, step)
+            admitted.add(seq.seq_id)
+        self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
+
+    def _try_admit(self, seq: Sequence, step: _Step) -> bool:
+        # A request with n outputs will fork into n running sequences: count them all now.
+        if step.budget == 0 or len(self.running) + seq.num_pending_forks > self.config.max_num_seqs:
+            return False
+        cached = self.kv.find_cached_prefix(seq)
+        num_cached = len(cached) * self.kv.block_size
+        num_new = min(seq.num_tokens - num_cached, step.budget)
+        # The watermark keeps admissions from forcing preemptions; an idle engine needs none.
+        if not self.kv.allocate_slots(seq, num_new, cached, keep_watermark=bool(self.running)):
+            return False
+        self.kv.record_prefix_lookup(seq.num_tokens, num_cached)
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.add(seq, num_new)
+        return True
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """Account for the tokens the step computed and publish completed blocks for reuse."""
