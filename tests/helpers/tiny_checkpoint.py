@@ -6,40 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.helpers.tokenizer_fixtures import train_byte_level_bpe
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Expert systems route each prompt to small adapters that specialise a base model.",
-    "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int\n    y: int\n",
-    '{"name": "Alice", "age": 30, "tags": ["a", "b"]}',
-    "SELECT name, count(*) FROM users WHERE age > 21 GROUP BY name;",
-    "Le système répond en français, avec des accents: été, garçon, où.",
-    "数字 1234567890 and emoji 🙂🚀 and ünïcödé text.",
-    "Once upon a time there was a paged key-value cache with blocks of sixteen tokens.",
-]
 
 
 def write_tokenizer(directory: Path, vocab_size: int = 384) -> int:
-    """Train a byte-level BPE on the corpus; write tokenizer files; return the vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    """Train a byte-level BPE with ChatML special tokens, write the tokenizer files, return the vocab size."""
+    tok = train_byte_level_bpe(vocab_size)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(

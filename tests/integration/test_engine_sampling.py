@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import shutil
 
 import pytest
 import torch
@@ -171,16 +173,19 @@ def test_a_stop_string_only_in_the_prompt_does_not_stop(engine):
     assert out.text == full and out.finish_reason == "length"
 
 
-def test_special_tokens_appear_in_the_text_unless_skipped(engine):
-    prompt = "The quick brown fox"  # its greedy output holds <|im_end|> and <|endoftext|>
-    out = one(engine, prompt, GREEDY)
-    specials = set(engine.tokenizer.all_special_ids)
+@pytest.mark.default_model
+def test_special_tokens_appear_in_the_text_unless_skipped(default_engine):
+    # Past its answer, SmolLM2 emits <|im_end|> (ignored here) and goes on with chat markup.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = default_engine.chat(messages, params)[0]
+    specials = set(default_engine.tokenizer.all_special_ids)
     assert specials & set(out.token_ids)
-    kept = one(engine, prompt, dataclasses.replace(GREEDY, skip_special_tokens=False))
+    kept = default_engine.chat(messages, dataclasses.replace(params, skip_special_tokens=False))[0]
     assert kept.token_ids == out.token_ids
-    assert kept.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=False)
-    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    assert len(kept.text) > len(out.text)
+    assert kept.text == default_engine.tokenizer.decode(out.token_ids, skip_special_tokens=False)
+    assert out.text == default_engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert "<|im_end|>" in kept.text and "<|im_end|>" not in out.text
 
 
 @pytest.mark.parametrize("max_tokens", [1, 5, 17])
@@ -191,14 +196,21 @@ def test_max_tokens_gives_exactly_that_many_tokens_and_length(engine, max_tokens
     assert out.outputs[0].stop_reason is None
 
 
-def test_eos_ends_the_sequence_unless_ignored(engine):
-    eos = set(engine.tokenizer.eos_token_ids)
-    prompt = next(p for p in ["The quick brown fox", *PROMPTS] if eos & set(one(engine, p, GREEDY).token_ids))
-    out = one(engine, prompt, dataclasses.replace(GREEDY, ignore_eos=False))
-    assert out.token_ids[-1] in eos and not eos & set(out.token_ids[:-1])
+def test_eos_ends_the_sequence_unless_ignored(tiny_llama, engine, tmp_path):
+    # A copy of the tiny checkpoint whose generation config names, as its end-of-sequence token,
+    # the 6th token the model produces greedily: EOS must stop there, and only there.
+    produced = one(engine, "Hello", GREEDY).token_ids
+    eos = produced[5]
+    copy = tmp_path / "eos"
+    shutil.copytree(tiny_llama, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with_eos = LLMEngine.from_pretrained(str(copy), max_model_len=256, num_blocks=128)
+    assert eos in with_eos.tokenizer.eos_token_ids
+    out = one(with_eos, "Hello", dataclasses.replace(GREEDY, ignore_eos=False))
+    assert out.token_ids == produced[: produced.index(eos) + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason is None
-    ignored = one(engine, prompt, GREEDY)
-    assert len(ignored.token_ids) == GREEDY.max_tokens and ignored.finish_reason == "length"
+    ignored = one(with_eos, "Hello", GREEDY)
+    assert ignored.token_ids == produced and ignored.finish_reason == "length"
 
 
 @pytest.mark.default_model

@@ -151,3 +151,43 @@ def test_n_outputs_fork_with_copy_on_write(engine):
         single = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, ignore_eos=True)
         assert engine.generate([prompt], single)[0].token_ids == c.token_ids
     assert engine.get_stats().kv_used_blocks == 0
+
+
+def _record_decode_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(rows, block-table width) of every decode-only forward the engine runs."""
+    seen: list[tuple[int, int]] = []
+    forward = engine.model.forward
+
+    def recording(input_ids, positions, meta, kv_caches):
+        if meta.max_query_len == 1:
+            seen.append((input_ids.shape[0], meta.block_tables.shape[1]))
+        return forward(input_ids, positions, meta, kv_caches)
+
+    engine.model.forward = recording
+    return seen
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_static_decode_shapes_pad_decode_batches_to_fixed_sizes(tiny_llama, engine, kernels):
+    from services.engine.runner import DECODE_SIZES
+
+    padded = LLMEngine.from_pretrained(
+        str(tiny_llama), max_model_len=512, num_blocks=400, static_decode_shapes="on", kernels=kernels
+    )
+    seen = _record_decode_shapes(padded)
+    outs = padded.generate(_prompts(engine, 5, seed=12), SEEDED)
+    assert all(len(o.token_ids) == SEEDED.max_tokens for o in outs)
+    assert seen and all(rows in DECODE_SIZES for rows, _ in seen)
+    assert {rows for rows, _ in seen} >= {8}  # five sequences decode as a batch of eight
+    assert {width for _, width in seen} == {512 // 16}
+    assert padded.get_stats().kv_used_blocks == 0
+
+
+def test_padding_rows_change_no_output(tiny_llama, engine):
+    # Exact with the native kernels, whose rows do not depend on the batch.
+    padded = LLMEngine.from_pretrained(
+        str(tiny_llama), max_model_len=512, num_blocks=400, static_decode_shapes="on"
+    )
+    prompts = _prompts(engine, 5, seed=12)
+    expected = [out.token_ids for out in engine.generate(prompts, SEEDED)]
+    assert [out.token_ids for out in padded.generate(prompts, SEEDED)] == expected

@@ -10,7 +10,7 @@ import pytest
 
 from services.engine.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, validate_messages
 from services.engine.tokenizer import chat_template as chat_template_module
-from tests.unit.tokenizer_fixtures import (
+from tests.helpers.tokenizer_fixtures import (
     LLAMA2_TEMPLATE,
     SMOLLM2_TEMPLATE,
     build_byte_level_dir,

@@ -13,7 +13,7 @@ from services.engine.tokenizer import (
     TextStream,
     Tokenizer,
 )
-from tests.unit.tokenizer_fixtures import SAMPLE_TEXTS, build_byte_level_dir, build_sentencepiece_dir
+from tests.helpers.tokenizer_fixtures import SAMPLE_TEXTS, build_byte_level_dir, build_sentencepiece_dir
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE_TEXT = "Café crème, 日本語のテキスト, 中文测试 😀🎉👍🏽 🇫🇷 — naïve Straße 🦄"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
-from tests.unit.tokenizer_fixtures import (
+from tests.helpers.tokenizer_fixtures import (
     SAMPLE_TEXTS,
     build_byte_level_dir,
     build_sentencepiece_dir,
