@@ -1,9 +1,12 @@
-"""Token sampling for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds.
+"""Token sampling for a whole batch at once: penalties, temperature, min-p/top-k/top-p, seeds.
 
-Random choices use the Gumbel-max trick with noise that is a pure function of (seed, output
-position, token id): row r's sample depends only on its own logits, seed and position, never on
-what else is in the batch or on earlier steps of other requests. Same seed, same tokens. The noise
-is a counter-based integer hash evaluated with vectorized torch ops (no per-row generators).
+Each sampled row draws one uniform number that is a pure function of (seed, output position) — a
+counter-based integer hash evaluated with vectorized torch ops, no per-row generators — and picks
+its token by inverting the cumulative distribution of its filtered probabilities. A row's token
+therefore depends only on its own logits, seed and position, never on what else is in the batch:
+same seed, same tokens. Top-k and top-p look at the 256 most likely tokens of a row and sort the
+whole row only when those do not hold the requested mass, so the common case never sorts the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 _M32 = 0xFFFFFFFF
+CANDIDATES = 256  # tokens examined for top-k / top-p before falling back to a full sort
 
 
 @dataclass
@@ -62,16 +66,12 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def gumbel_noise(
-    seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """[S, V] float32 standard Gumbel noise, a function of (seed, step, token id) only."""
-    row = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(step & _M32)))  # [S]
-    tokens = _mix32(torch.arange(vocab_size, device=row.device, dtype=torch.int64) * 0x9E3779B1 & _M32)
-    bits = _mix32(row[:, None] ^ tokens[None, :])  # [S, V] in [0, 2^32)
-    # 24 uniform bits in (0, 1), exactly representable in float32; -log(-log(u)) is Gumbel(0, 1).
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[S] float64 in [0, 1) with 53 random bits, a function of (seed, step) only."""
+    h1 = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(step & _M32)))
+    h2 = _mix32(h1 ^ 0x68E31DA4)
+    bits = (h1 >> 5) * (1 << 26) + (h2 >> 6)  # 27 + 26 bits
+    return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -98,30 +98,70 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
-def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set; rows with the filter off
-    pass through unchanged."""
-    neg_inf = torch.finfo(logits.dtype).min
-    if batch.any_top_k or batch.any_top_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        v = logits.shape[-1]
-        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-        if batch.any_top_k:
-            k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=v), v)
-            keep &= torch.arange(v, device=logits.device)[None, :] < k[:, None]
-        if batch.any_top_p:
-            probs = torch.where(keep, sorted_logits, neg_inf).softmax(dim=-1)
-            # keep a token if the mass strictly before it is below top_p (the top token always stays)
-            before = probs.cumsum(dim=-1) - probs
-            # rows with top-p off keep everything (rounding can push a cumulative sum past 1.0)
-            keep &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
-        masked_sorted = torch.where(keep, sorted_logits, neg_inf)
-        logits = torch.full_like(logits, neg_inf).scatter(1, order, masked_sorted)
+def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero the probabilities outside each row's min-p, then top-k, then top-p set (vLLM's order);
+    rows with a filter off pass through it unchanged. Ties at a cut-off value are all kept."""
+    s, v = probs.shape
     if batch.any_min_p:
-        probs = logits.softmax(dim=-1)
-        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = torch.where(probs < threshold, neg_inf, logits)
-    return logits
+        floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= floor, probs, 0.0)
+    if not (batch.any_top_k or batch.any_top_p):
+        return probs
+    rows = torch.arange(s, device=probs.device)
+    k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=v), v)
+    width = min(v, max(CANDIDATES, int(k.max()) if batch.any_top_k else 0))
+    top = probs.topk(width, dim=-1).values  # [S, width], descending
+    cutoff = torch.zeros(s, dtype=probs.dtype, device=probs.device)
+    if batch.any_top_k:
+        kth = top[rows, (k - 1).clamp(max=width - 1)]
+        cutoff = torch.where(batch.top_k > 0, kth, cutoff)
+        top = torch.where(top >= cutoff[:, None], top, 0.0)
+    if batch.any_top_p:
+        # Mass is relative to what the earlier filters kept (all of it lies in `top` when top-k is on).
+        kept = torch.where(probs >= cutoff[:, None], probs, 0.0).sum(dim=-1)
+        wanted = batch.top_p * kept
+        active = batch.top_p < 1.0
+        short = active & (top.sum(dim=-1) < wanted)
+        if bool(short.any()):  # the nucleus reaches past the candidates: sort those rows fully
+            full = (
+                torch.where(probs >= cutoff[:, None], probs, 0.0)[short].sort(dim=-1, descending=True).values
+            )
+            top = torch.cat([top, top.new_zeros(s, v - width)], dim=-1) if width < v else top
+            top[short] = full
+        # keep a token while the mass strictly before it is below top_p (the top token always stays)
+        before = top.cumsum(dim=-1) - top
+        count = ((before < wanted[:, None]) & (top > 0)).sum(dim=-1).clamp(min=1)
+        last = top[rows, count - 1]
+        cutoff = torch.where(active, torch.maximum(cutoff, last), cutoff)
+    return torch.where(probs >= cutoff[:, None], probs, 0.0)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token where each row's cumulative (unnormalized) probability first exceeds u * total.
+
+    Two levels so that only one pass touches the whole vocabulary: sums of blocks of 256 tokens
+    (accumulated in float64) locate the block, then a cumulative sum inside that block locates the token.
+    """
+    s, v = probs.shape
+    block = 256
+    padded = -(-v // block) * block
+    if padded != v:
+        probs = torch.cat([probs, probs.new_zeros(s, padded - v)], dim=-1)
+    blocks = probs.view(s, padded // block, block)
+    outer = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [S, blocks]
+    target = u * outer[:, -1]
+    index = torch.searchsorted(outer, target[:, None], right=True).clamp(max=outer.shape[1] - 1)
+    before = torch.where(index > 0, outer.gather(1, (index - 1).clamp(min=0)), 0.0).squeeze(1)
+    inner = blocks[torch.arange(s, device=probs.device), index.squeeze(1)].double().cumsum(dim=-1)
+    offset = torch.searchsorted(inner, (target - before)[:, None], right=True).squeeze(1)
+    tokens = index.squeeze(1) * block + offset.clamp(max=block - 1)
+    # Rounding can put the target at (or past) the very end, or on a zero-probability token:
+    # fall back to the most likely token, which is always allowed.
+    chosen = probs.gather(1, tokens[:, None]).squeeze(1)
+    bad = (offset >= block) | (chosen <= 0)
+    if bool(bad.any()):
+        tokens = torch.where(bad, probs.argmax(dim=-1), tokens)
+    return tokens
 
 
 class Sampler:
@@ -136,15 +176,15 @@ class Sampler:
             or batch.presence_penalty is not None
         ):
             logits = _apply_penalties(logits, batch)
-        greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
-            tokens = greedy_tokens
+            tokens = logits.argmax(dim=-1)
         else:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-            scaled = _filter(logits / temperature[:, None], batch)
-            noise = gumbel_noise(batch.seed_lo, batch.seed_hi, batch.step, logits.shape[-1])
-            sampled = (scaled + noise).argmax(dim=-1)
-            tokens = torch.where(batch.temperature > 0, sampled, greedy_tokens)
+            probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch)
+            tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
+            greedy = batch.temperature == 0
+            if bool(greedy.any()):
+                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
         if batch.num_logprobs >= 0:
             logprobs = raw.log_softmax(dim=-1)
