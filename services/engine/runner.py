@@ -9,6 +9,7 @@ sees repeat and a CUDA graph per size could be captured and replayed.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +64,35 @@ class ModelRunner:
         """Run one step; returns seq_id -> sampled tokens for sequences whose tokens are now all
         computed (several for a sequence that forks into n outputs)."""
         self.copy_blocks(step.blocks_to_copy)
+        input_ids, positions, meta = self._prepare(step)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+
+        # Sample where a sequence's last token was computed; a forking sequence takes n rows.
+        rows, row_seqs, seeds = [], [], []
+        ends = itertools.accumulate(num_new for _, num_new in step.scheduled)
+        for (seq, num_new), end in zip(step.scheduled, ends, strict=True):
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                for seed in seq.sample_seeds():
+                    rows.append(end - 1)
+                    row_seqs.append(seq)
+                    seeds.append(seed)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        result = self.sampler(logits, self._sampling_batch(row_seqs, seeds))
+        return self._collect(row_seqs, result)
+
+    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of the step's flat batch (plus padding rows)."""
         seqs = [seq for seq, _ in step.scheduled]
         q_lens = np.fromiter((n for _, n in step.scheduled), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         pad = self._decode_padding(q_lens)
-
         num_rows = len(seqs) + pad
-        q_lens_all = np.concatenate([q_lens, np.ones(pad, dtype=np.int64)])
-        seq_lens = np.concatenate([starts + q_lens, np.ones(pad, dtype=np.int64)])
+        q_lens = np.concatenate([q_lens, np.ones(pad, dtype=np.int64)])
+        seq_lens = np.concatenate([starts + q_lens[: len(seqs)], np.ones(pad, dtype=np.int64)])
         qsl = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(q_lens_all, out=qsl[1:])
+        np.cumsum(q_lens, out=qsl[1:])
         total = int(qsl[-1])
 
         width = (
@@ -82,19 +102,17 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
 
-        row_of_token = np.repeat(np.arange(num_rows), q_lens_all)
-        positions = np.repeat(seq_lens - q_lens_all, q_lens_all) + (
-            np.arange(total) - np.repeat(qsl[:-1], q_lens_all)
-        )
+        row_of_token = np.repeat(np.arange(num_rows), q_lens)
+        positions = np.repeat(seq_lens - q_lens, q_lens) + (np.arange(total) - np.repeat(qsl[:-1], q_lens))
         slots = tables[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
         if pad:
             slots[-pad:] = -1  # padding rows write nothing
         input_ids = np.zeros(total, dtype=np.int64)
-        offset = 0
-        for seq, n, start in zip(seqs, q_lens.tolist(), starts.tolist(), strict=True):
-            input_ids[offset : offset + n] = seq.token_ids[start : start + n]
-            offset += n
+        for seq, start, end, first in zip(
+            seqs, qsl[:-1].tolist(), qsl[1:].tolist(), starts.tolist(), strict=False
+        ):
+            input_ids[start:end] = seq.token_ids[first : first + end - start]
 
         to = self._tensor
         meta = AttentionMetadata(
@@ -102,27 +120,11 @@ class ModelRunner:
             seq_lens=to(seq_lens, torch.int32),
             block_tables=to(tables, torch.int32),
             slot_mapping=to(slots, torch.int64),
-            max_query_len=int(q_lens_all.max()),
+            max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
         )
-        hidden = self.model.forward(
-            to(input_ids, torch.int64), to(positions, torch.int64), meta, self.kv_caches
-        )
-
-        # Sample where a sequence's last token was computed; forking sequences take n rows.
-        samplers = [(row, seq) for row, seq in enumerate(seqs) if starts[row] + q_lens[row] == seq.num_tokens]
-        if not samplers:
-            return {}
-        rows, row_seqs, seeds = [], [], []
-        for row, seq in samplers:
-            for seed in seq.sample_seeds():
-                rows.append(int(qsl[row + 1]) - 1)
-                row_seqs.append(seq)
-                seeds.append(seed)
-        logits = self.model.compute_logits(hidden[to(np.asarray(rows), torch.int64)])
-        result = self.sampler(logits, self._sampling_batch(row_seqs, seeds))
-        return self._collect(row_seqs, result)
+        return to(input_ids, torch.int64), to(positions, torch.int64), meta
 
     def _decode_padding(self, q_lens: np.ndarray) -> int:
         if not self.static_decode_shapes or q_lens.max() != 1:
