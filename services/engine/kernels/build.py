@@ -7,6 +7,7 @@ a portable build that computes the same values more slowly.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -24,16 +25,24 @@ def _isa() -> str:
     return "avx2" if capability in ("AVX2", "AVX512") else "portable"
 
 
+_CSRC = Path(__file__).resolve().parent / "csrc"
+
+
 def build_dir() -> Path:
-    """Where compiled kernels are cached: $EXPERT_KERNELS_DIR, else ~/.cache/expert-system/kernels."""
+    """Where compiled kernels are cached: $EXPERT_KERNELS_DIR, else ~/.cache/expert-system/kernels.
+
+    One folder per torch version, instruction set and source checkout, so that two checkouts (or
+    a CI clone next to a work tree) never rebuild over each other's objects.
+    """
     root = os.environ.get("EXPERT_KERNELS_DIR") or Path.home() / ".cache" / "expert-system" / "kernels"
-    return Path(root) / f"torch-{torch.__version__}-{_isa()}"
+    checkout = hashlib.sha1(str(_CSRC).encode()).hexdigest()[:8]
+    return Path(root) / f"torch-{torch.__version__}-{_isa()}-{checkout}"
 
 
 def _flags() -> list[str]:
     # fp-contract off: only the explicit fused multiply-adds in the sources may fuse, so the
     # elementwise kernels round like torch's and the reduction orders stay the written ones.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if _isa() == "avx2":
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
@@ -50,7 +59,7 @@ def load(verbose: bool = False) -> bool:
 
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+            sources = [str(_CSRC / name) for name in _SOURCES]
             load_extension(
                 name=f"expert_kernels_{_isa()}",
                 sources=sources,
