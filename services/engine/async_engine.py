@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from services.engine.adapters.manager import ExpertInfo, ExpertSpec
+from services.engine.adapters.registry import ExpertError
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.llm_engine import LLMEngine, Prompt
@@ -105,11 +108,17 @@ class AsyncLLMEngine:
         self._thread = None
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        experts: ExpertSpec | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
-        Raises InvalidRequestError (naming the field) right away for bad input.
+        Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop failed: {self._dead}")
@@ -117,7 +126,7 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        request = self.engine.prepare_request(request_id, prompt, params, priority=priority)
+        request = self.engine.prepare_request(request_id, prompt, params, priority=priority, experts=experts)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._inbox.put(("add", request))
@@ -131,10 +140,11 @@ class AsyncLLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        experts: ExpertSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; leaving the iteration early (or being cancelled) aborts it."""
         request_id = request_id or uuid.uuid4().hex
-        stream = self.add_request(request_id, prompt, params, priority=priority)
+        stream = self.add_request(request_id, prompt, params, priority=priority, experts=experts)
         try:
             async for output in stream:
                 yield output
@@ -151,6 +161,27 @@ class AsyncLLMEngine:
     def get_stats(self) -> EngineStats:
         """The snapshot the engine thread took after its latest step."""
         return self._stats
+
+    async def load_expert(
+        self, source: bytes | str | os.PathLike[str], trusted_keys_dir: str | os.PathLike[str] | None = None
+    ) -> tuple[str, str]:
+        """LLMEngine.load_expert, run on the engine thread between steps."""
+        return await self._call(self.engine.load_expert, source, trusted_keys_dir)
+
+    async def unload_expert(self, name: str) -> None:
+        await self._call(self.engine.unload_expert, name)
+
+    async def list_experts(self) -> list[ExpertInfo]:
+        return await self._call(self.engine.list_experts)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread (the engine is single-threaded) and await its result."""
+        if not self.is_running:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", (fn, args, future)))
+        self._wake.set()
+        return await future
 
     # -- engine thread -------------------------------------------------------------------------
 
@@ -175,10 +206,29 @@ class AsyncLLMEngine:
                 request: Request = payload
                 try:
                     self.engine.enqueue(request)
-                except InvalidRequestError as exc:
+                except (InvalidRequestError, ExpertError) as exc:
                     self._deliver(request.request_id, exc, final=True)
-            else:
+            elif kind == "abort":
                 self.engine.abort_request(payload)
+            else:
+                self._run_call(*payload)
+
+    def _run_call(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as exc:  # handed to the awaiting caller
+            result, error = None, exc
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(settle)
 
     def _run(self) -> None:
         engine = self.engine

@@ -60,6 +60,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    """Experts: byte budgets of the host tier (verified weights in memory) and the device tier (the
+    kernels' pools), and the directory of public keys whose packages are trusted."""
+
+    host_bytes: int = 2 << 30
+    device_bytes: int = 1 << 30
+    trusted_keys_dir: str = "data/keys/trusted"
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "device_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start: the checkpoint, where to run, cache and scheduling.
 
@@ -79,6 +94,7 @@ class EngineConfig:
     static_decode_shapes: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
         choices = {
@@ -99,25 +115,24 @@ class EngineConfig:
             raise ConfigError(f"max_model_len: must be at least 2, got {self.max_model_len}")
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """A copy with top-level, cache or scheduler fields replaced by keyword (unknown names rejected)."""
-        top = {f.name for f in fields(self)}
-        cache_names = {f.name for f in fields(CacheConfig)}
-        sched_names = {f.name for f in fields(SchedulerConfig)}
-        mine, cache, sched = {}, {}, {}
+        """A copy with top-level, cache, scheduler or adapter fields replaced by keyword (unknown names
+        rejected)."""
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "adapters": AdapterConfig}
+        top = {f.name for f in fields(self)} - set(sections)
+        changes: dict[str, dict[str, Any]] = {"": {}} | {section: {} for section in sections}
         for name, value in overrides.items():
-            if name in top:
-                mine[name] = value
-            elif name in cache_names:
-                cache[name] = value
-            elif name in sched_names:
-                sched[name] = value
-            else:
+            section = (
+                ""
+                if name in top
+                else next((s for s, cls in sections.items() if name in {f.name for f in fields(cls)}), None)
+            )
+            if section is None:
                 raise ConfigError(f"{name}: not an engine setting")
-        config = replace(self, **mine)
-        if cache:
-            config = replace(config, cache=replace(config.cache, **cache))
-        if sched:
-            config = replace(config, scheduler=replace(config.scheduler, **sched))
+            changes[section][name] = value
+        config = replace(self, **changes[""])
+        for section in sections:
+            if changes[section]:
+                config = replace(config, **{section: replace(getattr(config, section), **changes[section])})
         return config
 
     @classmethod
@@ -155,6 +170,11 @@ class EngineConfig:
                 max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS", 2048),
                 aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
             ),
+            adapters=AdapterConfig(
+                host_bytes=reader.integer("EXPERT_ADAPTER_HOST_BYTES", 2 << 30),
+                device_bytes=reader.integer("EXPERT_ADAPTER_DEVICE_BYTES", 1 << 30),
+                trusted_keys_dir=reader.text("EXPERT_TRUSTED_KEYS", "data/keys/trusted"),
+            ),
         )
 
 
@@ -176,6 +196,9 @@ ENV_VARIABLES = {
     "max_num_seqs": "EXPERT_MAX_NUM_SEQS",
     "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
     "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",
+    "host_bytes": "EXPERT_ADAPTER_HOST_BYTES",
+    "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
+    "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",
 }
 
 

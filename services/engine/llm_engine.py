@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from services.engine import kv_cache
+from services.engine.adapters.manager import ExpertInfo, ExpertManager, ExpertSpec
 from services.engine.block_manager import KVCacheManager
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
@@ -23,16 +25,14 @@ from services.engine.models.decoder import DecoderModel
 from services.engine.models.loader import load_weights
 from services.engine.outputs import EngineStats, RequestOutput
 from services.engine.request import Request
+from services.engine.request_builder import Prompt, RequestBuilder
 from services.engine.runner import ModelRunner
 from services.engine.sampling_params import OutputKind, SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.tokenizer import ChatTemplateError, Tokenizer
+from services.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# A prompt: text, token ids, or a chat conversation (a list of {"role", "content"} messages).
-Prompt = str | list[int] | list[Mapping[str, Any]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,9 +92,20 @@ class LLMEngine:
         static = config.static_decode_shapes == "on" or (
             config.static_decode_shapes == "auto" and self.device.type == "cuda"
         )
-        self.runner = ModelRunner(self.model, tensor, cache.block_size, self.max_model_len, static)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self._rng = random.Random(config.seed)
+        self.experts = ExpertManager(self.model_config, config.adapters, self.device)
+        self.runner = ModelRunner(
+            self.model, tensor, cache.block_size, self.max_model_len, static, self.experts.device_tier
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, adapters=self.experts.device_tier)
+        self._builder = RequestBuilder(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.kv.pool.num_usable_blocks * self.kv.block_size,
+            config.scheduler.max_num_seqs,
+            self.experts,
+            random.Random(config.seed),
+        )
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._aborted: list[Request] = []
@@ -132,10 +143,15 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        experts: ExpertSpec | None = None,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError naming the field for anything unservable."""
+        """Queue a request, optionally with experts: up to 10 ("name", weight) pairs (a bare name
+        means weight 1; "name@version" pins a version). Raises InvalidRequestError naming the field
+        (ExpertNotFoundError for an expert that is not loaded) for anything unservable."""
         self.enqueue(
-            self.prepare_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+            self.prepare_request(
+                request_id, prompt, params, priority=priority, arrival_time=arrival_time, experts=experts
+            )
         )
 
     def prepare_request(
@@ -146,83 +162,20 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        experts: ExpertSpec | None = None,
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
-        params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(
-                "n", f"{params.n} outputs exceed max_num_seqs {self.config.scheduler.max_num_seqs}"
-            )
-        text, token_ids = self._tokenize(prompt)
-        self._check_lengths(token_ids, params)
-        vocab = self.model_config.vocab_size
-        for i, token in enumerate(params.stop_token_ids):
-            if token >= vocab:
-                raise InvalidRequestError(
-                    f"stop_token_ids[{i}]", f"{token} is outside the vocabulary (size {vocab})"
-                )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        now = time.monotonic() if arrival_time is None else arrival_time
-        seq = Sequence(request_id, token_ids, params, request_seed=seed, priority=priority, arrival_time=now)
-        return Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
+        return self._builder.build(request_id, prompt, params, priority, arrival_time, experts)
 
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler."""
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        self.experts.pin(request.experts)
         self._requests[request.request_id] = request
         seq = request.seqs[0]
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            try:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            except ChatTemplateError as exc:
-                field, _, message = str(exc).partition(": ")
-                raise InvalidRequestError(field or "messages", message or str(exc)) from None
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(prompt, list) and prompt:
-            vocab = self.model_config.vocab_size
-            for i, token in enumerate(prompt):
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                    raise InvalidRequestError(
-                        f"prompt_token_ids[{i}]", f"{token!r} is not a token id in [0, {vocab})"
-                    )
-            return None, list(prompt)
-        raise InvalidRequestError(
-            "prompt", "expected text, a non-empty list of token ids, or a list of messages"
-        )
-
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt", "encodes to zero tokens")
-        limit = self.max_model_len
-        if len(token_ids) >= limit:
-            raise InvalidRequestError(
-                "prompt", f"{len(token_ids)} tokens leave no room to generate within max_model_len {limit}"
-            )
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(token_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) exceeds max_model_len {limit}",
-            )
-        longest = len(token_ids) + (params.max_tokens or limit - len(token_ids))
-        capacity = self.kv.pool.num_usable_blocks * self.kv.block_size
-        if longest > capacity:
-            raise InvalidRequestError(
-                "max_tokens", f"a sequence of {longest} tokens cannot fit the KV cache ({capacity} tokens)"
-            )
 
     def abort_request(self, request_ids: str | Seq[str]) -> None:
         """Stop requests now and free their blocks; their final output (finish_reason "abort") is
@@ -243,6 +196,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 request.add_sequence(seq)
                 request.mark_finished(seq, SequenceStatus.FINISHED_ABORTED, now)
+            self.experts.unpin(request.experts)
             self._finished_by_reason["abort"] += 1
             self._aborted.append(request)
 
@@ -251,6 +205,24 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def load_expert(
+        self, source: bytes | str | os.PathLike[str], trusted_keys_dir: str | os.PathLike[str] | None = None
+    ) -> tuple[str, str]:
+        """Verify a `.expert` package (a path or its bytes) against the trusted keys and hold its
+        weights; returns (name, version). Refusals raise ExpertRefusedError naming the problem and
+        change nothing. The package must be for this engine's base model."""
+        expert = self.experts.load(source, trusted_keys_dir)
+        return expert.name, expert.version
+
+    def unload_expert(self, name: str) -> None:
+        """Forget the current version of an expert (refused with ExpertInUseError while requests use it)."""
+        self.experts.unload(name)
+
+    def list_experts(self) -> list[ExpertInfo]:
+        return self.experts.experts()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -302,6 +274,7 @@ class LLMEngine:
                 outputs.append(out)
             if request.finished:
                 del self._requests[request.request_id]
+                self.experts.unpin(request.experts)
                 self._finished_by_reason[out.finish_reason if out else "stop"] += 1
         return outputs
 
@@ -313,8 +286,12 @@ class LLMEngine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         priority: int = 0,
+        experts: ExpertSpec | Seq[ExpertSpec | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (batched together) and return their final outputs in order."""
+        """Run prompts to completion (batched together) and return their final outputs in order.
+
+        `experts` is one expert list for every prompt, or a list of them (or None) per prompt.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(p, int | Mapping) for p in prompts)
         ):
@@ -324,13 +301,14 @@ class LLMEngine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError("params", f"{len(params)} parameter sets for {len(prompts)} prompts")
+        per_prompt = _per_prompt_experts(experts, len(prompts))
         base = f"generate-{self._counters['generate_calls']}"
         self._counters["generate_calls"] += 1
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            for request_id, prompt, p, spec in zip(ids, prompts, params, per_prompt, strict=True):
                 final = dataclasses.replace(p, output_kind=OutputKind.FINAL_ONLY)
-                self.add_request(request_id, prompt, final, priority=priority)
+                self.add_request(request_id, prompt, final, priority=priority, experts=spec)
             results: dict[str, RequestOutput] = {}
             while len(results) < len(ids):
                 for out in self.step():
@@ -355,6 +333,7 @@ class LLMEngine:
     # -- metrics -------------------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
+        """Engine, KV-cache and expert figures for metrics."""
         usage = self.kv.usage()
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -371,4 +350,20 @@ class LLMEngine:
             generation_tokens_total=self._counters["generation_tokens"],
             requests_finished_total=dict(self._finished_by_reason),
             num_steps_total=self._counters["steps"],
+            experts=self.experts.stats(),
         )
+
+
+def _per_prompt_experts(experts: object, count: int) -> list:
+    """One expert list per prompt from either a shared list or a list of per-prompt lists."""
+    if experts is None:
+        return [None] * count
+    if (
+        isinstance(experts, list | tuple)
+        and experts
+        and all(e is None or isinstance(e, list) for e in experts)
+    ):
+        if len(experts) != count:
+            raise InvalidRequestError("experts", f"{len(experts)} expert lists for {count} prompts")
+        return list(experts)
+    return [experts] * count

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.engine.adapters.manager import ExpertStats
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,16 @@ class RequestMetrics:
         return (self.num_generation_tokens - 1) / decode
 
 
+@dataclass(frozen=True)
+class AppliedExpert:
+    """An expert the engine applied to a request: exactly this version, with this weight."""
+
+    name: str
+    version: str
+    adapter_type: str
+    weight: float
+
+
 @dataclass
 class RequestOutput:
     """The state of a request after an engine step (or at the end, with `finished` set)."""
@@ -84,6 +98,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    experts: list[AppliedExpert] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -116,3 +131,4 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished_total: dict[str, int]  # by finish reason
     num_steps_total: int
+    experts: ExpertStats | None = None

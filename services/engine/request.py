@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from services.engine.adapters.batch import ExpertUse
+from services.engine.outputs import AppliedExpert, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from services.engine.runner import SampledToken
 from services.engine.sampling_params import OutputKind, SamplingParams
 from services.engine.sequence import Sequence, SequenceStatus
@@ -59,6 +60,11 @@ class Request:
         self.seqs: list[Sequence] = []
         self._outputs: list[_Output] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.experts: tuple[ExpertUse, ...] = first.experts
+        self.applied = [
+            AppliedExpert(u.expert.name, u.expert.version, u.expert.adapter_type, u.weight)
+            for u in first.experts
+        ]
         self.add_sequence(first)
 
     @property
@@ -145,5 +151,11 @@ class Request:
             )
             out.sent_pieces, out.sent_tokens = len(out.pieces), len(out.token_ids)
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished, self.metrics
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.finished,
+            self.metrics,
+            list(self.applied),
         )

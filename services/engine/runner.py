@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.engine.adapters.batch import build_adapter_batch
+from services.engine.adapters.device import DeviceAdapters
 from services.engine.kernels import AttentionMetadata
 from services.engine.models.decoder import DecoderModel
 from services.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -40,8 +42,10 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         static_decode_shapes: bool = False,
+        adapters: DeviceAdapters | None = None,
     ) -> None:
         self.model = model
+        self.adapters = adapters
         self.device = model.device
         self.kv_cache = kv_cache  # [layers, 2, blocks, kv_heads, block_size, head_dim]
         self.kv_caches = [(kv_cache[n, 0], kv_cache[n, 1]) for n in range(kv_cache.shape[0])]
@@ -64,8 +68,13 @@ class ModelRunner:
         """Run one step; returns seq_id -> sampled tokens for sequences whose tokens are now all
         computed (several for a sequence that forks into n outputs)."""
         self.copy_blocks(step.blocks_to_copy)
-        input_ids, positions, meta = self._prepare(step)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        input_ids, positions, meta, qsl = self._prepare(step)
+        adapters = None
+        if self.adapters is not None:
+            adapters = build_adapter_batch(
+                step.scheduled, qsl, meta.query_start_loc, self.adapters, self.device
+            )
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, adapters)
 
         # Sample where a sequence's last token was computed; a forking sequence takes n rows.
         rows, row_seqs, seeds = [], [], []
@@ -82,8 +91,11 @@ class ModelRunner:
         result = self.sampler(logits, self._sampling_batch(row_seqs, seeds))
         return self._collect(row_seqs, result)
 
-    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata of the step's flat batch (plus padding rows)."""
+    def _prepare(
+        self, step: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Token ids, positions and attention metadata of the step's flat batch (plus padding rows),
+        and the query start offsets as numpy."""
         seqs = [seq for seq, _ in step.scheduled]
         q_lens = np.fromiter((n for _, n in step.scheduled), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -124,7 +136,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
         )
-        return to(input_ids, torch.int64), to(positions, torch.int64), meta
+        return to(input_ids, torch.int64), to(positions, torch.int64), meta, qsl
 
     def _decode_padding(self, q_lens: np.ndarray) -> int:
         if not self.static_decode_shapes or q_lens.max() != 1:

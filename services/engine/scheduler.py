@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.engine.block_manager import KVCacheManager
 from services.engine.config import SchedulerConfig
@@ -40,6 +41,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class AdapterResidency(Protocol):
+    """Where the experts a running sequence applies must be (the device tier)."""
+
+    def acquire(self, experts: list) -> bool:
+        """Make the experts resident and pin them, or change nothing and return False."""
+
+    def release(self, experts: list) -> None:
+        """Unpin experts acquired before."""
+
+
 @dataclass
 class _Step:
     """The step being built: remaining token budget, what is scheduled, who was preempted."""
@@ -55,11 +66,16 @@ class _Step:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterResidency | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
+        self.adapters = adapters  # needed only when sequences carry experts
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -80,7 +96,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """A running sequence's sibling, sharing its blocks."""
+        """A running sequence's sibling, sharing its blocks (and its experts, already resident)."""
+        if child.experts and not self.adapters.acquire(child.adapter_experts):
+            raise RuntimeError("a fork's experts must be resident: its parent pins them")
         self.kv.fork(parent, child)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
@@ -89,6 +107,7 @@ class Scheduler:
         """Retire a sequence (stopped, length, aborted) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_adapters(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -98,8 +117,13 @@ class Scheduler:
         aging = self.config.aging_seconds
         return seq.priority + ((now - seq.arrival_time) / aging if aging > 0 else 0.0)
 
+    def _release_adapters(self, seq: Sequence) -> None:
+        if seq.experts:
+            self.adapters.release(seq.adapter_experts)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_adapters(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -168,11 +192,15 @@ class Scheduler:
         # A request with n outputs will fork into n running sequences: count them all now.
         if step.budget == 0 or len(self.running) + seq.num_pending_forks > self.config.max_num_seqs:
             return False
+        # Its experts must be on the device before it runs (they may not fit while others are pinned).
+        if seq.experts and not self.adapters.acquire(seq.adapter_experts):
+            return False
         cached = self.kv.find_cached_prefix(seq)
         num_cached = len(cached) * self.kv.block_size
         num_new = min(seq.num_tokens - num_cached, step.budget)
         # The watermark keeps admissions from forcing preemptions; an idle engine needs none.
         if not self.kv.allocate_slots(seq, num_new, cached, keep_watermark=bool(self.running)):
+            self._release_adapters(seq)
             return False
         self.kv.record_prefix_lookup(seq.num_tokens, num_cached)
         seq.num_computed_tokens = num_cached

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import itertools
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.adapters.batch import ExpertUse
+    from services.engine.adapters.registry import LoadedExpert
 
 _MASK64 = (1 << 64) - 1
 _seq_ids = itertools.count()
@@ -67,19 +72,24 @@ class Sequence:
         priority: int = 0,
         arrival_time: float = 0.0,
         index: int = 0,
+        experts: tuple[ExpertUse, ...] = (),
         adapter_key: bytes = b"",
+        num_virtual_tokens: int = 0,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        # Soft prompts occupy the first positions; their placeholder ids are never looked up.
+        self.num_virtual_tokens = num_virtual_tokens
+        self.token_ids = [0] * num_virtual_tokens + list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.request_seed = request_seed
         self.seed = output_seed(request_seed, index)
         self.priority = priority
         self.arrival_time = arrival_time
-        self.adapter_key = adapter_key
+        self.experts = experts
+        self.adapter_key = adapter_key  # covers the experts, versions and weights: part of every block hash
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
@@ -104,7 +114,12 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The real prompt, without soft-prompt placeholders."""
+        return self.token_ids[self.num_virtual_tokens : self.num_prompt_tokens]
+
+    @property
+    def adapter_experts(self) -> list[LoadedExpert]:
+        return [use.expert for use in self.experts]
 
     @property
     def last_token_id(self) -> int:
@@ -138,7 +153,9 @@ class Sequence:
             priority=self.priority,
             arrival_time=self.arrival_time,
             index=index,
+            experts=self.experts,
             adapter_key=self.adapter_key,
+            num_virtual_tokens=self.num_virtual_tokens,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -158,10 +158,10 @@ def _record_decode_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     forward = engine.model.forward
 
-    def recording(input_ids, positions, meta, kv_caches):
+    def recording(input_ids, positions, meta, kv_caches, adapters=None):
         if meta.max_query_len == 1:
             seen.append((input_ids.shape[0], meta.block_tables.shape[1]))
-        return forward(input_ids, positions, meta, kv_caches)
+        return forward(input_ids, positions, meta, kv_caches, adapters)
 
     engine.model.forward = recording
     return seen

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("gemm.cpp", "norm.cpp", "rope_cache.cpp", "attention.cpp", "activation.cpp", "registration.cpp")
+_SOURCES = (
+    "gemm.cpp",
+    "norm.cpp",
+    "rope_cache.cpp",
+    "attention.cpp",
+    "activation.cpp",
+    "adapters.cpp",
+    "registration.cpp",
+)
 _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from services.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
@@ -73,6 +75,43 @@ class NativeOps(TorchOps):
     ) -> torch.Tensor:
         return self._k.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        )
+
+    def lora_apply(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        col_offset: int,
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,
+    ) -> None:
+        self._k.lora_apply(
+            y,
+            x,
+            a,
+            bt,
+            col_offset,
+            query_start_loc,
+            entries.entry_ptr,
+            entries.index,
+            entries.count,
+            entries.scale,
+        )
+
+    def ia3_scale(
+        self,
+        y: torch.Tensor,
+        col_offset: int,
+        table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,
+    ) -> None:
+        self._k.ia3_scale(
+            y, col_offset, table, query_start_loc, entries.entry_ptr, entries.index, entries.scale
         )
 
     @staticmethod

@@ -132,6 +132,40 @@ class TorchOps:
         flat = out.transpose(1, 2).reshape(num_seqs * q_max, hq * d)
         return flat[state["valid_rows"]]
 
+    def lora_apply(
+        self,
+        y: torch.Tensor,  # [T, out_total], updated in place
+        x: torch.Tensor,  # [T, in]
+        a: torch.Tensor,  # [rows, in]
+        bt: torch.Tensor,  # [rows, out]
+        col_offset: int,
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,  # services.engine.adapters.batch.Entries
+    ) -> None:
+        """y[:, col_offset:col_offset+out] += weight * (x A^T) B^T for each sequence's LoRA entries."""
+        out = bt.shape[1]
+        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
+            for row, count, weight in seq_entries:
+                delta = (x[start:end] @ a[row : row + count].t()) * weight @ bt[row : row + count]
+                y[start:end, col_offset : col_offset + out] += delta
+
+    def ia3_scale(
+        self,
+        y: torch.Tensor,  # [T, width_total], updated in place
+        col_offset: int,
+        table: torch.Tensor,  # [slots, n]
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,
+    ) -> None:
+        """y[:, col_offset:col_offset+n] *= l (weight 1) or 1 + weight (l - 1), per sequence's IA³ entries."""
+        n = table.shape[1]
+        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
+            for slot, _, weight in seq_entries:
+                factor = table[slot] if weight == 1.0 else 1.0 + weight * (table[slot] - 1.0)
+                y[start:end, col_offset : col_offset + n] *= factor.to(y.dtype)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -10,12 +10,19 @@ matmul, one gate/up matmul) and laid out by the operator set once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.kernels import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
 from services.engine.models.config import ModelConfig
 from services.engine.models.rope import cos_sin_table
+
+if TYPE_CHECKING:
+    from services.engine.adapters.batch import AdapterBatch
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)
@@ -90,16 +97,25 @@ class DecoderModel:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [blocks, Hkv, block_size, D] x2
+        adapters: AdapterBatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes this step's keys and values."""
-        ops, eps = self.ops, self.config.rms_norm_eps
+        """Hidden states [T, hidden] after the final norm; writes this step's keys and values.
+
+        `adapters` applies each sequence's experts: soft prompts replace virtual-token embeddings,
+        IA³ scales projection inputs or outputs, LoRA adds its low-rank deltas.
+        """
+        ops, eps, c = self.ops, self.config.rms_norm_eps, self.config
         residual = self.embed_tokens[input_ids]  # [T, H]
+        if adapters is not None:
+            residual = adapters.embed(residual)
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for n, layer in enumerate(self.layers):
             if n > 0:
                 x, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
             k_cache, v_cache = kv_caches[n]
             qkv = ops.linear(x, layer.qkv)  # [T, (Hq + 2 Hkv) D]
+            if adapters is not None:
+                adapters.apply_output(ops, n, _QKV, (0, c.q_size, c.q_size + c.kv_size), qkv, x)
             q = ops.rope_and_cache(
                 qkv,
                 positions,
@@ -112,9 +128,22 @@ class DecoderModel:
                 layer.k_norm,
                 eps,
             )  # [T, Hq, D]
-            x = ops.linear(ops.attention(q, k_cache, v_cache, meta, self.scale), layer.o)
+            attended = ops.attention(q, k_cache, v_cache, meta, self.scale)
+            if adapters is not None:
+                attended = adapters.scale_input(ops, n, "o_proj", attended)
+            x = ops.linear(attended, layer.o)
+            if adapters is not None:
+                adapters.apply_output(ops, n, ("o_proj",), (0,), x, attended)
             x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
-            x = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            gate_up = ops.linear(x, layer.gate_up)
+            if adapters is not None:
+                adapters.apply_output(ops, n, _GATE_UP, (0, c.intermediate_size), gate_up, x)
+            hidden = ops.silu_and_mul(gate_up)
+            if adapters is not None:
+                hidden = adapters.scale_input(ops, n, "down_proj", hidden)
+            x = ops.linear(hidden, layer.down)
+            if adapters is not None:
+                adapters.apply_output(ops, n, ("down_proj",), (0,), x, hidden)
         x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
         return x
 

@@ -18,6 +18,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale);
 bool paged_attention_supports(int64_t head_dim);
+void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, int64_t col_offset,
+                const at::Tensor& query_start_loc, const at::Tensor& entry_ptr, const at::Tensor& entry_row,
+                const at::Tensor& entry_count, const at::Tensor& entry_scale);
+void ia3_scale(at::Tensor& y, int64_t col_offset, const at::Tensor& table, const at::Tensor& query_start_loc,
+               const at::Tensor& entry_ptr, const at::Tensor& entry_slot, const at::Tensor& entry_weight);
 
 bool supports_head_dim(int64_t head_dim) { return head_dim % 16 == 0 && paged_attention_supports(head_dim); }
 }  // namespace expert
@@ -39,4 +44,12 @@ TORCH_LIBRARY(expert_kernels, m) {
       "Tensor query_start_loc, float scale) -> Tensor",
       &expert::paged_attention);
   m.def("supports_head_dim(int head_dim) -> bool", &expert::supports_head_dim);
+  m.def(
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, int col_offset, Tensor query_start_loc, "
+      "Tensor entry_ptr, Tensor entry_row, Tensor entry_count, Tensor entry_scale) -> ()",
+      &expert::lora_apply);
+  m.def(
+      "ia3_scale(Tensor(a!) y, int col_offset, Tensor table, Tensor query_start_loc, Tensor entry_ptr, "
+      "Tensor entry_slot, Tensor entry_weight) -> ()",
+      &expert::ia3_scale);
 }
