@@ -39,6 +39,7 @@ test: setup model
 
 bench: setup model
 	$(PY) bench/engine_throughput.py --model $(MODEL_DIR)
+	$(PY) bench/adapters.py --model $(MODEL_DIR)
 
 lint: setup
 	$(VENV)/bin/ruff check .
