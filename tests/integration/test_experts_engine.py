@@ -209,6 +209,16 @@ def test_a_small_device_budget_evicts_only_experts_nobody_uses(tiny_llama, packa
     assert tier.counters.evictions > 0
 
 
+def test_experts_larger_than_the_device_budget_are_refused_at_once(tiny_llama, packages, publisher):
+    probe = _engine(tiny_llama, {"lora-1": packages["lora-1"]}, publisher)
+    one = probe.experts.device_tier.footprint(probe.experts.registry.get("lora-1"))
+    engine = _engine(tiny_llama, packages, publisher, device_bytes=one + one // 2)
+    engine.generate([[5, 6]], GREEDY, experts=["lora-1"])
+    with pytest.raises(InvalidRequestError, match=r"experts: these experts need \d+ bytes on the device"):
+        engine.add_request("too-big", [5, 6], GREEDY, experts=["lora-1", "lora-3"])
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_new_version_changes_outputs_and_never_reuses_the_old_prefix(tiny_llama, publisher, tmp_path):
     v1 = publisher.pack(
         write_lora_adapter(tiny_llama, tmp_path / "v1", seed=1),

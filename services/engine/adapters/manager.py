@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from libs.experts.package import PackageError, read_package
 
+from libs.experts.package import PackageError, read_package
 from libs.experts.signing import Keyring, SigningError
 from services.engine.adapters.batch import ExpertUse
 from services.engine.adapters.device import DeviceAdapters
@@ -145,6 +145,13 @@ class ExpertManager:
                     raise InvalidRequestError(
                         "experts", f"{a.expert.name!r} is incompatible with {b.expert.name!r}"
                     )
+        footprint = sum(self.device_tier.footprint(u.expert) for u in uses)
+        if footprint > self.device_tier.budget_bytes:
+            raise InvalidRequestError(
+                "experts",
+                f"these experts need {footprint} bytes on the device, more than "
+                f"its whole budget ({self.device_tier.budget_bytes} bytes)",
+            )
         key = hashlib.sha256()
         for use in uses:
             key.update(use.expert.identity + struct.pack("<d", use.weight))
