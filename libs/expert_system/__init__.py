@@ -1,0 +1,1 @@
+"""SDK placeholder for install test."""

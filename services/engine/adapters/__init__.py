@@ -1,0 +1,1 @@
+"""Experts in the engine: weights, the host and device tiers, per-step adapter batches."""
