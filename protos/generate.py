@@ -26,10 +26,17 @@ def main() -> int:
     OUT.mkdir(parents=True)
     sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     well_known = resources.files("grpc_tools") / "_proto"
-    status = protoc.main([
-        "grpc_tools.protoc", f"-I{PROTOS}", f"-I{well_known}", f"--python_out={OUT}", f"--pyi_out={OUT}",
-        f"--grpc_python_out={OUT}", *sources,
-    ])
+    status = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{PROTOS}",
+            f"-I{well_known}",
+            f"--python_out={OUT}",
+            f"--pyi_out={OUT}",
+            f"--grpc_python_out={OUT}",
+            *sources,
+        ]
+    )
     if status != 0:
         print("protos: protoc failed", file=sys.stderr)
         return status

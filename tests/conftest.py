@@ -38,3 +38,21 @@ def default_model() -> Path:
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip(f"default model missing at {DEFAULT_MODEL}: run `make model`")
     return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """The URL of a real redis-server started for this test session (no persistence)."""
+    from tests.helpers.redis_server import redis_server
+
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def clean_redis_url(redis_url: str) -> str:
+    """`redis_url`, emptied before the test."""
+    from tests.helpers.redis_server import flush
+
+    flush(redis_url)
+    return redis_url

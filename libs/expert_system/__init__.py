@@ -1,1 +1,63 @@
-"""SDK placeholder for install test."""
+"""The Expert System's Python SDK: a client of the reception's InferenceService.
+
+```python
+from expert_system import ExpertClient
+
+with ExpertClient("localhost:50051") as client:  # default: $EXPERT_RECEPTION_TARGET or localhost:50051
+    result = client.infer(prompt="Parse this JSON and extract fields", body='{"name": "Alice"}')
+    result.text, result.experts_used, result.latency_ms, result.finish_reason  # "stop", "length", ...
+
+    stream = client.infer_stream(prompt="Write a story about a lighthouse")
+    for chunk in stream:
+        if chunk.restarted:  # the job started over: discard what was printed
+            print("\\n[restarted]")
+        print(chunk.text, end="", flush=True)
+    stream.result
+```
+
+`AsyncExpertClient` offers the same calls for asyncio. Results are frozen dataclasses; a failed
+call raises an `ExpertSystemError` subclass.
+"""
+
+from .aio import AsyncExpertClient
+from .client import ExpertClient
+from .errors import (
+    DeadlineExceeded,
+    ExpertSystemError,
+    InvalidRequest,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from .request import RequestFields
+from .results import (
+    AppliedExpert,
+    InferenceMetrics,
+    InferenceResult,
+    Job,
+    JobSubmission,
+    StreamChunk,
+    ValidationResult,
+)
+from .stream import AsyncInferStream, InferStream
+
+__all__ = [
+    "AppliedExpert",
+    "AsyncExpertClient",
+    "AsyncInferStream",
+    "DeadlineExceeded",
+    "ExpertClient",
+    "ExpertSystemError",
+    "InferStream",
+    "InferenceMetrics",
+    "InferenceResult",
+    "InvalidRequest",
+    "Job",
+    "JobSubmission",
+    "NotFound",
+    "RequestFields",
+    "ResourceExhausted",
+    "StreamChunk",
+    "Unavailable",
+    "ValidationResult",
+]

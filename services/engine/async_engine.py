@@ -2,8 +2,10 @@
 
 The model steps in a dedicated thread (torch releases the GIL while it computes), so the event
 loop stays free for the network. Requests and aborts cross into the engine thread through a
-queue; outputs come back with `call_soon_threadsafe` into unbounded per-request streams, so the
-decode loop never waits for a consumer, however slow.
+queue; outputs come back with `call_soon_threadsafe` into per-request streams, so the decode loop
+never waits for a consumer, however slow. A stream holds at most `max_pending` outputs: when a
+consumer falls behind, new outputs are merged into the last one waiting (text appended for DELTA,
+replaced for CUMULATIVE), so memory stays bounded without dropping or blocking anything.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import queue
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,9 +25,9 @@ from services.engine.adapters.registry import ExpertError
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.llm_engine import LLMEngine, Prompt
-from services.engine.outputs import EngineStats, RequestOutput
+from services.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import OutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,29 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """The outputs of one request as an async iterator; ends after the finished output."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(
+        self, request_id: str, output_kind: OutputKind = OutputKind.CUMULATIVE, max_pending: int = 64
+    ) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.output_kind = output_kind
+        self.max_pending = max_pending
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self.finished = False
+        self.coalesced = 0  # outputs merged because the consumer was behind
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        last = self._items[-1] if self._items else None
+        if (
+            len(self._items) >= self.max_pending
+            and isinstance(item, RequestOutput)
+            and isinstance(last, RequestOutput)
+        ):
+            self._items[-1] = merge_outputs(last, item, self.output_kind)
+            self.coalesced += 1
+        else:
+            self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -50,7 +69,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -62,8 +84,9 @@ class RequestStream:
 class AsyncLLMEngine:
     """Asyncio front of an LLMEngine: `generate()` streams a request's outputs, `abort()` stops it."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_pending: int = 64) -> None:
         self.engine = engine
+        self.max_pending = max_pending  # outputs a stream holds before it merges them
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -127,7 +150,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         request = self.engine.prepare_request(request_id, prompt, params, priority=priority, experts=experts)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, request.params.output_kind, self.max_pending)
         self._streams[request_id] = stream
         self._inbox.put(("add", request))
         self._wake.set()

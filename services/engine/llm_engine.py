@@ -124,6 +124,11 @@ class LLMEngine:
             time.monotonic() - started,
         )
 
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the weights and the KV cache."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
     @classmethod
     def from_pretrained(
         cls, model: str, device: str | None = None, dtype: str | None = None, **overrides: Any

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.engine.sampling_params import OutputKind
+
 if TYPE_CHECKING:
     from services.engine.adapters.manager import ExpertStats
 
@@ -111,6 +113,40 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput, kind: OutputKind) -> RequestOutput:
+    """One output standing for two consecutive ones of a request (for a consumer that fell behind)."""
+    if kind != OutputKind.DELTA:
+        return newer  # cumulative outputs already hold everything
+    by_index = {c.index: c for c in older.outputs}
+    merged = []
+    for c in newer.outputs:
+        before = by_index.get(c.index)
+        if before is None:
+            merged.append(c)
+            continue
+        logprobs = None if c.logprobs is None else [*(before.logprobs or []), *c.logprobs]
+        merged.append(
+            CompletionOutput(
+                index=c.index,
+                text=before.text + c.text,
+                token_ids=[*before.token_ids, *c.token_ids],
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=logprobs,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+        )
+    return RequestOutput(
+        newer.request_id,
+        newer.prompt,
+        newer.prompt_token_ids,
+        merged,
+        newer.finished,
+        newer.metrics,
+        newer.experts,
+    )
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libs.experts.package import VerifiedPackage
-
 from libs.experts.manifest import BaseModelIdentity, Manifest
+from libs.experts.package import VerifiedPackage
 from services.engine.adapters.weights import AdapterWeights, AdapterWeightsError, adapter_weights
 from services.engine.models.config import ModelConfig
 

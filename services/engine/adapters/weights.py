@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-from libs.experts.package import VerifiedPackage
 
+from libs.experts.package import VerifiedPackage
 from services.engine.models.config import ModelConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

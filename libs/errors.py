@@ -1,0 +1,154 @@
+"""gRPC errors as AIP-193 wants them: a status code, a message for humans and, for bad input,
+`google.rpc.BadRequest` field violations that name each offending field.
+
+Servers raise `ServiceError` (built by `invalid_argument`, `not_found`, ...) from a servicer; the
+interceptor of `libs.grpc_server` turns it into the status with `to_status`. Clients read a
+received error with `field_violations` and `describe`, or relay it with `from_rpc_error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+# The trailing-metadata key that carries a serialized google.rpc.Status.
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class ServiceError(Exception):
+    """An error to send to the client as status `code` with `message`; `violations` lists
+    (field, description) pairs, sent as a BadRequest detail (INVALID_ARGUMENT only, by convention)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, violations: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        if code is grpc.StatusCode.OK:
+            raise ValueError("a ServiceError cannot carry status OK")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations: tuple[tuple[str, str], ...] = tuple(violations)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+def invalid_argument(field: str, description: str) -> ServiceError:
+    """INVALID_ARGUMENT for one bad field, e.g. `invalid_argument("request.temperature",
+    "must be in [0, 2], got 3")`; the message reads "request.temperature: must be in [0, 2], got 3"."""
+    return invalid_arguments([(field, description)])
+
+
+def invalid_arguments(violations: Iterable[tuple[str, str]]) -> ServiceError:
+    """INVALID_ARGUMENT for several bad fields at once; the message joins them with "; "."""
+    pairs = list(violations)
+    if not pairs:
+        raise ValueError("invalid_arguments needs at least one (field, description)")
+    message = "; ".join(f"{field}: {description}" for field, description in pairs)
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, pairs)
+
+
+def not_found(message: str) -> ServiceError:
+    """NOT_FOUND: an unknown job, expert, engine or session."""
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def resource_exhausted(message: str) -> ServiceError:
+    """RESOURCE_EXHAUSTED: overload or a quota; the client may retry later."""
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def unavailable(message: str) -> ServiceError:
+    """UNAVAILABLE: a transient failure (a peer down, not ready yet); safe to retry."""
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def failed_precondition(message: str) -> ServiceError:
+    """FAILED_PRECONDITION: the system is not in the state the request needs (e.g. the job is final)."""
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def deadline_exceeded(message: str) -> ServiceError:
+    """DEADLINE_EXCEEDED: the work did not finish in the time the caller gave."""
+    return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+
+def to_status(error: ServiceError) -> grpc.Status:
+    """The `grpc.Status` to abort with (`context.abort_with_status`): the code, the message, and a
+    google.rpc.Status in the trailing metadata with a BadRequest detail when there are violations."""
+    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    if error.violations:
+        bad_request = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+                for field, description in error.violations
+            ]
+        )
+        detail = any_pb2.Any()
+        detail.Pack(bad_request)
+        status.details.append(detail)
+    return rpc_status.to_status(status)
+
+
+def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
+    # grpc_status.rpc_status.from_call wants a sync grpc.Call and raises when code or message
+    # differ; a received error (sync or aio) only promises trailing_metadata(), so read it here.
+    trailing = getattr(error, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    for key, value in metadata or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            try:
+                return status_pb2.Status.FromString(value)
+            except Exception:
+                return None
+    return None
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """The (field, description) pairs of the BadRequest detail of a received error (from a sync or
+    an aio call); empty when it has none."""
+    status = _rich_status(error)
+    if status is None:
+        return []
+    violations: list[tuple[str, str]] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            violations.extend((v.field, v.description) for v in bad_request.field_violations)
+    return violations
+
+
+def _code_and_message(error: BaseException) -> tuple[grpc.StatusCode | None, str]:
+    if isinstance(error, ServiceError):
+        return error.code, error.message
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if callable(code) and callable(details):
+        return code(), details() or ""
+    return None, str(error)
+
+
+def describe(error: BaseException) -> str:
+    """One line for humans: "INVALID_ARGUMENT: request.temperature: must be in [0, 2], got 3" for a
+    received gRPC error or a ServiceError; the exception's type and text for anything else."""
+    code, message = _code_and_message(error)
+    if isinstance(error, grpc.RpcError) and not message:
+        message = "; ".join(f"{field}: {description}" for field, description in field_violations(error))
+    message = " ".join(message.split())
+    if code is None:
+        return f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return f"{code.name}: {message}" if message else code.name
+
+
+def from_rpc_error(error: grpc.RpcError) -> ServiceError:
+    """A received error as a ServiceError with the same code, message and violations, so a service
+    can relay a peer's answer (e.g. the router's INVALID_ARGUMENT) to its own client unchanged."""
+    code, message = _code_and_message(error)
+    if code is None or code is grpc.StatusCode.OK:
+        code = grpc.StatusCode.UNKNOWN
+    return ServiceError(code, message, field_violations(error))

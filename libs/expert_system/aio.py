@@ -1,0 +1,86 @@
+"""`AsyncExpertClient`: the asyncio client of the reception's InferenceService (grpc.aio)."""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+import grpc
+
+from libs.gen.expert.v1 import inference_pb2, inference_pb2_grpc
+
+from .client import CHANNEL_OPTIONS, DEFAULT_TIMEOUT, default_target
+from .errors import error_from_aio_call
+from .request import RequestFields, build_request
+from .results import (
+    InferenceResult,
+    Job,
+    JobSubmission,
+    job_from_proto,
+    result_from_proto,
+    submission_from_proto,
+)
+from .stream import AsyncInferStream
+
+
+class AsyncExpertClient:
+    """`ExpertClient` for asyncio: the same calls, awaited, and `infer_stream` for `async for`.
+
+    Create it inside the running event loop (grpc.aio channels belong to one loop), preferably as
+    `async with AsyncExpertClient(target) as client:`.
+    """
+
+    def __init__(self, target: str | None = None, *, credentials: grpc.ChannelCredentials | None = None):
+        self.target = target or default_target()
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+
+    async def infer(
+        self, prompt: str = "", *, timeout: float | None = None, **fields: Unpack[RequestFields]
+    ) -> InferenceResult:
+        """Run a job and wait for its result."""
+        request = inference_pb2.InferRequest(request=build_request("infer", prompt, fields))
+        return result_from_proto((await _call(self._stub.Infer(request, timeout=timeout))).result)
+
+    def infer_stream(
+        self, prompt: str = "", *, timeout: float | None = None, **fields: Unpack[RequestFields]
+    ) -> AsyncInferStream:
+        """Run a job and stream its text: `async for chunk in stream`, then `stream.result`. A
+        chunk with `restarted=True` means the job started over and the text so far is void."""
+        request = inference_pb2.InferStreamRequest(request=build_request("infer_stream", prompt, fields))
+        return AsyncInferStream(lambda: self._stub.InferStream(request, timeout=timeout))
+
+    async def submit(
+        self, prompt: str = "", *, timeout: float | None = DEFAULT_TIMEOUT, **fields: Unpack[RequestFields]
+    ) -> JobSubmission:
+        """Queue a job and return at once; follow it with `get_job`."""
+        request = inference_pb2.SubmitRequest(request=build_request("submit", prompt, fields))
+        return submission_from_proto((await _call(self._stub.Submit(request, timeout=timeout))).submission)
+
+    async def get_job(self, job_id: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> Job:
+        """A job's status, its text so far, and its result once final."""
+        call = self._stub.GetJob(inference_pb2.GetJobRequest(job_id=job_id), timeout=timeout)
+        return job_from_proto((await _call(call)).job)
+
+    async def cancel(self, job_id: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> Job:
+        """Stop a job; returns its record after the cancellation."""
+        call = self._stub.CancelJob(inference_pb2.CancelJobRequest(job_id=job_id), timeout=timeout)
+        return job_from_proto((await _call(call)).job)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncExpertClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+async def _call(call: grpc.aio.UnaryUnaryCall):
+    try:
+        return await call
+    except grpc.aio.AioRpcError:
+        raise await error_from_aio_call(call) from None

@@ -1,0 +1,239 @@
+"""What the SDK returns: plain frozen dataclasses built from the service's protobufs.
+
+Enums become lower-case strings without their prefix (JOB_STATUS_TIMED_OUT -> "timed_out",
+FINISH_REASON_STOP -> "stop"), timestamps become timezone-aware UTC datetimes (None when unset),
+repeated fields become tuples, and a message the server left unset becomes None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from google.protobuf import timestamp_pb2
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+from libs.gen.expert.v1 import common_pb2
+
+JobStatusName = Literal[
+    "unspecified",
+    "queued",
+    "planning",
+    "preparing",
+    "running",
+    "postprocessing",
+    "completed",
+    "failed",
+    "cancelled",
+    "timed_out",
+]
+FinishReasonName = Literal["unspecified", "stop", "length", "abort", "timeout", "error"]
+
+FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
+
+
+def _enum_names(enum: EnumTypeWrapper, prefix: str) -> dict[int, str]:
+    return {value.number: value.name.removeprefix(prefix).lower() for value in enum.DESCRIPTOR.values}
+
+
+_JOB_STATUS = _enum_names(common_pb2.JobStatus, "JOB_STATUS_")
+_FINISH_REASON = _enum_names(common_pb2.FinishReason, "FINISH_REASON_")
+
+
+def job_status_name(value: int) -> str:
+    """ "completed" for JOB_STATUS_COMPLETED; the number as text for a value newer than this SDK."""
+    return _JOB_STATUS.get(value, str(value))
+
+
+def finish_reason_name(value: int) -> str:
+    """ "stop" for FINISH_REASON_STOP; the number as text for a value newer than this SDK."""
+    return _FINISH_REASON.get(value, str(value))
+
+
+def _datetime(message, field: str) -> datetime | None:
+    if not message.HasField(field):
+        return None
+    timestamp: timestamp_pb2.Timestamp = getattr(message, field)
+    return timestamp.ToDatetime(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class AppliedExpert:
+    """An expert the engine applied to the job."""
+
+    name: str
+    version: str
+    adapter_type: str
+    weight: float
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Postproc's check of the output (`validator`: json, json_schema, python or generic)."""
+
+    valid: bool
+    validator: str
+    error: str
+
+
+@dataclass(frozen=True)
+class InferenceMetrics:
+    """Where the job's time went (milliseconds) and what it used."""
+
+    job_id: str
+    submitted_at: datetime | None
+    queue_latency_ms: float
+    router_latency_ms: float
+    expert_load_latency_ms: float
+    inference_latency_ms: float
+    ttft_ms: float
+    postproc_latency_ms: float
+    total_latency_ms: float
+    experts_used: tuple[str, ...]
+    num_experts: int
+    vram_peak_mb: int
+    input_tokens: int
+    output_tokens: int
+    tokens_per_second: float
+    success: bool
+    error: str
+    validation_passed: bool
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    """A finished job. When `timed_out`, `text` is the partial output produced before timeout_ms.
+    A job a stage refused has `error_code` (a gRPC code name such as "INVALID_ARGUMENT") and, for
+    bad fields, `error_fields` as (field, description) pairs."""
+
+    job_id: str
+    status: JobStatusName
+    text: str
+    tokens_generated: int
+    experts_used: tuple[str, ...]
+    latency_ms: float
+    finish_reason: FinishReasonName
+    timed_out: bool
+    validation: ValidationResult | None
+    metrics: InferenceMetrics | None
+    reasoning_trace: str
+    error: str
+    experts: tuple[AppliedExpert, ...]
+    error_code: str
+    error_fields: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A piece of a streamed job. `restarted` chunks carry no text: the job started over (attempt
+    number `attempt`) and everything received before is void."""
+
+    text: str
+    restarted: bool = False
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class JobSubmission:
+    """A queued job."""
+
+    job_id: str
+    status: JobStatusName
+    submitted_at: datetime | None
+    estimated_wait_ms: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job's record: `text` is the output so far; `result` is set once the job is final."""
+
+    job_id: str
+    status: JobStatusName
+    submitted_at: datetime | None
+    updated_at: datetime | None
+    finished_at: datetime | None
+    priority: int
+    attempts: int
+    text: str
+    result: InferenceResult | None
+    error: str
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+
+def applied_expert_from_proto(message: common_pb2.AppliedExpert) -> AppliedExpert:
+    return AppliedExpert(message.name, message.version, message.adapter_type, message.weight)
+
+
+def validation_from_proto(message: common_pb2.ValidationResult) -> ValidationResult:
+    return ValidationResult(message.valid, message.validator, message.error)
+
+
+def metrics_from_proto(message: common_pb2.InferenceMetrics) -> InferenceMetrics:
+    return InferenceMetrics(
+        job_id=message.job_id,
+        submitted_at=_datetime(message, "submitted_at"),
+        queue_latency_ms=message.queue_latency_ms,
+        router_latency_ms=message.router_latency_ms,
+        expert_load_latency_ms=message.expert_load_latency_ms,
+        inference_latency_ms=message.inference_latency_ms,
+        ttft_ms=message.ttft_ms,
+        postproc_latency_ms=message.postproc_latency_ms,
+        total_latency_ms=message.total_latency_ms,
+        experts_used=tuple(message.experts_used),
+        num_experts=message.num_experts,
+        vram_peak_mb=message.vram_peak_mb,
+        input_tokens=message.input_tokens,
+        output_tokens=message.output_tokens,
+        tokens_per_second=message.tokens_per_second,
+        success=message.success,
+        error=message.error,
+        validation_passed=message.validation_passed,
+    )
+
+
+def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
+    return InferenceResult(
+        job_id=message.job_id,
+        status=job_status_name(message.status),
+        text=message.text,
+        tokens_generated=message.tokens_generated,
+        experts_used=tuple(message.experts_used),
+        latency_ms=message.latency_ms,
+        finish_reason=finish_reason_name(message.finish_reason),
+        timed_out=message.timed_out,
+        validation=validation_from_proto(message.validation) if message.HasField("validation") else None,
+        metrics=metrics_from_proto(message.metrics) if message.HasField("metrics") else None,
+        reasoning_trace=message.reasoning_trace,
+        error=message.error,
+        experts=tuple(applied_expert_from_proto(e) for e in message.experts),
+        error_code=message.error_code,
+        error_fields=tuple((f.field, f.description) for f in message.error_fields),
+    )
+
+
+def submission_from_proto(message: common_pb2.JobSubmission) -> JobSubmission:
+    return JobSubmission(
+        job_id=message.job_id,
+        status=job_status_name(message.status),
+        submitted_at=_datetime(message, "submitted_at"),
+        estimated_wait_ms=message.estimated_wait_ms,
+    )
+
+
+def job_from_proto(message: common_pb2.Job) -> Job:
+    return Job(
+        job_id=message.job_id,
+        status=job_status_name(message.status),
+        submitted_at=_datetime(message, "submitted_at"),
+        updated_at=_datetime(message, "updated_at"),
+        finished_at=_datetime(message, "finished_at"),
+        priority=message.priority,
+        attempts=message.attempts,
+        text=message.text,
+        result=result_from_proto(message.result) if message.HasField("result") else None,
+        error=message.error,
+    )

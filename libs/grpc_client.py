@@ -1,0 +1,112 @@
+"""Calling other services: channels with the options every peer expects, deadline propagation,
+retries of idempotent calls on UNAVAILABLE, and waiting for a peer to report SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A ping every 30 s finds a dead peer (or a NAT that dropped the connection) between calls; the
+# server side accepts pings this frequent (see libs.grpc_server.SERVER_OPTIONS).
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Keep pinging an idle connection instead of stopping after two pings without data.
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+# Backoff between attempts of `call`: full jitter over an exponentially growing window.
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_MAX_S = 2.0
+
+
+def insecure_channel(target: str) -> grpc.aio.Channel:
+    """An aio channel to `target` (host:port) with keepalive and 64 MiB message limits. Create one per
+    peer and reuse it; close it with `await channel.close()`."""
+    return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+
+
+def remaining_timeout(context: grpc.aio.ServicerContext | None, default: float | None) -> float | None:
+    """The timeout for a call made while serving `context`: the time left on the incoming call, so
+    the whole chain gives up together, or `default` when the incoming call has no deadline (or
+    there is none). Never negative."""
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is None:
+        return default
+    return max(0.0, remaining)
+
+
+async def call(
+    method: grpc.aio.UnaryUnaryMultiCallable,
+    request: Any,
+    *,
+    timeout: float | None,
+    idempotent: bool,
+    attempts: int = 3,
+    metadata: Sequence[tuple[str, str | bytes]] | None = None,
+) -> Any:
+    """Calls a unary `method` (e.g. `stub.Plan`) and returns its response. When `idempotent`, an
+    UNAVAILABLE answer is retried up to `attempts` calls in all, with jittered exponential backoff;
+    `timeout` bounds all attempts together and no attempt or wait goes past it. Any other error,
+    and UNAVAILABLE from a non-idempotent call, is raised at once (a grpc.aio.AioRpcError)."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        attempt += 1
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await method(request, timeout=left, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            if not idempotent or error.code() is not grpc.StatusCode.UNAVAILABLE or attempt >= attempts:
+                raise
+            delay = random.uniform(0, min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (attempt - 1)))
+            if deadline is not None and time.monotonic() + delay >= deadline:
+                raise
+            await asyncio.sleep(delay)
+
+
+async def wait_for_serving(target: str, service: str = "", timeout: float = 30.0) -> None:
+    """Polls grpc.health.v1 Check on `target` until `service` ("" for the whole server) reports
+    SERVING; raises TimeoutError naming the target and the last answer after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    delay = 0.05
+    channel = insecure_channel(target)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                response = await stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 1.0)
+                )
+            except grpc.aio.AioRpcError as error:
+                last = error.code().name
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+    finally:
+        await channel.close()
+    what = f"service {service!r}" if service else "the server"
+    raise TimeoutError(f"{target}: {what} not SERVING after {timeout:g} s (last answer: {last})")

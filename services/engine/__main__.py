@@ -1,0 +1,121 @@
+"""`python -m services.engine`: the engine service (the model runner behind gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from libs.errors import (
+    ServiceError,
+    failed_precondition,
+    invalid_argument,
+    not_found,
+    resource_exhausted,
+    unavailable,
+)
+from libs.gen.expert.v1 import engine_pb2_grpc, preparation_pb2_grpc
+from libs.grpc_client import insecure_channel
+from libs.grpc_server import Health, run, serve
+from libs.logging import configure_logging, get_logger
+from services.engine.adapters.registry import (
+    ExpertCapacityError,
+    ExpertInUseError,
+    ExpertNotFoundError,
+    ExpertRefusedError,
+)
+from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from services.engine.errors import InvalidRequestError
+from services.engine.llm_engine import LLMEngine
+from services.engine.registration import Membership
+from services.engine.sampling_params import SamplingParams
+from services.engine.server import EngineServicer
+from services.engine.service_config import EngineServiceConfig
+from services.engine.service_metrics import EngineMetrics
+
+SERVICE = "expert.v1.EngineService"
+log = get_logger(__name__)
+
+
+def map_error(error: BaseException) -> ServiceError | None:
+    """The engine's own exceptions as gRPC statuses."""
+    if isinstance(error, InvalidRequestError):
+        return invalid_argument(error.field, error.description)
+    if isinstance(error, ExpertNotFoundError):
+        return not_found(str(error))
+    if isinstance(error, ExpertRefusedError):
+        return invalid_argument("package", str(error))
+    if isinstance(error, ExpertInUseError):
+        return failed_precondition(str(error))
+    if isinstance(error, ExpertCapacityError):
+        return resource_exhausted(str(error))
+    if isinstance(error, EngineDeadError):
+        return unavailable(str(error))
+    return None
+
+
+async def main() -> None:
+    config = EngineServiceConfig.from_env()
+    configure_logging("engine", config.server.log_level)
+    health = Health()
+    metrics = EngineMetrics()
+    servicer = EngineServicer(None, metrics, config.max_expert_bytes)  # the engine arrives in on_start
+    channel = insecure_channel(config.preparation_target)
+    tasks: list[asyncio.Task] = []
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+        return [SERVICE]
+
+    async def on_start() -> None:
+        loop = asyncio.get_running_loop()
+        inner = await loop.run_in_executor(None, LLMEngine, config.engine)  # loading takes seconds
+        engine = AsyncLLMEngine(inner, max_pending=config.stream_buffer)
+        await engine.start()
+        servicer.engine = engine
+        # Warm up: one real generation through the whole path before declaring SERVING.
+        async for _ in engine.generate(
+            "Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        ):
+            pass
+        membership = Membership(
+            engine,
+            config.engine_id,
+            config.advertise_address,
+            preparation_pb2_grpc.PreparationServiceStub(channel),
+            config.heartbeat_interval_s,
+        )
+        tasks.append(asyncio.create_task(membership.run()))
+        tasks.append(asyncio.create_task(_publish_stats(engine, metrics)))
+        log.info("engine ready", engine=config.engine_id, kernels=inner.kernels, model=config.engine.model)
+        await health.set_serving(True)
+
+    async def on_stop() -> None:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if servicer.engine is not None:
+            await servicer.engine.shutdown()
+        await channel.close()
+
+    await serve(
+        "engine",
+        config.server,
+        register,
+        health=health,
+        on_start=on_start,
+        on_stop=on_stop,
+        error_mapper=map_error,
+    )
+
+
+async def _publish_stats(engine: AsyncLLMEngine, metrics: EngineMetrics) -> None:
+    while True:
+        metrics.update(engine.get_stats())
+        await asyncio.sleep(1.0)
+
+
+if __name__ == "__main__":
+    run(main(), service="engine")

@@ -1,0 +1,216 @@
+"""EngineService: the gRPC front of the engine. Translates protos to engine calls and back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from libs.errors import invalid_argument, not_found, unavailable
+from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.adapters.registry import ExpertNotFoundError
+from services.engine.async_engine import AsyncLLMEngine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import OutputKind, SamplingParams
+from services.engine.service_metrics import EngineMetrics
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
+    """The engine's SamplingParams; zero top_p / repetition_penalty / max_tokens mean "not set"."""
+    return SamplingParams(
+        temperature=params.temperature,
+        max_tokens=params.max_tokens or None,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop=list(params.stop),
+        seed=params.seed if params.HasField("seed") else None,
+        output_kind=OutputKind.DELTA,
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Created before the model is loaded (so health can answer); calls are UNAVAILABLE until
+    `engine` is set."""
+
+    def __init__(self, engine: AsyncLLMEngine | None, metrics: EngineMetrics, max_expert_bytes: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_expert_bytes = max_expert_bytes
+
+    def _ready(self) -> AsyncLLMEngine:
+        if self.engine is None:
+            raise unavailable("the engine is still loading its model")
+        return self.engine
+
+    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[dict[str, str]]:
+        if model_input.HasField("text"):
+            return model_input.text
+        messages = [{"role": m.role, "content": m.content} for m in model_input.conversation.messages]
+        if not messages:
+            raise invalid_argument("input", "neither text nor a conversation was given")
+        if self.engine.tokenizer.chat_template is None:
+            # A base model without a chat template completes the conversation's text.
+            return "\n\n".join(m["content"] for m in messages)
+        return messages
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        self._ready()
+        request_id = request.request_id or uuid.uuid4().hex
+        experts = [
+            (e.name + (f"@{e.version}" if e.version else ""), e.weight or 1.0) for e in request.experts
+        ]
+        stream = self.engine.add_request(
+            request_id,
+            self._prompt(request.input),
+            sampling_params(request.params),
+            priority=request.priority,
+            experts=experts or None,
+        )
+        try:
+            async for output in stream:
+                yield self._response(output)
+        finally:
+            if not stream.finished:  # the caller went away or was cancelled: free the KV now
+                self.engine.abort(request_id)
+
+    def _response(self, output: RequestOutput) -> engine_pb2.GenerateResponse:
+        completion = output.outputs[0]
+        response = engine_pb2.GenerateResponse(text=completion.text, token_ids=completion.token_ids)
+        if output.finished:
+            m = output.metrics
+            response.finish_reason = FINISH_REASONS.get(
+                completion.finish_reason, common_pb2.FINISH_REASON_STOP
+            )
+            response.usage.CopyFrom(
+                common_pb2.GenerationUsage(
+                    prompt_tokens=m.num_prompt_tokens,
+                    completion_tokens=m.num_generation_tokens,
+                    cached_tokens=m.num_cached_tokens,
+                    queue_ms=(m.queue_time or 0.0) * 1000,
+                    ttft_ms=(m.ttft or 0.0) * 1000,
+                    decode_ms=(m.decode_time or 0.0) * 1000,
+                )
+            )
+            response.experts.extend(
+                common_pb2.AppliedExpert(
+                    name=e.name, version=e.version, adapter_type=e.adapter_type, weight=e.weight
+                )
+                for e in output.experts
+            )
+            self.metrics.observe_request(m, completion.finish_reason or "stop")
+        return response
+
+    async def GetStats(
+        self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetStatsResponse:
+        stats = self._ready().get_stats()
+        experts = stats.experts
+        return engine_pb2.GetStatsResponse(
+            load=engine_load(self.engine),
+            model=model_spec(self.engine),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            preemptions_total=stats.num_preemptions_total,
+            prompt_tokens_total=stats.prompt_tokens_total,
+            generation_tokens_total=stats.generation_tokens_total,
+            experts_held=experts.experts_held if experts else 0,
+            experts_resident=experts.experts_resident if experts else 0,
+            expert_host_bytes=experts.host_bytes if experts else 0,
+            expert_device_bytes=experts.device_bytes if experts else 0,
+        )
+
+    async def LoadExpert(
+        self, request_iterator: AsyncIterator[engine_pb2.LoadExpertRequest], context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoadExpertResponse:
+        self._ready()
+        size, chunks, received = None, [], 0
+        async for part in request_iterator:
+            if part.HasField("size"):
+                if size is not None or received:
+                    raise invalid_argument("size", "must come once, in the first message")
+                if not 0 < part.size <= self.max_expert_bytes:
+                    raise invalid_argument(
+                        "size", f"must be in (0, {self.max_expert_bytes}] bytes, got {part.size}"
+                    )
+                size = part.size
+            else:
+                if size is None:
+                    raise invalid_argument("size", "the first message must carry the package size")
+                received += len(part.chunk)
+                if received > size:
+                    raise invalid_argument("chunk", f"more than the announced {size} bytes")
+                chunks.append(part.chunk)
+        if size is None or received != size:
+            raise invalid_argument("chunk", f"received {received} of {size or 0} announced bytes")
+        name, version = await self.engine.load_expert(b"".join(chunks))
+        info = next(e for e in await self.engine.list_experts() if e.name == name and e.version == version)
+        return engine_pb2.LoadExpertResponse(name=name, version=version, content_hash=info.content_hash)
+
+    async def UnloadExpert(
+        self, request: engine_pb2.UnloadExpertRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.UnloadExpertResponse:
+        self._ready()
+        try:
+            await self.engine.unload_expert(request.name)
+        except ExpertNotFoundError as exc:
+            raise not_found(str(exc)) from None
+        return engine_pb2.UnloadExpertResponse()
+
+    async def ListExperts(
+        self, request: engine_pb2.ListExpertsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ListExpertsResponse:
+        self._ready()
+        return engine_pb2.ListExpertsResponse(
+            experts=[
+                engine_pb2.EngineExpert(
+                    name=e.name,
+                    version=e.version,
+                    adapter_type=e.adapter_type,
+                    content_hash=e.content_hash,
+                    current=e.current,
+                    host_bytes=e.host_bytes,
+                    device_bytes=e.device_bytes,
+                    resident=e.resident,
+                    active_requests=e.active_requests,
+                )
+                for e in await self.engine.list_experts()
+            ]
+        )
+
+
+def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:
+    stats = engine.get_stats()
+    return common_pb2.EngineLoad(
+        kv_blocks_total=stats.kv_num_blocks,
+        kv_blocks_free=stats.kv_free_blocks,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        max_num_seqs=engine.engine.config.scheduler.max_num_seqs,
+    )
+
+
+def model_spec(engine: AsyncLLMEngine) -> common_pb2.ModelSpec:
+    inner = engine.engine
+    config = inner.model_config
+    return common_pb2.ModelSpec(
+        name=inner.config.model.rstrip("/").rsplit("/", 1)[-1],
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype_bytes=inner.dtype_bytes,
+        max_model_len=inner.max_model_len,
+        block_size=inner.config.cache.block_size,
+    )

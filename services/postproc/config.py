@@ -1,0 +1,27 @@
+"""Postproc's configuration (EXPERT_* variables)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from libs.config import EnvReader, ServerConfig
+
+DEFAULT_PORT = 50055
+DEFAULT_METRICS_PORT = 9155
+
+
+@dataclass(frozen=True)
+class PostprocConfig:
+    server: ServerConfig
+    redis_url: str
+    preparation_target: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PostprocConfig:
+        reader = EnvReader(env)
+        return cls(
+            server=ServerConfig.from_env("postproc", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
+            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),
+        )

@@ -1,0 +1,121 @@
+"""Seed 000 post-processing of one job: validate the output, record the metrics, release the engine,
+send feedback to the router."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from libs.gen.expert.v1 import common_pb2, postproc_pb2
+from libs.logging import get_logger
+from services.postproc.metrics import PostprocMetrics
+from services.postproc.validation import validate_output
+
+log = get_logger(__name__)
+
+FEEDBACK_STREAM = "expert:feedback"
+
+Release = Callable[[str], Awaitable[None]]
+Publish = Callable[[str, dict[str, bytes]], Awaitable[None]]
+
+
+class Finalizer:
+    def __init__(self, release: Release, publish: Publish, metrics: PostprocMetrics) -> None:
+        self.release = release  # tells preparation the job is done with its engine
+        self.publish = publish  # XADDs to a Redis stream
+        self.metrics = metrics
+
+    async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
+        started = time.perf_counter()
+        outcome, plan = request.outcome, request.plan
+        failed = bool(outcome.error) and not request.timed_out and not request.cancelled
+        schema = request.request.json_schema if request.request.HasField("json_schema") else None
+        validation = validate_output(outcome.text, plan.features.task_type or "general", schema)
+        status = (
+            common_pb2.JOB_STATUS_CANCELLED
+            if request.cancelled
+            else common_pb2.JOB_STATUS_TIMED_OUT
+            if request.timed_out
+            else common_pb2.JOB_STATUS_FAILED
+            if failed
+            else common_pb2.JOB_STATUS_COMPLETED
+        )
+        finish = (
+            common_pb2.FINISH_REASON_TIMEOUT
+            if request.timed_out
+            else common_pb2.FINISH_REASON_ABORT
+            if request.cancelled
+            else common_pb2.FINISH_REASON_ERROR
+            if failed
+            else outcome.finish_reason
+        )
+        experts = [e.name for e in outcome.experts]
+        total_ms = (
+            (time.time() - request.submitted_at.ToDatetime().timestamp()) * 1000
+            if request.HasField("submitted_at")
+            else 0.0
+        )
+        usage = outcome.usage
+        decode_s = usage.decode_ms / 1000
+        metrics = common_pb2.InferenceMetrics(
+            job_id=request.job_id,
+            submitted_at=request.submitted_at,
+            router_latency_ms=plan.router_latency_ms,
+            expert_load_latency_ms=request.placement.preparation_latency_ms,
+            inference_latency_ms=request.inference_latency_ms,
+            total_latency_ms=total_ms,
+            experts_used=experts,
+            num_experts=len(experts),
+            vram_peak_mb=request.placement.kv_bytes_needed // (1 << 20),
+            input_tokens=usage.prompt_tokens,
+            output_tokens=outcome.completion_tokens,
+            tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
+            success=status == common_pb2.JOB_STATUS_COMPLETED,
+            error=outcome.error,
+            validation_passed=validation.valid,
+            queue_latency_ms=request.queue_latency_ms,
+            ttft_ms=usage.ttft_ms,
+        )
+        if request.placement.engine_id:
+            await self.release(request.job_id)
+        await self.publish(
+            FEEDBACK_STREAM,
+            {
+                "job_id": request.job_id.encode(),
+                "experts": json.dumps(experts).encode(),
+                "task_type": (plan.features.task_type or "general").encode(),
+                "success": b"1" if metrics.success else b"0",
+                "validation_passed": b"1" if validation.valid else b"0",
+                "validator": validation.validator.encode(),
+                "latency_ms": f"{total_ms:.3f}".encode(),
+                "timestamp": f"{time.time():.3f}".encode(),
+            },
+        )
+        metrics.postproc_latency_ms = (time.perf_counter() - started) * 1000
+        self.metrics.observe(metrics, status, validation.validator)
+        log.info(
+            "job finalized",
+            job_id=request.job_id,
+            status=common_pb2.JobStatus.Name(status),
+            validation=validation.valid,
+            tokens=outcome.completion_tokens,
+            total_ms=round(total_ms, 1),
+        )
+        return common_pb2.InferenceResult(
+            job_id=request.job_id,
+            status=status,
+            text=outcome.text,
+            tokens_generated=outcome.completion_tokens,
+            experts_used=experts,
+            latency_ms=total_ms,
+            finish_reason=finish,
+            timed_out=request.timed_out,
+            validation=common_pb2.ValidationResult(
+                valid=validation.valid, validator=validation.validator, error=validation.error
+            ),
+            metrics=metrics,
+            reasoning_trace=plan.reasoning_trace,
+            error=outcome.error,
+            experts=outcome.experts,
+        )

@@ -1,0 +1,121 @@
+"""The engine fleet as preparation sees it: registered engines, their load, the jobs placed on them.
+
+Engines register on start and heartbeat with their load; one that misses heartbeats for longer than
+the timeout is dropped, and the jobs placed on it are forgotten (their dispatchers see the engine's
+stream fail and fail over). Each placed job holds one of its engine's sequence slots and a KV
+reservation until it is released.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libs.gen.expert.v1 import common_pb2
+
+
+@dataclass
+class PlacedJob:
+    job_id: str
+    engine_id: str
+    kv_blocks: int
+    placed_at: float
+
+
+@dataclass
+class Engine:
+    info: common_pb2.EngineInfo
+    registered_at: float
+    last_heartbeat: float
+    jobs: dict[str, PlacedJob] = field(default_factory=dict)
+
+    @property
+    def engine_id(self) -> str:
+        return self.info.engine_id
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.info.load.max_num_seqs - len(self.jobs))
+
+    def available_blocks(self) -> int:
+        """Free KV blocks the engine reported, less what jobs placed since that report will take."""
+        pending = sum(j.kv_blocks for j in self.jobs.values() if j.placed_at >= self.last_heartbeat)
+        return self.info.load.kv_blocks_free - pending
+
+
+def kv_blocks_needed(plan: common_pb2.ExpertPlan, model: common_pb2.ModelSpec) -> int:
+    """Blocks for the prompt (its byte count bounds its tokens) plus max_tokens of output."""
+    tokens = plan.prompt_bytes + plan.generation_params.max_tokens
+    if model.max_model_len:
+        tokens = min(tokens, model.max_model_len)
+    return math.ceil(tokens / max(model.block_size, 1))
+
+
+def kv_bytes(blocks: int, model: common_pb2.ModelSpec) -> int:
+    """Bytes of K and V for `blocks` blocks: layers x KV heads x head dim x dtype bytes x 2, per token."""
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes
+    return blocks * model.block_size * per_token
+
+
+class Fleet:
+    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.engines: dict[str, Engine] = {}
+        self.jobs: dict[str, PlacedJob] = {}
+
+    def register(self, info: common_pb2.EngineInfo) -> Engine:
+        """Add (or replace) an engine; a re-registration keeps the jobs placed on it."""
+        now = self.clock()
+        previous = self.engines.get(info.engine_id)
+        engine = Engine(common_pb2.EngineInfo(), now, now, previous.jobs if previous else {})
+        engine.info.CopyFrom(info)
+        self.engines[info.engine_id] = engine
+        return engine
+
+    def heartbeat(self, engine_id: str, load: common_pb2.EngineLoad) -> bool:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return False
+        engine.info.load.CopyFrom(load)
+        engine.last_heartbeat = self.clock()
+        return True
+
+    def expire(self) -> list[Engine]:
+        """Drop engines whose heartbeat is overdue; returns them (with the jobs they had)."""
+        now = self.clock()
+        dead = [e for e in self.engines.values() if now - e.last_heartbeat > self.heartbeat_timeout_s]
+        for engine in dead:
+            del self.engines[engine.engine_id]
+            for job_id in engine.jobs:
+                self.jobs.pop(job_id, None)
+        return dead
+
+    def place(self, job_id: str, engine: Engine, kv_blocks: int) -> PlacedJob:
+        self.release(job_id)  # a retried job moves
+        job = PlacedJob(job_id, engine.engine_id, kv_blocks, self.clock())
+        engine.jobs[job_id] = job
+        self.jobs[job_id] = job
+        return job
+
+    def release(self, job_id: str) -> bool:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return False
+        engine = self.engines.get(job.engine_id)
+        if engine is not None:
+            engine.jobs.pop(job_id, None)
+        return True
+
+    def capacity(self) -> common_pb2.EngineLoad:
+        """The fleet's free sequence slots (as max_num_seqs) and free KV blocks, summed."""
+        return common_pb2.EngineLoad(
+            max_num_seqs=sum(e.free_slots for e in self.engines.values()),
+            kv_blocks_free=sum(max(0, e.available_blocks()) for e in self.engines.values()),
+        )
+
+    def max_model_len(self) -> int:
+        lengths = [e.info.model.max_model_len for e in self.engines.values() if e.info.model.max_model_len]
+        return min(lengths) if lengths else 0

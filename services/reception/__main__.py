@@ -1,0 +1,52 @@
+"""`python -m services.reception`: the public API and the dispatcher."""
+
+from __future__ import annotations
+
+import grpc
+from redis.asyncio import Redis
+
+from libs.grpc_server import Health, run, serve
+from libs.logging import configure_logging
+from services.reception.config import ReceptionConfig
+from services.reception.dispatcher import Capacity, Dispatcher
+from services.reception.jobs import JobStore
+from services.reception.metrics import ReceptionMetrics
+from services.reception.peers import Peers
+from services.reception.pipeline import Pipeline
+from services.reception.queue import JobQueue
+from services.reception.server import ReceptionServicer, add_to_server
+
+
+async def main() -> None:
+    config = ReceptionConfig.from_env()
+    configure_logging("reception", config.server.log_level)
+    health = Health()
+    redis = Redis.from_url(config.redis_url)
+    peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
+    jobs, queue, metrics = JobStore(redis, config.job_ttl_s), JobQueue(redis), ReceptionMetrics()
+    capacity = Capacity(peers.preparation)
+    servicer = ReceptionServicer(redis, jobs, queue, capacity, metrics)
+    pipeline = Pipeline(jobs, peers, config.engine_retries, lambda: capacity.last.max_model_len)
+    dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)
+    dispatcher.on_finished = servicer.observe_job
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        return [add_to_server(servicer, server)]
+
+    async def on_start() -> None:
+        await redis.ping()  # jobs live in Redis: not ready without it
+        await queue.setup()
+        if config.dispatch_enabled:
+            await dispatcher.start()
+        await health.set_serving(True)
+
+    async def on_stop() -> None:
+        await dispatcher.stop()
+        await peers.close()
+        await redis.aclose()
+
+    await serve("reception", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
+
+
+if __name__ == "__main__":
+    run(main(), service="reception")

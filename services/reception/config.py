@@ -1,0 +1,46 @@
+"""Reception's configuration (EXPERT_* variables): the API server, Redis, the stages, the dispatcher."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from libs.config import EnvReader, ServerConfig
+from services.reception.dispatcher import DispatchSettings
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9151
+
+
+@dataclass(frozen=True)
+class ReceptionConfig:
+    server: ServerConfig
+    redis_url: str
+    router_target: str
+    preparation_target: str
+    postproc_target: str
+    dispatch_enabled: bool  # off: an API-only instance (other instances dispatch)
+    dispatch: DispatchSettings
+    engine_retries: int
+    job_ttl_s: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
+        reader = EnvReader(env)
+        default_timeout_ms = reader.integer("EXPERT_JOB_DEFAULT_TIMEOUT_MS", 600_000, minimum=0)
+        return cls(
+            server=ServerConfig.from_env("reception", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
+            router_target=reader.address("EXPERT_ROUTER_TARGET", "localhost:50052"),
+            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),
+            postproc_target=reader.address("EXPERT_POSTPROC_TARGET", "localhost:50055"),
+            dispatch_enabled=reader.boolean("EXPERT_DISPATCH_ENABLED", True),
+            dispatch=DispatchSettings(
+                workers=reader.integer("EXPERT_DISPATCH_WORKERS", 16, minimum=1),
+                reclaim_idle_ms=reader.integer("EXPERT_DISPATCH_RECLAIM_IDLE_MS", 15_000, minimum=100),
+                max_deliveries=reader.integer("EXPERT_DISPATCH_MAX_DELIVERIES", 3, minimum=1),
+                default_timeout_s=default_timeout_ms / 1000 if default_timeout_ms else None,
+            ),
+            engine_retries=reader.integer("EXPERT_DISPATCH_ENGINE_RETRIES", 2, minimum=0),
+            job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
+        )

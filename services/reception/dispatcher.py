@@ -1,0 +1,227 @@
+"""The dispatcher: async workers that pull jobs from the priority queue and run them.
+
+Workers take a job only while preparation reports free engine slots (backpressure), most important
+priority first. The queue entry is acknowledged only once the job reached a final state; while it
+runs, its entry's idle time is kept fresh, so only the entries of a dispatcher that died go idle:
+another dispatcher reclaims them and runs the job again. A job delivered `max_deliveries` times is
+moved to the dead-letter stream and marked FAILED with the reason. Cancellations arrive on a Redis
+channel; the worker running the job stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from redis.asyncio import Redis
+
+from libs.gen.expert.v1 import common_pb2, preparation_pb2
+from libs.grpc_client import call
+from libs.logging import bind_context, get_logger
+from libs.redis_streams import Entry, read_next, reclaim
+from services.reception.jobs import CANCEL_CHANNEL, JobStore
+from services.reception.metrics import ReceptionMetrics
+from services.reception.pipeline import JobRun, Pipeline
+from services.reception.queue import DEAD_LETTER, GROUP, STREAMS, JobQueue
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    workers: int
+    reclaim_idle_ms: int
+    max_deliveries: int
+    default_timeout_s: float | None
+
+
+class Capacity:
+    """Preparation's GetCapacity, cached briefly so that idle workers do not hammer it."""
+
+    def __init__(self, preparation, ttl_s: float = 0.05) -> None:
+        self.preparation = preparation
+        self.ttl_s = ttl_s
+        self._value = preparation_pb2.GetCapacityResponse()
+        self._at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> preparation_pb2.GetCapacityResponse:
+        async with self._lock:
+            if time.monotonic() - self._at > self.ttl_s:
+                try:
+                    self._value = await call(
+                        self.preparation.GetCapacity,
+                        preparation_pb2.GetCapacityRequest(),
+                        timeout=2.0,
+                        idempotent=True,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("preparation unreachable", error=exc.details())
+                    self._value = preparation_pb2.GetCapacityResponse()
+                self._at = time.monotonic()
+            return self._value
+
+    def invalidate(self) -> None:
+        self._at = 0.0
+
+    @property
+    def last(self) -> preparation_pb2.GetCapacityResponse:
+        """The latest answer, without asking again."""
+        return self._value
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        redis: Redis,
+        jobs: JobStore,
+        queue: JobQueue,
+        pipeline: Pipeline,
+        capacity: Capacity,
+        settings: DispatchSettings,
+        metrics: ReceptionMetrics,
+    ) -> None:
+        self.redis = redis
+        self.jobs = jobs
+        self.queue = queue
+        self.pipeline = pipeline
+        self.capacity = capacity
+        self.settings = settings
+        self.metrics = metrics
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._runs: dict[str, JobRun] = {}
+        self._unplaced = 0  # jobs taken but not yet placed: they will use slots preparation still shows free
+        self._tasks: list[asyncio.Task] = []
+        self._reclaimed: set[asyncio.Task] = set()
+        self.on_finished: Callable[[float], None] | None = None  # told each finished job's duration
+
+    async def start(self) -> None:
+        await self.queue.setup()
+        self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.settings.workers)]
+        self._tasks += [asyncio.create_task(self._reclaimer()), asyncio.create_task(self._cancellations())]
+        log.info("dispatcher started", consumer=self.consumer, workers=self.settings.workers)
+
+    async def stop(self) -> None:
+        """Stop taking jobs; jobs in flight are left to be reclaimed by another dispatcher."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    async def _worker(self, index: int) -> None:
+        while True:
+            try:
+                capacity = await self.capacity.get()
+                if capacity.free_slots - self._unplaced <= 0:
+                    await asyncio.sleep(0.05)
+                    continue
+                entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
+                if entry is not None:
+                    await self._handle(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis hiccups and the like: keep the worker alive
+                log.exception("dispatcher worker error", worker=index)
+                await asyncio.sleep(0.5)
+
+    async def _handle(self, entry: Entry) -> None:
+        job_id = entry.fields.get("job_id", b"").decode()
+        keeper = asyncio.create_task(self._keep_alive(entry))
+        self._unplaced += 1
+        counted = True
+        try:
+            with bind_context(job_id=job_id):
+                record = await self.jobs.get(job_id) if job_id else None
+                if record is None or record.final:
+                    return  # expired, or finished (a cancellation) before it was picked
+                if record.attempts >= self.settings.max_deliveries:
+                    await self._give_up(entry, record.attempts)
+                    return
+                await self.jobs.start_attempt(job_id)
+                run = JobRun(record, default_timeout_s=self.settings.default_timeout_s)
+                self._runs[job_id] = run
+                task = asyncio.create_task(self.pipeline.run(run))
+                placed = asyncio.ensure_future(run.placed.wait())
+                await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
+                placed.cancel()
+                self._unplaced -= 1
+                counted = False
+                self.capacity.invalidate()
+                result = await task
+                seconds = time.time() - record.submitted_at
+                self.metrics.finished(result, seconds)
+                if self.on_finished is not None:
+                    self.on_finished(seconds)
+        finally:
+            if counted:
+                self._unplaced -= 1
+            self._runs.pop(job_id, None)
+            keeper.cancel()
+            await self.queue.done(entry.stream, entry.id)
+
+    async def _keep_alive(self, entry: Entry) -> None:
+        period = self.settings.reclaim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(Exception):
+                await self.queue.keep(entry.stream, entry.id, self.consumer)
+
+    async def _give_up(self, entry: Entry, attempts: int) -> None:
+        reason = f"gave up after {attempts} deliveries (its dispatchers kept dying)"
+        await self.redis.xadd(
+            DEAD_LETTER, {**entry.fields, "source_stream": entry.stream.encode(), "reason": reason.encode()}
+        )
+        result = common_pb2.InferenceResult(
+            job_id=entry.fields["job_id"].decode(),
+            status=common_pb2.JOB_STATUS_FAILED,
+            error=reason,
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+        )
+        await self.jobs.finish(result.job_id, result)
+        log.error("job dead-lettered", reason=reason)
+
+    async def _reclaimer(self) -> None:
+        """Take over the entries of dispatchers that stopped refreshing them."""
+        while True:
+            await asyncio.sleep(self.settings.reclaim_idle_ms / 2000)
+            try:
+                for name in STREAMS:
+                    for entry in await reclaim(
+                        self.redis,
+                        name,
+                        GROUP,
+                        self.consumer,
+                        min_idle_ms=self.settings.reclaim_idle_ms,
+                        max_deliveries=self.settings.max_deliveries + 2,
+                        dead_letter_stream=DEAD_LETTER,
+                    ):
+                        log.warning("reclaimed a job from a dispatcher that stopped", entry=entry.id)
+                        task = asyncio.create_task(self._handle(entry))
+                        self._reclaimed.add(task)
+                        task.add_done_callback(self._reclaimed.discard)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reclaim failed")
+
+    async def _cancellations(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(CANCEL_CHANNEL)
+        try:
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                run = self._runs.get(message["data"].decode())
+                if run is not None:
+                    run.cancel.set()
+        finally:
+            await pubsub.aclose()

@@ -1,0 +1,193 @@
+"""Job records and job events in Redis.
+
+- `expert:job:{id}`: a hash with the request, status, priority, timestamps, attempts, result, error;
+- `expert:job:{id}:text`: the output so far (appended chunk by chunk);
+- `expert:job:{id}:events`: a stream of status changes, text chunks, restarts and the final result,
+  which reception instances read to answer Infer and InferStream, whoever dispatches the job.
+All three expire after the job TTL. Status changes are atomic (a Lua script): a final status is never
+overwritten, so a cancellation and a completion racing each other resolve to exactly one outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from redis.asyncio import Redis
+
+from libs.gen.expert.v1 import common_pb2
+
+PREFIX = "expert:job:"
+CANCEL_CHANNEL = "expert:cancel"
+FINAL = (
+    common_pb2.JOB_STATUS_COMPLETED,
+    common_pb2.JOB_STATUS_FAILED,
+    common_pb2.JOB_STATUS_CANCELLED,
+    common_pb2.JOB_STATUS_TIMED_OUT,
+)
+
+# KEYS[1] job hash; ARGV: new status, now, final statuses... -> 1 if changed, 0 if the job was final or gone
+_SET_STATUS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local current = redis.call('HGET', KEYS[1], 'status')
+for i = 3, #ARGV do
+  if current == ARGV[i] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
+return 1
+"""
+
+
+def job_key(job_id: str) -> str:
+    return PREFIX + job_id
+
+
+def events_key(job_id: str) -> str:
+    return PREFIX + job_id + ":events"
+
+
+def text_key(job_id: str) -> str:
+    return PREFIX + job_id + ":text"
+
+
+def timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    request: common_pb2.InferenceRequest
+    status: int
+    priority: int
+    submitted_at: float
+    updated_at: float
+    finished_at: float | None
+    attempts: int
+    error: str
+    result: common_pb2.InferenceResult | None
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    def to_proto(self, text: str) -> common_pb2.Job:
+        job = common_pb2.Job(
+            job_id=self.job_id,
+            status=self.status,
+            submitted_at=timestamp(self.submitted_at),
+            updated_at=timestamp(self.updated_at),
+            priority=self.priority,
+            attempts=self.attempts,
+            text=text,
+            error=self.error,
+        )
+        if self.finished_at is not None:
+            job.finished_at.CopyFrom(timestamp(self.finished_at))
+        if self.result is not None:
+            job.result.CopyFrom(self.result)
+        return job
+
+
+class JobStore:
+    def __init__(self, redis: Redis, ttl_s: int) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+        self._set_status = redis.register_script(_SET_STATUS)
+
+    async def create(self, job_id: str, request: common_pb2.InferenceRequest, priority: int) -> float:
+        now = time.time()
+        key = job_key(job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                key,
+                mapping={
+                    "request": request.SerializeToString(),
+                    "status": common_pb2.JOB_STATUS_QUEUED,
+                    "priority": priority,
+                    "submitted_at": repr(now),
+                    "updated_at": repr(now),
+                    "attempts": 0,
+                },
+            )
+            pipe.expire(key, self.ttl_s)
+            pipe.xadd(events_key(job_id), {"kind": b"status", "status": str(common_pb2.JOB_STATUS_QUEUED)})
+            pipe.expire(events_key(job_id), self.ttl_s)
+            await pipe.execute()
+        return now
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        fields = await self.redis.hgetall(job_key(job_id))
+        if not fields:
+            return None
+        result = None
+        if fields.get(b"result"):
+            result = common_pb2.InferenceResult.FromString(fields[b"result"])
+        finished = fields.get(b"finished_at")
+        return JobRecord(
+            job_id=job_id,
+            request=common_pb2.InferenceRequest.FromString(fields[b"request"]),
+            status=int(fields[b"status"]),
+            priority=int(fields[b"priority"]),
+            submitted_at=float(fields[b"submitted_at"]),
+            updated_at=float(fields[b"updated_at"]),
+            finished_at=float(finished) if finished else None,
+            attempts=int(fields.get(b"attempts", 0)),
+            error=fields.get(b"error", b"").decode(),
+            result=result,
+        )
+
+    async def text(self, job_id: str) -> str:
+        return (await self.redis.get(text_key(job_id)) or b"").decode("utf-8", errors="replace")
+
+    async def set_status(self, job_id: str, status: int) -> bool:
+        """Move a live job to `status` and announce it; False when the job is already final (or gone)."""
+        changed = await self._set_status(keys=[job_key(job_id)], args=[status, repr(time.time()), *FINAL])
+        if changed == 1:
+            await self.redis.xadd(events_key(job_id), {"kind": b"status", "status": str(status)})
+        return changed == 1
+
+    async def start_attempt(self, job_id: str) -> int:
+        """Count a delivery of the job; from the second on, readers are told to discard earlier text."""
+        attempts = await self.redis.hincrby(job_key(job_id), "attempts", 1)
+        if attempts > 1:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(text_key(job_id))
+                pipe.xadd(events_key(job_id), {"kind": b"restart", "attempt": str(attempts)})
+                await pipe.execute()
+        return attempts
+
+    async def append_text(self, job_id: str, text: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.append(text_key(job_id), text.encode())
+            pipe.expire(text_key(job_id), self.ttl_s)
+            pipe.xadd(events_key(job_id), {"kind": b"text", "text": text.encode()})
+            await pipe.execute()
+
+    async def request_cancel(self, job_id: str) -> None:
+        """Flag the job and tell every dispatcher (the one running it stops it)."""
+        await self.redis.hset(job_key(job_id), "cancel_requested", 1)
+        await self.redis.publish(CANCEL_CHANNEL, job_id.encode())
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        return await self.redis.hget(job_key(job_id), "cancel_requested") == b"1"
+
+    async def finish(self, job_id: str, result: common_pb2.InferenceResult) -> bool:
+        """Record the final result once: False if another outcome was recorded first."""
+        if not await self.set_status(job_id, result.status):
+            return False
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                job_key(job_id),
+                mapping={
+                    "result": result.SerializeToString(),
+                    "finished_at": repr(time.time()),
+                    "error": result.error,
+                },
+            )
+            pipe.xadd(events_key(job_id), {"kind": b"result", "result": result.SerializeToString()})
+            await pipe.execute()
+        return True

@@ -1,0 +1,331 @@
+"""One job through the pipeline: router.Plan -> preparation.Prepare -> engine.Generate -> postproc.Finalize.
+
+Every stage runs against the job's deadline (submitted_at + timeout_ms) and its cancellation; either
+stops the stage at once (an engine stream is cancelled, which aborts the engine request and frees
+its KV) and the job is finalized with what it has: partial text and a timeout flag, or a cancelled
+status. An engine that fails mid-stream is excluded and the job is placed again, with a restart
+event telling readers to discard the text so far. Whatever happens, postproc finalizes the job
+(metrics, release, feedback) and exactly one final result is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from libs.errors import field_violations
+from libs.gen.expert.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    postproc_pb2,
+    preparation_pb2,
+    router_pb2,
+)
+from libs.grpc_client import call
+from libs.logging import get_logger
+from services.reception.jobs import JobRecord, JobStore, timestamp
+from services.reception.peers import Peers
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+# Engine stream errors that mean "this request is wrong", not "this engine is gone".
+_REQUEST_ERRORS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+)
+_PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+class JobStopped(Exception):
+    """The job's deadline passed or it was cancelled."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # "timeout" | "cancelled"
+
+
+class JobFailed(Exception):
+    """A stage refused or could not run the job."""
+
+    def __init__(self, message: str, code: str = "", fields: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.fields = fields or []
+
+
+class EngineLost(Exception):
+    """The engine stream broke for a reason other than the request: try another engine."""
+
+
+@dataclass
+class JobRun:
+    record: JobRecord
+    default_timeout_s: float | None = None  # for requests without timeout_ms
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    plan: common_pb2.ExpertPlan = field(default_factory=common_pb2.ExpertPlan)
+    placement: common_pb2.Placement = field(default_factory=common_pb2.Placement)
+    started: float = field(default_factory=time.time)
+    inference_started: float | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def deadline(self) -> float | None:
+        request = self.record.request
+        if request.HasField("timeout_ms"):
+            return self.record.submitted_at + request.timeout_ms / 1000
+        return None if self.default_timeout_s is None else self.record.submitted_at + self.default_timeout_s
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.time())
+
+
+class Pipeline:
+    def __init__(
+        self,
+        jobs: JobStore,
+        peers: Peers,
+        engine_retries: int,
+        max_model_len: Callable[[], int],
+        place_retry_s: float = 0.05,
+    ) -> None:
+        self.jobs = jobs
+        self.max_model_len = max_model_len  # the fleet's context window, as preparation last reported it
+        self.peers = peers
+        self.engine_retries = engine_retries
+        self.place_retry_s = place_retry_s
+
+    async def _until(self, run: JobRun, awaitable: Awaitable[T]) -> T:
+        """Await one stage step, unless the job is cancelled or its deadline passes first."""
+        task = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(run.cancel.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, stop}, timeout=run.remaining(), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stop.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise JobStopped("cancelled" if run.cancel.is_set() else "timeout")
+
+    async def _status(self, run: JobRun, status: int) -> None:
+        if not await self.jobs.set_status(run.job_id, status):
+            raise JobStopped("cancelled")  # someone finalized the job meanwhile (a CancelJob)
+
+    async def run(self, run: JobRun) -> common_pb2.InferenceResult:
+        """Take the job to its final state and return the result recorded for it."""
+        outcome, timed_out, cancelled, failure = common_pb2.GenerationOutcome(), False, False, None
+        try:
+            if await self.jobs.cancel_requested(run.job_id):
+                raise JobStopped("cancelled")
+            outcome = await self._stages(run)
+        except JobStopped as stop:
+            timed_out, cancelled = stop.reason == "timeout", stop.reason == "cancelled"
+            outcome = self._partial(run)
+        except JobFailed as exc:
+            failure = exc
+            outcome = self._partial(run)
+            outcome.error = str(exc)
+        except Exception as exc:  # a bug or an unreachable stage: fail this job, not the dispatcher
+            log.exception("job failed", job_id=run.job_id)
+            failure = JobFailed(f"{type(exc).__name__}: {exc}", "INTERNAL")
+            outcome = self._partial(run)
+            outcome.error = str(failure)
+        run.placed.set()
+        result = await self._finalize(run, outcome, timed_out, cancelled)
+        if failure is not None:
+            result.error_code = failure.code
+            result.error_fields.extend(
+                common_pb2.FieldError(field=f, description=d) for f, d in failure.fields
+            )
+        await self.jobs.finish(run.job_id, result)
+        return result
+
+    async def _stages(self, run: JobRun) -> common_pb2.GenerationOutcome:
+        await self._status(run, common_pb2.JOB_STATUS_PLANNING)
+        plan_request = router_pb2.PlanRequest(
+            job_id=run.job_id, request=run.record.request, max_model_len=self.max_model_len()
+        )
+        response = await self._stage(run, self.peers.router.Plan, plan_request, "router")
+        run.plan = response.plan
+        excluded: list[str] = []
+        for attempt in range(self.engine_retries + 1):
+            await self._status(run, common_pb2.JOB_STATUS_PREPARING)
+            run.placement = await self._place(run, excluded)
+            run.placed.set()
+            await self._status(run, common_pb2.JOB_STATUS_RUNNING)
+            try:
+                return await self._generate(run, attempt)
+            except EngineLost as lost:
+                excluded.append(run.placement.engine_id)
+                await self._release(run)
+                if attempt == self.engine_retries:
+                    raise JobFailed(
+                        f"engine {run.placement.engine_id} failed: {lost}", "UNAVAILABLE"
+                    ) from None
+                log.warning(
+                    "engine lost, placing the job again",
+                    job_id=run.job_id,
+                    engine=run.placement.engine_id,
+                    error=str(lost),
+                )
+                run.text.clear()
+                run.completion_tokens = 0
+                await self.jobs.start_attempt(run.job_id)
+        raise AssertionError("unreachable")
+
+    async def _stage(self, run: JobRun, method: Any, request: Any, name: str) -> Any:
+        try:
+            return await self._until(run, call(method, request, timeout=run.remaining(), idempotent=True))
+        except grpc.aio.AioRpcError as exc:
+            raise JobFailed(f"{name}: {exc.details()}", exc.code().name, field_violations(exc)) from None
+
+    async def _place(self, run: JobRun, excluded: list[str]) -> common_pb2.Placement:
+        request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, exclude_engines=excluded)
+        delay = self.place_retry_s
+        while True:
+            try:
+                response = await self._until(
+                    run,
+                    call(self.peers.preparation.Prepare, request, timeout=run.remaining(), idempotent=False),
+                )
+                return response.placement
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _PLACE_LATER:
+                    raise JobFailed(
+                        f"preparation: {exc.details()}", exc.code().name, field_violations(exc)
+                    ) from None
+            # no engine has room (or none is registered yet): wait for one, within the deadline
+            await self._until(run, asyncio.sleep(delay))
+            delay = min(delay * 2, 1.0)
+
+    async def _generate(self, run: JobRun, attempt: int) -> common_pb2.GenerationOutcome:
+        plan, placement = run.plan, run.placement
+        request = engine_pb2.GenerateRequest(
+            request_id=f"{run.job_id}-{attempt}",
+            input=plan.model_input,
+            params=plan.generation_params,
+            experts=[
+                common_pb2.ExpertRef(name=e.name, version=e.version, weight=e.weight)
+                for e in placement.experts
+            ],
+            priority=run.record.priority,
+        )
+        stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(placement.address))
+        stream = stub.Generate(request, timeout=run.remaining())
+        run.inference_started = time.time()
+        final = engine_pb2.GenerateResponse()
+        responses = stream.__aiter__()
+        try:
+            while True:
+                try:
+                    response = await self._until(run, anext(responses))
+                except StopAsyncIteration:
+                    break
+                if response.text:
+                    run.text.append(response.text)
+                    await self.jobs.append_text(run.job_id, response.text)
+                run.completion_tokens += len(response.token_ids)
+                if response.finish_reason:
+                    final = response
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REQUEST_ERRORS:
+                raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
+            raise EngineLost(f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request
+        if not final.finish_reason:
+            raise EngineLost("the stream ended without a final message")
+        return common_pb2.GenerationOutcome(
+            text="".join(run.text),
+            completion_tokens=run.completion_tokens,
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            experts=final.experts,
+        )
+
+    def _partial(self, run: JobRun) -> common_pb2.GenerationOutcome:
+        return common_pb2.GenerationOutcome(text="".join(run.text), completion_tokens=run.completion_tokens)
+
+    async def _release(self, run: JobRun) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call(
+                self.peers.preparation.Release,
+                preparation_pb2.ReleaseRequest(job_id=run.job_id),
+                timeout=5.0,
+                idempotent=True,
+            )
+
+    async def _finalize(
+        self, run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool
+    ) -> common_pb2.InferenceResult:
+        await self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
+        inference_ms = (time.time() - run.inference_started) * 1000 if run.inference_started else 0.0
+        request = postproc_pb2.FinalizeRequest(
+            job_id=run.job_id,
+            request=run.record.request,
+            plan=run.plan,
+            placement=run.placement,
+            outcome=outcome,
+            submitted_at=timestamp(run.record.submitted_at),
+            queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
+            inference_latency_ms=inference_ms,
+            timed_out=timed_out,
+            cancelled=cancelled,
+        )
+        try:
+            response = await call(self.peers.postproc.Finalize, request, timeout=30.0, idempotent=True)
+            return response.result
+        except grpc.aio.AioRpcError as exc:
+            # The output must not be lost because postproc is down: record it unvalidated.
+            log.error(
+                "postproc failed; recording the result unvalidated", job_id=run.job_id, error=exc.details()
+            )
+            await self._release(run)
+            return _fallback_result(run, outcome, timed_out, cancelled, f"postproc: {exc.details()}")
+
+
+def _fallback_result(
+    run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool, note: str
+) -> common_pb2.InferenceResult:
+    status = (
+        common_pb2.JOB_STATUS_CANCELLED
+        if cancelled
+        else common_pb2.JOB_STATUS_TIMED_OUT
+        if timed_out
+        else common_pb2.JOB_STATUS_FAILED
+        if outcome.error
+        else common_pb2.JOB_STATUS_COMPLETED
+    )
+    return common_pb2.InferenceResult(
+        job_id=run.job_id,
+        status=status,
+        text=outcome.text,
+        tokens_generated=outcome.completion_tokens,
+        experts_used=[e.name for e in outcome.experts],
+        latency_ms=(time.time() - run.record.submitted_at) * 1000,
+        finish_reason=outcome.finish_reason,
+        timed_out=timed_out,
+        reasoning_trace=run.plan.reasoning_trace,
+        error=outcome.error or note,
+        experts=outcome.experts,
+    )

@@ -1,0 +1,50 @@
+"""The job queue: one Redis stream per priority (9 first), read by the "dispatch" consumer group."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from libs.redis_streams import ack, add, ensure_group
+
+GROUP = "dispatch"
+DEAD_LETTER = "expert:jobs:dead"
+PRIORITIES = range(9, -1, -1)  # most important first
+
+
+def stream(priority: int) -> str:
+    return f"expert:jobs:p{priority}"
+
+
+STREAMS = [stream(p) for p in PRIORITIES]
+
+
+class JobQueue:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def setup(self) -> None:
+        for name in STREAMS:
+            await ensure_group(self.redis, name, GROUP)
+
+    async def push(self, job_id: str, priority: int) -> None:
+        await add(self.redis, stream(priority), {"job_id": job_id.encode()})
+
+    async def done(self, stream_name: str, entry_id: str) -> None:
+        """Acknowledge and delete a handled entry, so the streams hold only what is left to do."""
+        await ack(self.redis, stream_name, GROUP, entry_id)
+        await self.redis.xdel(stream_name, entry_id)
+
+    async def keep(self, stream_name: str, entry_id: str, consumer: str) -> None:
+        """Reset the entry's idle time while its job runs, so no other dispatcher reclaims it."""
+        await self.redis.xclaim(stream_name, GROUP, consumer, 0, [entry_id], justid=True)
+
+    async def depth_at_or_above(self, priority: int) -> int:
+        """Entries not yet handed to a dispatcher, at this priority or higher."""
+        total = 0
+        for p in PRIORITIES:
+            if p < priority:
+                break
+            for group in await self.redis.xinfo_groups(stream(p)):
+                if group["name"] in (GROUP, GROUP.encode()):
+                    total += int(group.get("lag") or 0)
+        return total

@@ -1,0 +1,263 @@
+"""InferenceService: reception's public API (seed 000 stage 1).
+
+Admission — validation, normalization, the job record and the enqueue — happens in the call; the
+rest of the pipeline runs in a dispatcher, and Infer / InferStream follow the job's event stream in
+Redis, so any reception instance can answer for a job any dispatcher runs. A client that hangs up
+cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+from redis.asyncio import Redis
+
+from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
+from libs.gen.expert.v1 import common_pb2, inference_pb2
+from libs.logging import bind_context, get_logger
+from services.reception.dispatcher import Capacity
+from services.reception.jobs import JobStore, events_key, timestamp
+from services.reception.metrics import ReceptionMetrics
+from services.reception.queue import JobQueue
+from services.reception.validation import validate
+
+log = get_logger(__name__)
+
+SERVICE = "expert.v1.InferenceService"
+DEFAULT_PRIORITY = 5
+# A failed job whose stage refused the request answers Infer with that refusal itself.
+_CLIENT_ERRORS = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"}
+
+
+class Undecodable:
+    """A request that did not parse (e.g. a string field that is not UTF-8)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class ReceptionServicer:
+    def __init__(
+        self,
+        redis: Redis,
+        jobs: JobStore,
+        queue: JobQueue,
+        capacity: Capacity,
+        metrics: ReceptionMetrics,
+        average_job_s: float = 1.0,
+    ) -> None:
+        self.redis = redis
+        self.jobs = jobs
+        self.queue = queue
+        self.capacity = capacity
+        self.metrics = metrics
+        self.average_job_s = average_job_s  # for estimated_wait_ms, refined as jobs finish
+        self._background: set[asyncio.Task] = set()
+
+    def observe_job(self, seconds: float) -> None:
+        """Fold a finished job's duration into the average behind estimated_wait_ms."""
+        self.average_job_s += 0.1 * (seconds - self.average_job_s)
+
+    async def _admit(self, request: common_pb2.InferenceRequest | Undecodable) -> tuple[str, float, int]:
+        started = time.perf_counter()
+        if isinstance(request, Undecodable):
+            raise invalid_argument(
+                "request", f"not a valid request message ({request.reason}); text fields must be valid UTF-8"
+            )
+        try:
+            validate(request, (await self.capacity.get()).max_model_len)
+        except ServiceError as exc:
+            for field, _ in exc.violations:
+                self.metrics.rejected.labels(field.split("[")[0]).inc()
+            raise
+        priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
+        job_id = uuid.uuid4().hex
+        submitted_at = await self.jobs.create(job_id, request, priority)
+        await self.queue.push(job_id, priority)
+        self.metrics.submitted.labels(str(priority)).inc()
+        self.metrics.admission.observe(time.perf_counter() - started)
+        log.info("job submitted", job_id=job_id, priority=priority)
+        return job_id, submitted_at, priority
+
+    async def Submit(
+        self, request: inference_pb2.SubmitRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.SubmitResponse:
+        job_id, submitted_at, priority = await self._admit(_inner(request))
+        return inference_pb2.SubmitResponse(submission=await self._submission(job_id, submitted_at, priority))
+
+    async def _submission(self, job_id: str, submitted_at: float, priority: int) -> common_pb2.JobSubmission:
+        ahead = await self.queue.depth_at_or_above(priority)
+        slots = max(1, (await self.capacity.get()).free_slots)
+        return common_pb2.JobSubmission(
+            job_id=job_id,
+            status=common_pb2.JOB_STATUS_QUEUED,
+            submitted_at=timestamp(submitted_at),
+            estimated_wait_ms=int(max(0, ahead - 1) * self.average_job_s / slots * 1000),
+        )
+
+    async def Infer(
+        self, request: inference_pb2.InferRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.InferResponse:
+        job_id, _, _ = await self._admit(_inner(request))
+        with bind_context(job_id=job_id):
+            try:
+                async for kind, fields in self._events(job_id):
+                    if kind == b"result":
+                        result = common_pb2.InferenceResult.FromString(fields[b"result"])
+                        _raise_client_error(result)
+                        return inference_pb2.InferResponse(result=result)
+            except asyncio.CancelledError:
+                self._cancel_in_background(job_id)
+                raise
+        raise ServiceError(grpc.StatusCode.INTERNAL, f"job {job_id} ended without a result")
+
+    async def InferStream(
+        self, request: inference_pb2.InferStreamRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.InferStreamResponse]:
+        job_id, submitted_at, priority = await self._admit(_inner(request))
+        finished = False
+        try:
+            yield inference_pb2.InferStreamResponse(
+                submitted=await self._submission(job_id, submitted_at, priority)
+            )
+            async for kind, fields in self._events(job_id):
+                if kind == b"text":
+                    yield inference_pb2.InferStreamResponse(text=fields[b"text"].decode())
+                elif kind == b"status":
+                    yield inference_pb2.InferStreamResponse(status=int(fields[b"status"]))
+                elif kind == b"restart":
+                    yield inference_pb2.InferStreamResponse(restarted_attempt=int(fields[b"attempt"]))
+                elif kind == b"result":
+                    finished = True
+                    result = common_pb2.InferenceResult.FromString(fields[b"result"])
+                    _raise_client_error(result)
+                    yield inference_pb2.InferStreamResponse(result=result)
+                    return
+        finally:
+            if not finished:  # the client went away (or we failed): do not leave the job running
+                self._cancel_in_background(job_id)
+
+    async def _events(self, job_id: str) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+        """The job's events from the first, as they are written."""
+        last = b"0-0"
+        key = events_key(job_id)
+        while True:
+            batches = await self.redis.xread({key: last}, block=1000, count=256)
+            if not batches and not await self.redis.exists(key):
+                raise not_found(f"job {job_id} expired")
+            for _, entries in batches:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    yield fields[b"kind"], fields
+
+    async def GetJob(
+        self, request: inference_pb2.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetJobResponse:
+        return inference_pb2.GetJobResponse(job=await self._job(request.job_id))
+
+    async def _job(self, job_id: str) -> common_pb2.Job:
+        if not job_id:
+            raise invalid_argument("job_id", "must not be empty")
+        record = await self.jobs.get(job_id)
+        if record is None:
+            raise not_found(f"job {job_id!r} does not exist (or expired)")
+        return record.to_proto(await self.jobs.text(job_id))
+
+    async def CancelJob(
+        self, request: inference_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CancelJobResponse:
+        job = await self._job(request.job_id)
+        await self._cancel(job)
+        return inference_pb2.CancelJobResponse(job=await self._job(request.job_id))
+
+    async def _cancel(self, job: common_pb2.Job) -> None:
+        if job.status in (
+            common_pb2.JOB_STATUS_COMPLETED,
+            common_pb2.JOB_STATUS_FAILED,
+            common_pb2.JOB_STATUS_CANCELLED,
+            common_pb2.JOB_STATUS_TIMED_OUT,
+        ):
+            return
+        if job.status == common_pb2.JOB_STATUS_QUEUED:
+            # Not picked up yet: end it here (a dispatcher that picks it later sees it final).
+            result = common_pb2.InferenceResult(
+                job_id=job.job_id,
+                status=common_pb2.JOB_STATUS_CANCELLED,
+                finish_reason=common_pb2.FINISH_REASON_ABORT,
+            )
+            if await self.jobs.finish(job.job_id, result):
+                return
+        await self.jobs.request_cancel(job.job_id)
+
+    def _cancel_in_background(self, job_id: str) -> None:
+        async def cancel() -> None:
+            try:
+                await self._cancel(await self._job(job_id))
+            except Exception:
+                log.exception("cancelling an abandoned job failed", job_id=job_id)
+
+        task = asyncio.create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _inner(request: object) -> common_pb2.InferenceRequest | Undecodable:
+    return request if isinstance(request, Undecodable) else request.request
+
+
+def _raise_client_error(result: common_pb2.InferenceResult) -> None:
+    """A job refused by a stage (e.g. an unknown forced expert) fails the call with that refusal."""
+    if result.status == common_pb2.JOB_STATUS_FAILED and result.error_code in _CLIENT_ERRORS:
+        if result.error_fields:
+            raise invalid_arguments([(f.field, f.description) for f in result.error_fields])
+        raise ServiceError(getattr(grpc.StatusCode, result.error_code), result.error)
+
+
+def tolerant(message: type) -> object:
+    """A request deserializer that turns a parse failure into an Undecodable instead of an INTERNAL."""
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return deserialize
+
+
+def add_to_server(servicer: ReceptionServicer, server: grpc.aio.Server) -> str:
+    """Register the servicer with tolerant deserializers (so bad UTF-8 is INVALID_ARGUMENT)."""
+    handlers = {
+        "Infer": grpc.unary_unary_rpc_method_handler(
+            servicer.Infer,
+            tolerant(inference_pb2.InferRequest),
+            inference_pb2.InferResponse.SerializeToString,
+        ),
+        "InferStream": grpc.unary_stream_rpc_method_handler(
+            servicer.InferStream,
+            tolerant(inference_pb2.InferStreamRequest),
+            inference_pb2.InferStreamResponse.SerializeToString,
+        ),
+        "Submit": grpc.unary_unary_rpc_method_handler(
+            servicer.Submit,
+            tolerant(inference_pb2.SubmitRequest),
+            inference_pb2.SubmitResponse.SerializeToString,
+        ),
+        "GetJob": grpc.unary_unary_rpc_method_handler(
+            servicer.GetJob,
+            inference_pb2.GetJobRequest.FromString,
+            inference_pb2.GetJobResponse.SerializeToString,
+        ),
+        "CancelJob": grpc.unary_unary_rpc_method_handler(
+            servicer.CancelJob,
+            inference_pb2.CancelJobRequest.FromString,
+            inference_pb2.CancelJobResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    return SERVICE

@@ -1,0 +1,42 @@
+"""`python -m services.router`: the router service."""
+
+from __future__ import annotations
+
+import grpc
+
+from libs.gen.expert.v1 import router_pb2_grpc
+from libs.grpc_server import Health, run, serve
+from libs.logging import configure_logging
+from services.router.config import RouterConfig
+from services.router.metrics import RouterMetrics
+from services.router.planner import Planner
+from services.router.server import RouterServicer
+
+SERVICE = "expert.v1.RouterService"
+
+
+async def main() -> None:
+    config = RouterConfig.from_env()
+    configure_logging("router", config.server.log_level)
+    health = Health()
+    servicer = RouterServicer(Planner(), RouterMetrics())
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+        return [SERVICE]
+
+    async def on_start() -> None:
+        servicer.planner.plan(_warm_up_request())  # loads langdetect's profiles before the first job
+        await health.set_serving(True)
+
+    await serve("router", config.server, register, health=health, on_start=on_start)
+
+
+def _warm_up_request():
+    from libs.gen.expert.v1 import common_pb2
+
+    return common_pb2.InferenceRequest(prompt="Warm up the router.")
+
+
+if __name__ == "__main__":
+    run(main(), service="router")

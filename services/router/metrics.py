@@ -1,0 +1,28 @@
+"""The router's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from libs.gen.expert.v1 import common_pb2
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.plan_latency = Histogram(
+            "expert_router_plan_latency_seconds",
+            "Time to plan a request (seed 000 budget: 10-50 ms)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+        )
+        self.plans = Counter("expert_router_plans_total", "Requests planned", ["task_type"])
+        self.fallbacks = Counter("expert_router_fallbacks_total", "Plans that fell back to the base model")
+        self.selected = Histogram(
+            "expert_router_selected_experts", "Experts per plan", buckets=(0, 1, 2, 3, 5, 10)
+        )
+
+    def observe(self, plan: common_pb2.ExpertPlan) -> None:
+        self.plan_latency.observe(plan.router_latency_ms / 1000)
+        self.plans.labels(plan.features.task_type).inc()
+        if plan.fallback:
+            self.fallbacks.inc()
+        self.selected.observe(len(plan.experts))

@@ -1,0 +1,147 @@
+"""libs.errors: ServiceError constructors, and the BadRequest field violations surviving a round trip
+through a real grpc.aio server to an aio and a sync client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from libs import errors
+from libs.errors import ServiceError, describe, field_violations, from_rpc_error, invalid_argument, to_status
+from libs.gen.expert.v1 import router_pb2, router_pb2_grpc
+
+TEMPERATURE = ("request.temperature", "must be in [0, 2], got 3")
+
+
+ERRORS = {
+    "temperature": invalid_argument(*TEMPERATURE),
+    "two": errors.invalid_arguments([TEMPERATURE, ("request.top_k", "must be at least 0, got -1")]),
+    "missing": errors.not_found("job j-1 not found"),
+}
+
+
+class _Refusing(router_pb2_grpc.RouterServiceServicer):
+    """Answers every Plan with the ServiceError named by the job id."""
+
+    async def Plan(self, request, context):
+        await context.abort_with_status(to_status(ERRORS[request.job_id]))
+
+
+async def _with_server(check):
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(_Refusing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        return await check(f"127.0.0.1:{port}")
+    finally:
+        await server.stop(None)
+
+
+async def _aio_error(target: str, job_id: str) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await router_pb2_grpc.RouterServiceStub(channel).Plan(
+                router_pb2.PlanRequest(job_id=job_id), timeout=5
+            )
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("make", "code"),
+    [
+        (lambda: errors.not_found("m"), grpc.StatusCode.NOT_FOUND),
+        (lambda: errors.resource_exhausted("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (lambda: errors.unavailable("m"), grpc.StatusCode.UNAVAILABLE),
+        (lambda: errors.failed_precondition("m"), grpc.StatusCode.FAILED_PRECONDITION),
+        (lambda: errors.deadline_exceeded("m"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    ],
+)
+def test_each_constructor_carries_its_code_and_message(make, code):
+    error = make()
+    assert (error.code, error.message, error.violations) == (code, "m", ())
+    assert str(error) == f"{code.name}: m"
+
+
+def test_invalid_argument_names_the_field_in_its_message():
+    error = invalid_argument(*TEMPERATURE)
+    assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.message == "request.temperature: must be in [0, 2], got 3"
+    assert error.violations == (TEMPERATURE,)
+    assert describe(error) == "INVALID_ARGUMENT: request.temperature: must be in [0, 2], got 3"
+
+
+def test_invalid_arguments_needs_a_violation_and_ok_is_not_an_error():
+    with pytest.raises(ValueError):
+        errors.invalid_arguments([])
+    with pytest.raises(ValueError):
+        ServiceError(grpc.StatusCode.OK, "fine")
+
+
+def test_to_status_puts_the_message_in_the_details():
+    status = to_status(invalid_argument(*TEMPERATURE))
+    assert status.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert status.details == "request.temperature: must be in [0, 2], got 3"
+    assert [key for key, _ in status.trailing_metadata] == ["grpc-status-details-bin"]
+
+
+def test_an_aio_client_reads_the_field_violation():
+    async def check(target):
+        error = await _aio_error(target, "temperature")
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violations(error) == [TEMPERATURE]
+        assert describe(error) == "INVALID_ARGUMENT: request.temperature: must be in [0, 2], got 3"
+
+    asyncio.run(_with_server(check))
+
+
+def test_several_violations_arrive_in_order():
+    async def check(target):
+        error = await _aio_error(target, "two")
+        assert field_violations(error) == [TEMPERATURE, ("request.top_k", "must be at least 0, got -1")]
+
+    asyncio.run(_with_server(check))
+
+
+def test_a_sync_client_reads_the_field_violation_too():
+    def call(target):
+        with grpc.insecure_channel(target) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Plan(router_pb2.PlanRequest(job_id="temperature"), timeout=5)
+        return raised.value
+
+    async def check(target):
+        error = await asyncio.to_thread(call, target)
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violations(error) == [TEMPERATURE]
+
+    asyncio.run(_with_server(check))
+
+
+def test_an_error_without_details_has_no_violations():
+    async def check(target):
+        error = await _aio_error(target, "missing")
+        assert field_violations(error) == []
+        assert describe(error) == "NOT_FOUND: job j-1 not found"
+
+    asyncio.run(_with_server(check))
+
+
+def test_a_received_error_can_be_relayed_unchanged():
+    async def check(target):
+        relayed = from_rpc_error(await _aio_error(target, "temperature"))
+        assert (relayed.code, relayed.message, relayed.violations) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request.temperature: must be in [0, 2], got 3",
+            (TEMPERATURE,),
+        )
+
+    asyncio.run(_with_server(check))
+
+
+def test_describe_keeps_to_one_line_and_handles_other_exceptions():
+    assert describe(errors.not_found("line one\nline two")) == "NOT_FOUND: line one line two"
+    assert describe(KeyError("x")) == "KeyError: 'x'"
