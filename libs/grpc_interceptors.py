@@ -30,8 +30,14 @@ INTERNAL_MESSAGE = "internal error"
 REQUEST_ID_KEY = "x-request-id"
 
 _log = get_logger(__name__)
-# Health checks and reflection come every few seconds from probes: not worth an info line each.
-_QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+# Health checks and reflection come every few seconds from probes, the dispatchers poll capacity
+# and the engines heartbeat: not worth an info line each (they still log at debug, and errors).
+_QUIET_PREFIXES = (
+    "/grpc.health.v1.",
+    "/grpc.reflection.",
+    "/expert.v1.PreparationService/GetCapacity",
+    "/expert.v1.PreparationService/Heartbeat",
+)
 _WARNING_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
@@ -159,6 +165,9 @@ class LoggingInterceptor(ScopedInterceptor):
     @contextlib.asynccontextmanager
     async def scope(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
+        # Read now: grpc core frees the peer string with the transport, so context.peer() on a
+        # call the client already cancelled reads freed memory (a segfault; grpc/grpc#29069).
+        peer = context.peer()
         error: BaseException | None = None
         with bind_context(request_id=_metadata_value(details, REQUEST_ID_KEY)):
             try:
@@ -168,12 +177,12 @@ class LoggingInterceptor(ScopedInterceptor):
                 raise
             finally:
                 code = status_code(context, error)
-                if details.method.startswith(_QUIET_PREFIXES):
-                    log = _log.debug
-                elif code in _ERROR_CODES:
+                if code in _ERROR_CODES:
                     log = _log.error
                 elif code in _WARNING_CODES:
                     log = _log.warning
+                elif details.method.startswith(_QUIET_PREFIXES):
+                    log = _log.debug
                 else:
                     log = _log.info
                 log(
@@ -181,7 +190,7 @@ class LoggingInterceptor(ScopedInterceptor):
                     method=details.method,
                     code=code.name,
                     duration_ms=round((time.perf_counter() - start) * 1000, 2),
-                    peer=context.peer(),
+                    peer=peer,
                 )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -191,6 +192,9 @@ def run(main: Coroutine[Any, Any, None], *, service: str = "expert") -> NoReturn
     (ConfigError, StartupError, OSError) is logged as one line without a traceback; anything else
     is logged with its traceback inside the JSON line. `service` names the log lines when `main`
     failed before configuring logging."""
+    # A crash in native code (a kernel, grpc) then leaves every thread's Python stack on stderr,
+    # which is the service's log, instead of a bare exit status.
+    faulthandler.enable()
     code = 0
     try:
         asyncio.run(main)

@@ -83,6 +83,7 @@ class InferenceMetrics:
 
     job_id: str
     submitted_at: datetime | None
+    reception_latency_ms: float
     queue_latency_ms: float
     router_latency_ms: float
     expert_load_latency_ms: float
@@ -176,6 +177,7 @@ def metrics_from_proto(message: common_pb2.InferenceMetrics) -> InferenceMetrics
     return InferenceMetrics(
         job_id=message.job_id,
         submitted_at=_datetime(message, "submitted_at"),
+        reception_latency_ms=message.reception_latency_ms,
         queue_latency_ms=message.queue_latency_ms,
         router_latency_ms=message.router_latency_ms,
         expert_load_latency_ms=message.expert_load_latency_ms,

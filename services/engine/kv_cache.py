@@ -19,10 +19,21 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes the cache may draw from: free GPU memory, or MemAvailable on the host."""
+    """Bytes the cache may draw from: free GPU memory; on the host, MemAvailable, or less when the
+    process's cgroup (a container's memory limit) leaves less than that."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    host = _meminfo_available()
+    if host is None:
+        raise ConfigError(
+            "kv cache: cannot read available memory; set EXPERT_KV_CACHE_BYTES or EXPERT_KV_NUM_BLOCKS"
+        )
+    limited = _cgroup_headroom()
+    return host if limited is None else min(host, limited)
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -30,9 +41,40 @@ def available_memory(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    raise ConfigError(
-        "kv cache: cannot read available memory; set EXPERT_KV_CACHE_BYTES or EXPERT_KV_NUM_BLOCKS"
-    )
+    return None
+
+
+def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup minus its usage (cgroup v2, else v1), or None
+    without a limit. Inside a container /proc/meminfo describes the host, so it alone could size
+    the cache past the container's limit."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":  # v2: the unified hierarchy
+            candidates.append((f"{root}{path}", "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((f"{root}/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for directory, limit_file, usage_file in candidates:
+        try:
+            with open(f"{directory.rstrip('/')}/{limit_file}") as f:
+                limit = f.read().strip()
+            with open(f"{directory.rstrip('/')}/{usage_file}") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= _NO_LIMIT:
+            continue
+        return max(0, int(limit) - usage)
+    return None
+
+
+# cgroup v1 reports "no limit" as a page-rounded 2**63 − 1.
+_NO_LIMIT = 1 << 62
 
 
 def plan_num_blocks(

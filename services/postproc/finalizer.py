@@ -76,6 +76,7 @@ class Finalizer:
             validation_passed=validation.valid,
             queue_latency_ms=request.queue_latency_ms,
             ttft_ms=usage.ttft_ms,
+            reception_latency_ms=request.reception_latency_ms,
         )
         if request.placement.engine_id:
             await self.release(request.job_id)

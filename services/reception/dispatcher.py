@@ -124,19 +124,31 @@ class Dispatcher:
                 if capacity.free_slots - self._unplaced <= 0:
                     await asyncio.sleep(0.05)
                     continue
-                entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
-                if entry is not None:
-                    await self._handle(entry)
+                # Reserve the slot before reading (no await in between), so that two workers never
+                # take two jobs for one slot and a lower priority never overtakes a higher one.
+                self._unplaced += 1
+                try:
+                    entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
+                except BaseException:
+                    self._unplaced -= 1
+                    raise
+                if entry is None:
+                    self._unplaced -= 1
+                else:
+                    await self._handle(entry, reserved=True)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis hiccups and the like: keep the worker alive
                 log.exception("dispatcher worker error", worker=index)
                 await asyncio.sleep(0.5)
 
-    async def _handle(self, entry: Entry) -> None:
+    async def _handle(self, entry: Entry, reserved: bool = False) -> None:
+        """Run the entry's job to a final state, then acknowledge the entry. With `reserved`, the
+        caller counted the job in `_unplaced`; it is uncounted once the job is placed (or ends)."""
         job_id = entry.fields.get("job_id", b"").decode()
         keeper = asyncio.create_task(self._keep_alive(entry))
-        self._unplaced += 1
+        if not reserved:
+            self._unplaced += 1
         counted = True
         try:
             with bind_context(job_id=job_id):

@@ -69,6 +69,7 @@ class JobRecord:
     attempts: int
     error: str
     result: common_pb2.InferenceResult | None
+    admission_ms: float = 0.0
 
     @property
     def final(self) -> bool:
@@ -138,7 +139,11 @@ class JobStore:
             attempts=int(fields.get(b"attempts", 0)),
             error=fields.get(b"error", b"").decode(),
             result=result,
+            admission_ms=float(fields.get(b"admission_ms", 0.0)),
         )
+
+    async def record_admission(self, job_id: str, milliseconds: float) -> None:
+        await self.redis.hset(job_key(job_id), "admission_ms", repr(milliseconds))
 
     async def text(self, job_id: str) -> str:
         return (await self.redis.get(text_key(job_id)) or b"").decode("utf-8", errors="replace")

@@ -214,6 +214,14 @@ class Pipeline:
                     raise JobFailed(
                         f"preparation: {exc.details()}", exc.code().name, field_violations(exc)
                     ) from None
+                if excluded and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The job's engine died and no other is registered: fail now with the reason
+                    # rather than hold the job until its deadline for an engine that may never come.
+                    raise JobFailed(
+                        f"engine {excluded[-1]} failed and no other engine can take the job "
+                        f"({exc.details()})",
+                        "UNAVAILABLE",
+                    ) from None
             # no engine has room (or none is registered yet): wait for one, within the deadline
             await self._until(run, asyncio.sleep(delay))
             delay = min(delay * 2, 1.0)
@@ -288,6 +296,7 @@ class Pipeline:
             outcome=outcome,
             submitted_at=timestamp(run.record.submitted_at),
             queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
+            reception_latency_ms=run.record.admission_ms,
             inference_latency_ms=inference_ms,
             timed_out=timed_out,
             cancelled=cancelled,

@@ -78,9 +78,12 @@ class ReceptionServicer:
         priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
         job_id = uuid.uuid4().hex
         submitted_at = await self.jobs.create(job_id, request, priority)
+        admission = time.perf_counter() - started
+        # Recorded before the enqueue, so that the dispatcher that takes the job can read it.
+        await self.jobs.record_admission(job_id, admission * 1000)
         await self.queue.push(job_id, priority)
         self.metrics.submitted.labels(str(priority)).inc()
-        self.metrics.admission.observe(time.perf_counter() - started)
+        self.metrics.admission.observe(admission)
         log.info("job submitted", job_id=job_id, priority=priority)
         return job_id, submitted_at, priority
 

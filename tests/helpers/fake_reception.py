@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +44,7 @@ from libs.gen.expert.v1 import (
     preparation_pb2,
     preparation_pb2_grpc,
 )
+from libs.stack import free_port
 
 SUBMITTED_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 FINISHED_AT = SUBMITTED_AT + timedelta(seconds=1.5)
@@ -289,6 +289,4 @@ def serve_fakes() -> Iterator[FakeServer]:
 
 def unused_port() -> int:
     """A port nothing listens on (free when asked; nothing binds it in these tests)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()

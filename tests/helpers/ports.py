@@ -1,13 +1,6 @@
-"""Free TCP ports for servers started by tests."""
+"""Free TCP ports for servers started by tests: libs.stack's, which avoids the ephemeral range
+that clients' outgoing connections take their ports from."""
 
-from __future__ import annotations
+from libs.stack import free_port
 
-import socket
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now (the OS picks it; a race with
-    another process taking it before the caller binds is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port"]

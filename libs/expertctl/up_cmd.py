@@ -1,0 +1,256 @@
+"""`expertctl up`: the whole system on this machine, until Ctrl-C.
+
+Starts a redis-server (unless EXPERT_REDIS_URL names a running Redis) and the five services as
+processes (libs.stack.LocalStack), waits until each reports SERVING, prints how to call it, then
+watches them. Ctrl-C or SIGTERM stops everything and exits 0; a service that dies stops the rest
+and exits 1. Each service writes its JSON logs to LOG_DIR/<service>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from libs.expertctl.errors import UsageError
+
+DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
+DEFAULT_LOG_DIR = Path("data/logs")
+# Unless the user sets a budget: 1 GiB holds about 23,000 tokens of the default model in float32,
+# plenty for a laptop, where the engine's default (20% of available memory) could take gigabytes.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+# Per service; the engine loads the model and may compile the C++ kernels (about 40 s) first.
+START_TIMEOUT_S = 600.0
+POLL_INTERVAL_S = 0.5
+READY_LINE = "The Expert System is running"
+
+_SETTING = re.compile(r"^(EXPERT_[A-Z0-9_]+)=(.*)$", re.DOTALL)
+
+
+class _StopRequested(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it; LocalStack.start
+    stops what it started when one passes through."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="run the whole system locally until Ctrl-C", description=__doc__
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help=f"checkpoint directory for the engine (default $EXPERT_MODEL_PATH, else {DEFAULT_MODEL_DIR})",
+    )
+    parser.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR, help="where the services' logs go")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EXPERT_* setting for every service (repeatable); EXPERT_<SERVICE>_PORT and "
+        "EXPERT_<SERVICE>_METRICS_PORT move a service off its default port",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from libs.stack import StackError
+
+    try:
+        return _run(args)
+    except StackError as exc:  # already one line that says what to do; not a bug's traceback
+        _error(str(exc))
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from libs.stack import SERVICES, LocalStack, StackError
+
+    settings = _settings(os.environ, args.env)
+    ports, metrics_ports = _ports(settings, SERVICES)
+    redis_url = settings.get("EXPERT_REDIS_URL") or None
+    model = args.model or Path(settings.get("EXPERT_MODEL_PATH") or DEFAULT_MODEL_DIR)
+    if not (model / "config.json").is_file():
+        raise UsageError(f"--model: {model} is not a checkpoint directory (`make model` makes the default)")
+    if redis_url is None and shutil.which("redis-server") is None:
+        raise StackError(
+            "redis-server is not installed: `make run` installs it (apt-get install redis-server), "
+            "or set EXPERT_REDIS_URL to a running Redis"
+        )
+    _check_ports_free(ports, metrics_ports)
+
+    env = dict(_from_flags(args.env))
+    env["EXPERT_MODEL_PATH"] = str(model.resolve())
+    if "EXPERT_KV_CACHE_BYTES" not in settings:
+        env["EXPERT_KV_CACHE_BYTES"] = str(DEFAULT_KV_CACHE_BYTES)
+    stack = LocalStack(args.log_dir, env=env, ports=ports, metrics_ports=metrics_ports, redis_url=redis_url)
+    with _StopSignals() as signals:
+        try:
+            what = "the five services" if redis_url else "redis-server and the five services"
+            _notice(f"starting {what}; logs in {args.log_dir}/")
+            stack.start(timeout=START_TIMEOUT_S)  # stops what it started if it fails or is stopped
+            print(
+                how_to_call(
+                    stack.target("reception"), stack.target("preparation"), metrics_ports, args.log_dir
+                )
+            )
+            sys.stdout.flush()
+            dead = _watch(stack.processes)
+            signals.disarm()  # from here on, a signal must not interrupt the stop below
+        except _StopRequested:
+            _notice("stopping…")
+            stack.stop()
+            _notice("stopped")
+            return 0
+        except BaseException:
+            signals.disarm()
+            stack.stop()
+            raise
+        for service, status in dead:
+            _error(f"{service} exited with status {status}; see {args.log_dir / (service + '.log')}")
+        _notice("stopping the other services…")
+        stack.stop()
+        return 1
+
+
+def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, int], log_dir: Path) -> str:
+    """The block printed once the stack is up: the CLI, the SDK, grpcurl, metrics and logs."""
+    # --target only when a service is not where the clients look by default.
+    to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
+    to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
+    client = "ExpertClient()" if not to_reception else f'ExpertClient("{reception}")'
+    metrics = [
+        f"http://localhost:{port}/metrics ({service})" for service, port in metrics_ports.items() if port
+    ]
+    lines = [
+        f"{READY_LINE}: the API (reception) is at {reception}.",
+        "",
+        f'  expertctl infer {to_reception}"What is the capital of France?"',
+        f'  expertctl stream {to_reception}"Tell me a story"',
+        f"  expertctl engines{to_preparation}",
+        "",
+        "From Python:",
+        "  from expert_system import ExpertClient",
+        f'  {client}.infer(prompt="What is the capital of France?").text',
+        "",
+        "With grpcurl (server reflection is on):",
+        f"  grpcurl -plaintext {reception} list",
+        f'  grpcurl -plaintext -d \'{{"request": {{"prompt": "Hello"}}}}\' {reception} '
+        "expert.v1.InferenceService/Infer",
+        "",
+        "Metrics: " + (", ".join(metrics) if metrics else "off"),
+        f"Logs:    {log_dir}/<service>.log",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def _from_flags(flags: list[str]) -> Iterator[tuple[str, str]]:
+    for flag in flags:
+        match = _SETTING.match(flag)
+        if match is None:
+            raise UsageError(f"--env: expected EXPERT_NAME=VALUE, got {flag!r}")
+        yield match[1], match[2]
+
+
+def _settings(environ: Mapping[str, str], flags: list[str]) -> dict[str, str]:
+    """The EXPERT_* settings in effect: the environment's, overridden by --env."""
+    settings = {key: value for key, value in environ.items() if key.startswith("EXPERT_")}
+    settings.update(_from_flags(flags))
+    return settings
+
+
+def _ports(settings: Mapping[str, str], services: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each service's gRPC and metrics port: EXPERT_<SERVICE>_PORT / _METRICS_PORT, else the default.
+    LocalStack sets these variables itself, so they are read here to reach it."""
+    from libs.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS
+
+    ports, metrics_ports = {}, {}
+    for service in services:
+        name = f"EXPERT_{service.upper()}"
+        # 0 (pick any port) cannot be used for gRPC: the stack must know where to find the service.
+        ports[service] = _port(settings, f"{name}_PORT", DEFAULT_PORTS[service], minimum=1)
+        metrics_ports[service] = _port(
+            settings, f"{name}_METRICS_PORT", DEFAULT_METRICS_PORTS[service], minimum=0
+        )
+    return ports, metrics_ports
+
+
+def _port(settings: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = settings.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not minimum <= int(raw) <= 65535:
+        raise UsageError(f"{name}: expected a port in [{minimum}, 65535], got {raw!r}")
+    return int(raw)
+
+
+def _check_ports_free(ports: Mapping[str, int], metrics_ports: Mapping[str, int]) -> None:
+    """Fail before starting anything when a port is taken (most often: a stack is already running)."""
+    wanted = {f"EXPERT_{s.upper()}_PORT": p for s, p in ports.items()}
+    wanted |= {f"EXPERT_{s.upper()}_METRICS_PORT": p for s, p in metrics_ports.items() if p}
+    for variable, port in wanted.items():
+        with socket.socket() as sock:
+            # SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free to listen on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                raise UsageError(
+                    f"port {port} ({variable}) is in use: is a stack already running? "
+                    f"(--env {variable}=N moves it)"
+                ) from None
+
+
+def _watch(processes: Mapping) -> list[tuple[str, int]]:
+    """Wait until a service exits (or a stop signal arrives); the services that exited, with status."""
+    while True:
+        dead = [(name, p.returncode) for name, p in processes.items() if p.poll() is not None]
+        if dead:
+            return dead
+        time.sleep(POLL_INTERVAL_S)
+
+
+class _StopSignals:
+    """While entered, the first SIGINT or SIGTERM raises _StopRequested in the main thread. After
+    that, or once disarmed (a stop is under way for another reason), signals only say that the
+    stop is in progress: a second Ctrl-C must not interrupt the stop and leave processes behind."""
+
+    def __init__(self) -> None:
+        self._armed = True
+        self._previous: dict[int, object] = {}
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self._armed:
+            _notice("stopping, please wait…")
+            return
+        self._armed = False
+        raise _StopRequested
+
+    def __enter__(self) -> _StopSignals:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _notice(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _error(message: str) -> None:
+    print(f"expertctl: error: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,243 @@
+"""The whole system on one machine: a redis-server and the five services as processes.
+
+`make run` (through `expertctl up`) and the end-to-end tests both use it. Services start in
+dependency order and are ready when their grpc.health.v1 check says SERVING; each writes its JSON
+logs to a file under `log_dir`. Stopping sends SIGTERM (the services stop gracefully) and SIGKILL
+to what is still running after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# Start order: the engine registers with preparation; reception calls all the others.
+SERVICES = ("router", "preparation", "postproc", "engine", "reception")
+DEFAULT_PORTS = {
+    "reception": 50051,
+    "router": 50052,
+    "preparation": 50053,
+    "engine": 50054,
+    "postproc": 50055,
+}
+DEFAULT_METRICS_PORTS = {
+    "reception": 9151,
+    "router": 9152,
+    "preparation": 9153,
+    "engine": 9154,
+    "postproc": 9155,
+}
+
+
+class StackError(RuntimeError):
+    """The stack could not start: a missing program, a service that died or never became ready."""
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on right now, for a server about to start.
+
+    Picked below the kernel's ephemeral range (where the OS would pick with port 0): the outgoing
+    connections of every client on the machine take ports from that range, so a port chosen there
+    can be taken by one before the server binds it. A port is never handed out twice by a process.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(1000):
+        port = random.randrange(PORT_RANGE_START, max(PORT_RANGE_START + 1000, low))
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))  # the services' default bind address
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise StackError("no free TCP port found")
+
+
+PORT_RANGE_START = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def health_status(target: str, timeout: float = 1.0) -> int | None:
+    """The health status of a gRPC server's "" service, or None if it does not answer."""
+    try:
+        with grpc.insecure_channel(target) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+            return response.status
+    except grpc.RpcError:
+        return None
+
+
+@dataclass
+class LocalStack:
+    log_dir: Path
+    env: Mapping[str, str] = field(default_factory=dict)  # extra EXPERT_* settings for every service
+    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
+    redis_url: str | None = None  # an existing Redis; None starts a redis-server
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _redis: subprocess.Popen | None = None
+
+    @classmethod
+    def on_free_ports(cls, log_dir: Path, **kwargs) -> LocalStack:
+        """A stack that can run next to another one (tests): every port picked free, metrics off."""
+        return cls(
+            log_dir,
+            ports={s: free_port() for s in SERVICES},
+            metrics_ports=dict.fromkeys(SERVICES, 0),
+            **kwargs,
+        )
+
+    def target(self, service: str) -> str:
+        return f"localhost:{self.ports[service]}"
+
+    def service_env(self) -> dict[str, str]:
+        env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
+        for service in SERVICES:
+            name = service.upper()
+            env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
+            env[f"EXPERT_{name}_METRICS_PORT"] = str(self.metrics_ports[service])
+        env |= {
+            "EXPERT_ROUTER_TARGET": self.target("router"),
+            "EXPERT_PREPARATION_TARGET": self.target("preparation"),
+            "EXPERT_POSTPROC_TARGET": self.target("postproc"),
+            "EXPERT_ENGINE_ADVERTISE_ADDRESS": self.target("engine"),
+        }
+        return env
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start Redis (unless given) and the services, and wait until every one is SERVING."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.redis_url is None:
+                self._start_redis()
+            for service in SERVICES:
+                self.start_service(service)
+            for service in SERVICES:
+                self.wait_serving(service, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_redis(self) -> None:
+        program = shutil.which("redis-server")
+        if program is None:
+            raise StackError(
+                "redis-server is not installed (apt-get install redis-server), or set EXPERT_REDIS_URL"
+            )
+        port = free_port()
+        data = self.log_dir / "redis"
+        data.mkdir(exist_ok=True)
+        log = open(self.log_dir / "redis.log", "wb")  # noqa: SIM115 (the process owns it)
+        self._redis = subprocess.Popen(
+            [
+                program,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(data),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise StackError(f"redis-server did not answer on port {port}")
+
+    def start_service(self, service: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{service}.log", "ab")  # noqa: SIM115 (the process owns it)
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"services.{service}"],
+            env=self.service_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes[service] = process
+        return process
+
+    def wait_serving(self, service: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        process = self.processes[service]
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise StackError(
+                    f"{service} exited with status {process.returncode}; see "
+                    f"{self.log_dir / (service + '.log')}"
+                )
+            if health_status(self.target(service)) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+        raise StackError(
+            f"{service} was not SERVING after {timeout:.0f} s; see {self.log_dir / (service + '.log')}"
+        )
+
+    def kill(self, service: str) -> None:
+        """SIGKILL: the service dies without cleaning up (for failure tests)."""
+        process = self.processes.pop(service)
+        process.kill()
+        process.wait()
+
+    def stop_service(self, service: str, grace: float = 15.0) -> None:
+        process = self.processes.pop(service, None)
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        """Stop the services in reverse order, then Redis (if this stack started it)."""
+        for service in reversed(SERVICES):
+            self.stop_service(service)
+        if self._redis is not None:
+            self._redis.terminate()
+            self._redis.wait(timeout=10)
+            self._redis = None
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,174 @@
+"""Failures on the tiny model: a dispatcher killed mid-job (its job is reclaimed and completes), an
+engine killed mid-stream (the job fails with a reason or runs elsewhere, never hangs), and the
+engine's health before it is warm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from expert_system import ExpertClient
+from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
+from libs.stack import free_port, health_status
+from services.engine import LLMEngine, SamplingParams
+from tests.e2e.test_pipeline import wait_final, wait_status
+
+LONG = 1000  # tokens: a few seconds on the tiny model (its max_model_len is 1024)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_llama) -> str:
+    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token."""
+    engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=1024, num_blocks=160)
+    for candidate in (
+        "Once upon a time",
+        "def add(a, b):",
+        "SELECT name FROM",
+        "The quick brown fox",
+        "Hello",
+    ):
+        out = engine.generate(
+            [candidate], SamplingParams(temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
+        )
+        if out[0].finish_reason == "length":
+            return candidate
+    pytest.fail("no candidate prompt runs to max_tokens on the tiny model")
+
+
+def long_job(client: ExpertClient, prompt: str):
+    return client.submit(prompt=prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
+
+
+def test_a_job_whose_dispatcher_dies_is_reclaimed_and_completes(tiny_stack, long_prompt):
+    stack = tiny_stack()
+    with ExpertClient(stack.target("reception")) as client:
+        expected = client.infer(
+            prompt=long_prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
+        ).text
+        job = long_job(client, long_prompt)
+        wait_status(client, job.job_id, "running")
+    stack.kill("reception")  # the dispatcher dies mid-job; its queue entry stays pending
+    stack.start_service("reception")  # a new reception (and dispatcher) takes over
+    stack.wait_serving("reception")
+    with ExpertClient(stack.target("reception")) as client:
+        final = wait_final(client, job.job_id, timeout=120)
+    assert final.status == "completed" and final.attempts == 2
+    assert final.result.text == expected  # greedy: the rerun gives the same text
+    assert len(final.result.text) > 0
+
+
+def test_an_engine_killed_mid_stream_fails_the_job_with_a_reason(tiny_stack, long_prompt):
+    stack = tiny_stack()
+    with ExpertClient(stack.target("reception")) as client:
+        job = long_job(client, long_prompt)
+        wait_status(client, job.job_id, "running")
+        stack.kill("engine")
+        started = time.monotonic()
+        final = wait_final(client, job.job_id, timeout=60)
+        assert time.monotonic() - started < 30
+        assert final.status == "failed" and "engine" in final.result.error
+        # with no engine left, new jobs wait rather than fail; once an engine is back they run
+        stack.start_service("engine")
+        stack.wait_serving("engine")
+        again = client.infer(prompt="Hello", raw=True, temperature=0.0, max_tokens=8, timeout_ms=60_000)
+        assert again.status == "completed"
+
+
+def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_prompt, tmp_path):
+    stack = tiny_stack()
+    # a second engine process registers with the same preparation
+    second = stack.service_env() | {
+        "EXPERT_ENGINE_PORT": str(free_port()),
+        "EXPERT_ENGINE_ID": "second",
+        "EXPERT_ENGINE_METRICS_PORT": "0",
+    }
+    second["EXPERT_ENGINE_ADVERTISE_ADDRESS"] = f"localhost:{second['EXPERT_ENGINE_PORT']}"
+    log = open(tmp_path / "second-engine.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.engine"], env=second, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait(
+            lambda: (
+                health_status(second["EXPERT_ENGINE_ADVERTISE_ADDRESS"])
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+        )
+        with ExpertClient(stack.target("reception")) as client:
+            _wait(lambda: len(client_engines(stack)) == 2)
+            expected = client.infer(
+                prompt=long_prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
+            ).text
+            job = long_job(client, long_prompt)
+            wait_status(client, job.job_id, "running")
+            engine = _engine_of(stack, job.job_id)
+            if engine == "second":
+                process.kill()
+            else:
+                stack.kill("engine")
+            final = wait_final(client, job.job_id, timeout=120)
+        assert final.status == "completed" and final.result.text == expected
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_the_engine_is_not_serving_until_its_model_is_warm(tiny_llama, tmp_path):
+    port = free_port()
+    env = {
+        "EXPERT_MODEL_PATH": str(tiny_llama),
+        "EXPERT_ENGINE_PORT": str(port),
+        "EXPERT_ENGINE_METRICS_PORT": "0",
+        "EXPERT_MAX_MODEL_LEN": "256",
+        "EXPERT_KV_NUM_BLOCKS": "32",
+        "EXPERT_PREPARATION_TARGET": f"localhost:{free_port()}",
+    }  # nobody there: registration just retries
+
+    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.engine"],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status = health_status(f"localhost:{port}", timeout=0.5)
+            if status is not None and (not seen or seen[-1] != status):
+                seen.append(status)
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            time.sleep(0.01)
+    finally:
+        process.terminate()
+        assert process.wait(timeout=20) == 0
+    assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+
+
+def client_engines(stack) -> list:
+    with grpc.insecure_channel(stack.target("preparation")) as channel:
+        stub = preparation_pb2_grpc.PreparationServiceStub(channel)
+        return list(stub.ListEngines(preparation_pb2.ListEnginesRequest()).engines)
+
+
+def _engine_of(stack, job_id: str) -> str:
+    for engine in client_engines(stack):
+        if engine.active_jobs:
+            return engine.engine_id
+    raise AssertionError(f"no engine holds job {job_id}")
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)

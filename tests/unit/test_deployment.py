@@ -1,0 +1,433 @@
+"""Static checks of the deployment files: compose.yaml, deploy/*.yaml (Kubernetes), the Dockerfile.
+
+No container engine or cluster runs on the machines these tests run on, so nothing here builds an
+image, starts a container or applies a manifest. The files are parsed and checked against the code
+they deploy: each service's command is a real entry point, every EXPERT_* variable they set is one
+that service's config class reads, the ports are the services' defaults, and health checks and
+probes ask the service's own gRPC port.
+
+The variables a service reads are found by running its `Config.from_env` on a mapping that records
+every name it is asked for, so names built at run time (EXPERT_<SERVICE>_PORT) are included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from libs.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
+from services.engine.config import ENV_VARIABLES as ENGINE_ENV_VARIABLES
+from services.engine.service_config import EngineServiceConfig
+from services.postproc.config import PostprocConfig
+from services.preparation.config import PreparationConfig
+from services.reception.config import ReceptionConfig
+from services.router.config import RouterConfig
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "compose.yaml"
+DEPLOY = REPO / "deploy"
+DOCKERFILE = REPO / "Dockerfile"
+
+CONFIGS = {
+    "reception": ReceptionConfig,
+    "router": RouterConfig,
+    "preparation": PreparationConfig,
+    "engine": EngineServiceConfig,
+    "postproc": PostprocConfig,
+}
+REDIS_PORT = 6379
+_EXPERT_NAME = re.compile(r"\bEXPERT_[A-Z][A-Z0-9_]*\b")
+# EXPERT_ROUTER_TARGET -> router: the variables that tell one service where another listens.
+_TARGET = re.compile(r"^EXPERT_([A-Z]+)_TARGET$")
+
+
+class _RecordingEnv(Mapping[str, str]):
+    """An empty environment that remembers every variable it was asked for."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def __getitem__(self, name: str) -> str:
+        self.names.add(name)
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _reads(service: str) -> set[str]:
+    env = _RecordingEnv()
+    CONFIGS[service].from_env(env)
+    return env.names
+
+
+READS = {service: _reads(service) for service in CONFIGS}
+ALL_READS = set().union(*READS.values())
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _load_all(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _expert_names_in_source(path: Path) -> set[str]:
+    return set(_EXPERT_NAME.findall(path.read_text()))
+
+
+# --- the variables the services read ------------------------------------------------------------
+
+
+def test_the_recorded_variables_are_the_ones_the_config_modules_name():
+    """The recording sees every literal EXPERT_* name of the config modules, and the names each
+    service builds from its own name (a recording that missed reads would make the checks below
+    vacuous)."""
+    sources = [*REPO.glob("services/*/config.py"), REPO / "services/engine/service_config.py"]
+    literal = set().union(*(_expert_names_in_source(p) for p in sources))
+    assert literal <= ALL_READS, sorted(literal - ALL_READS)
+    assert set(ENGINE_ENV_VARIABLES.values()) <= READS["engine"]
+    for service, names in READS.items():
+        prefix = f"EXPERT_{service.upper()}"
+        assert {f"{prefix}_PORT", f"{prefix}_METRICS_PORT", "EXPERT_LOG_LEVEL"} <= names
+    assert "EXPERT_REDIS_URL" in READS["reception"] and "EXPERT_REDIS_URL" not in READS["router"]
+
+
+def test_the_default_ports_are_the_config_classes_defaults():
+    assert set(SERVICES) == set(CONFIGS) == set(DEFAULT_PORTS) == set(DEFAULT_METRICS_PORTS)
+    for service, config in CONFIGS.items():
+        server = config.from_env({}).server
+        assert (server.port, server.metrics_port) == (DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service])
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_service_has_an_entry_point(service):
+    assert importlib.util.find_spec(f"services.{service}.__main__") is not None
+
+
+def test_the_healthcheck_module_exists():
+    assert importlib.util.find_spec("libs.healthcheck") is not None
+
+
+# --- compose.yaml ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load(COMPOSE)
+
+
+def _environment(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):  # the KEY=VALUE form
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def _container_port(entry: str | int) -> int:
+    """The container side of "8080", "127.0.0.1:8080:80" or "8080:80/tcp"."""
+    return int(str(entry).split("/")[0].rsplit(":", 1)[-1])
+
+
+def test_compose_runs_redis_qdrant_and_the_five_services_from_one_image(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "qdrant", *SERVICES}
+    assert {services[s]["image"] for s in SERVICES} == {"expert-system:0.1.0"}
+    assert {services[s]["build"] for s in SERVICES} == {"."}
+    assert services["qdrant"]["image"].startswith("qdrant/qdrant:")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_service_commands_are_entry_points(compose, service):
+    command = compose["services"][service]["command"]
+    assert command == ["python", "-m", f"services.{service}"]
+    assert importlib.util.find_spec(f"{command[2]}.__main__") is not None
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_sets_only_variables_the_service_reads(compose, service):
+    env = _environment(compose["services"][service])
+    expert = {name for name in env if name.startswith("EXPERT_")}
+    assert expert <= READS[service], f"{service} does not read {sorted(expert - READS[service])}"
+
+
+def test_compose_points_each_service_at_the_others(compose):
+    services = compose["services"]
+    for name in SERVICES:
+        env = _environment(services[name])
+        for variable, value in env.items():
+            target = _TARGET.match(variable)
+            if target:
+                peer = target[1].lower()
+                assert (value == f"{peer}:{DEFAULT_PORTS[peer]}") and peer in services, (name, variable)
+        if "EXPERT_REDIS_URL" in READS[name]:
+            url = urlparse(env["EXPERT_REDIS_URL"])  # unset would mean localhost: wrong in a container
+            assert (url.scheme, url.hostname, url.port or REDIS_PORT) == ("redis", "redis", REDIS_PORT)
+    engine = _environment(services["engine"])
+    assert engine["EXPERT_ENGINE_ADVERTISE_ADDRESS"] == f"engine:{DEFAULT_PORTS['engine']}"
+    assert "EXPERT_KV_CACHE_BYTES" in engine  # the default would size the cache from the host's memory
+
+
+def test_compose_mounts_the_model_where_the_engine_looks(compose):
+    engine = compose["services"]["engine"]
+    model = _environment(engine)["EXPERT_MODEL_PATH"]
+    (volume,) = [v for v in engine["volumes"] if v["target"] == model]
+    assert volume["type"] == "bind" and volume["read_only"] is True
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_ports_are_the_defaults(compose, service):
+    spec = compose["services"][service]
+    ports = {_container_port(p) for p in [*spec.get("ports", []), *spec.get("expose", [])]}
+    assert ports == {DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service]}
+    for published in spec.get("ports", []):
+        assert _container_port(published) == DEFAULT_PORTS[service]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_health_checks_ask_the_service_itself(compose, service):
+    check = compose["services"][service]["healthcheck"]
+    assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"localhost:{DEFAULT_PORTS[service]}"]
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration))
+
+
+def test_compose_gives_the_engine_time_to_load(compose):
+    check = compose["services"]["engine"]["healthcheck"]
+    assert _seconds(check["start_period"]) >= 300
+
+
+def test_compose_starts_services_after_what_they_need(compose):
+    services = compose["services"]
+    for name, spec in services.items():
+        depends = spec.get("depends_on") or {}
+        for dependency, condition in depends.items():
+            assert dependency in services
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], (name, dependency)
+        if name not in SERVICES:
+            continue
+        env = _environment(spec)
+        needed = {m[1].lower() for m in map(_TARGET.match, env) if m}
+        if "EXPERT_REDIS_URL" in env:
+            needed.add("redis")
+        for dependency in needed - {name}:
+            assert depends.get(dependency, {}).get("condition") == "service_healthy", (name, dependency)
+
+
+# --- deploy/ (Kubernetes) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, list[dict]]:
+    return {path.name: _load_all(path) for path in sorted(DEPLOY.glob("*.yaml"))}
+
+
+def _one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}"
+    return found[0]
+
+
+def _container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _config_map(manifests: dict[str, list[dict]]) -> dict[str, str]:
+    return _one(manifests["config.yaml"], "ConfigMap", "expert-config")["data"]
+
+
+def test_every_manifest_parses_and_the_kustomization_lists_them(manifests):
+    assert manifests, "no deploy/*.yaml"
+    for name, docs in manifests.items():
+        assert docs and all(isinstance(d, dict) for d in docs), name
+        if name != "kustomization.yaml":
+            assert all({"apiVersion", "kind", "metadata"} <= d.keys() for d in docs), name
+    (kustomization,) = manifests["kustomization.yaml"]
+    assert set(kustomization["resources"]) == set(manifests) - {"kustomization.yaml"}
+    assert {f"{s}.yaml" for s in SERVICES} | {"redis.yaml", "config.yaml"} <= set(kustomization["resources"])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_builds_the_manifests():
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
+    assert kinds.count("Deployment") == len(SERVICES) + 1  # and redis
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_has_a_deployment_and_a_service(manifests, service):
+    docs = manifests[f"{service}.yaml"]
+    deployment = _one(docs, "Deployment", service)
+    k8s_service = _one(docs, "Service", service)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert k8s_service["spec"]["selector"].items() <= labels.items()
+    container = _container(deployment)
+    assert container["command"] == ["python", "-m", f"services.{service}"]
+    assert importlib.util.find_spec(f"services.{service}.__main__") is not None
+    (kustomization,) = manifests["kustomization.yaml"]
+    assert container["image"] in {image["name"] for image in kustomization["images"]}
+    assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_manifests_set_only_variables_the_service_reads(manifests, service):
+    container = _container(_one(manifests[f"{service}.yaml"], "Deployment", service))
+    names = {e["name"] for e in container.get("env", []) if e["name"].startswith("EXPERT_")}
+    assert names <= READS[service], f"{service} does not read {sorted(names - READS[service])}"
+    config_maps = {s["configMapRef"]["name"] for s in container.get("envFrom", [])}
+    assert config_maps == {"expert-config"}
+
+
+def test_the_shared_settings_are_read_and_point_at_the_services(manifests):
+    data = _config_map(manifests)
+    services = {
+        d["metadata"]["name"]: d for docs in manifests.values() for d in docs if d.get("kind") == "Service"
+    }
+    for variable, value in data.items():
+        assert variable in ALL_READS, f"no service reads {variable}"
+        target = _TARGET.match(variable)
+        if target:
+            peer = target[1].lower()
+            host, port = _host_port(value)
+            assert (host, port) == (peer, DEFAULT_PORTS[peer])
+            assert port in {p["port"] for p in services[peer]["spec"]["ports"]}
+    url = urlparse(data["EXPERT_REDIS_URL"])
+    assert url.hostname in services and url.port in {p["port"] for p in services["redis"]["spec"]["ports"]}
+    for service in SERVICES:  # every service gets the addresses it reads from the ConfigMap
+        needed = {name for name in READS[service] if _TARGET.match(name)} | (
+            {"EXPERT_REDIS_URL"} & READS[service]
+        )
+        assert needed <= data.keys(), service
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_manifest_ports_and_probes_are_the_services_own(manifests, service):
+    docs = manifests[f"{service}.yaml"]
+    container = _container(_one(docs, "Deployment", service))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": DEFAULT_PORTS[service], "metrics": DEFAULT_METRICS_PORTS[service]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == DEFAULT_PORTS[service], probe
+    k8s_service = _one(docs, "Service", service)
+    assert {p["port"] for p in k8s_service["spec"]["ports"]} == set(ports.values())
+    assert {p["targetPort"] for p in k8s_service["spec"]["ports"]} <= set(ports) | set(ports.values())
+
+
+def test_the_engine_requests_a_gpu_and_may_load_slowly(manifests):
+    container = _container(_one(manifests["engine.yaml"], "Deployment", "engine"))
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    startup = container["startupProbe"]
+    assert startup["grpc"]["port"] == DEFAULT_PORTS["engine"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_the_engine_advertises_its_pod_ip(manifests):
+    deployment = _one(manifests["engine.yaml"], "Deployment", "engine")
+    env = _container(deployment)["env"]
+    names = [e["name"] for e in env]
+    by_name = {e["name"]: e for e in env}
+    advertise = by_name["EXPERT_ENGINE_ADVERTISE_ADDRESS"]["value"]
+    assert advertise == f"$(POD_IP):{DEFAULT_PORTS['engine']}"
+    # $(POD_IP) expands only to a variable defined earlier in the same list
+    assert names.index("POD_IP") < names.index("EXPERT_ENGINE_ADVERTISE_ADDRESS")
+    assert by_name["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "EXPERT_KV_CACHE_BYTES" in by_name
+
+
+def test_the_engine_mounts_the_model_where_it_looks(manifests):
+    deployment = _one(manifests["engine.yaml"], "Deployment", "engine")
+    container = _container(deployment)
+    model = {e["name"]: e.get("value") for e in container["env"]}["EXPERT_MODEL_PATH"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+    claims = [d for docs in manifests.values() for d in docs if d.get("kind") == "PersistentVolumeClaim"]
+    assert claim in {c["metadata"]["name"] for c in claims}
+
+
+def test_preparation_runs_as_one_replica(manifests):
+    """Its registry of engines is in memory (services/preparation/fleet.py): two replicas would
+    each know only some engines, so it is never scaled or rolled over with two at once."""
+    deployment = _one(manifests["preparation.yaml"], "Deployment", "preparation")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_redis_is_where_the_services_look(manifests):
+    docs = manifests["redis.yaml"]
+    container = _container(_one(docs, "Deployment", "redis"))
+    assert REDIS_PORT in {p["containerPort"] for p in container["ports"]}
+    assert urlparse(_config_map(manifests)["EXPERT_REDIS_URL"]).hostname == "redis"
+    assert _one(docs, "Service", "redis")
+
+
+# --- Dockerfile -----------------------------------------------------------------------------------
+
+
+def _torch_pin() -> str:
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in dependencies if d.startswith("torch")]
+    return pin
+
+
+def test_the_dockerfile_pins_the_projects_torch():
+    text = DOCKERFILE.read_text()
+    assert _torch_pin() == "torch==2.13.0"
+    assert re.search(r"^RUN pip install torch==2\.13\.0 --index-url ", text, re.MULTILINE)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    # no other torch version anywhere
+    assert set(re.findall(r"torch==([0-9.]+)", text)) == {"2.13.0"}
+
+
+def test_the_dockerfile_builds_what_the_services_need():
+    text = DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[next(i for i, line in enumerate(lines) if line.startswith("FROM"))] == (
+        "FROM python:3.11-slim"
+    )
+    for step in ("pip install .", "python protos/generate.py", "python -m services.engine.kernels build"):
+        assert step in text, step
+    assert "build-essential" in text  # the kernels are C++
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in {"root", "0"}
+    exposed = {int(p) for line in lines if line.startswith("EXPOSE ") for p in line.split()[1:]}
+    assert exposed == set(DEFAULT_PORTS.values()) | set(DEFAULT_METRICS_PORTS.values())
+
+
+def test_the_dockerfile_sets_only_variables_the_code_reads():
+    code = set().union(*(_expert_names_in_source(p) for p in [*REPO.glob("services/**/*.py")]))
+    named = _expert_names_in_source(DOCKERFILE)
+    assert named and named <= code, sorted(named - code)
+
+
+def test_the_build_context_leaves_out_local_state():
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv", "data", "build", "libs/gen"} <= ignored
