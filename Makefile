@@ -51,6 +51,7 @@ test: setup model redis-server
 bench: setup model
 	$(PY) bench/engine_throughput.py --model $(MODEL_DIR)
 	$(PY) bench/adapters.py --model $(MODEL_DIR)
+	$(PY) bench/pipeline.py --model $(MODEL_DIR)
 
 lint: setup
 	$(VENV)/bin/ruff check .

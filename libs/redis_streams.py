@@ -76,20 +76,34 @@ async def ack(redis: Redis, stream: str, group: str, entry_id: str) -> bool:
     return bool(await redis.xack(stream, group, entry_id))
 
 
-async def _read_new(redis: Redis, stream: str, group: str, consumer: str) -> Entry | None:
-    entry = _first_entry(await redis.xreadgroup(group, consumer, {stream: ">"}, count=1))
-    if entry is None:
-        return None
-    entry_id, fields = entry
-    return Entry(stream=stream, id=_text(entry_id), fields=_fields(fields), deliveries=1)
+# One round trip for a whole priority check, atomic so that no entry can arrive between the checks
+# and the ids the wait starts from: the first stream (in KEYS order) with a new entry delivers it to
+# the consumer (XREADGROUP COUNT 1); when none has one, the newest id of each stream comes back.
+_READ_FIRST = """
+for i, stream in ipairs(KEYS) do
+  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', stream, '>')
+  if got and got[1] and #got[1][2] > 0 then
+    local entry = got[1][2][1]
+    return {'entry', stream, entry[1], entry[2]}
+  end
+end
+local last = {}
+for i, stream in ipairs(KEYS) do
+  local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  last[i] = newest[1] and newest[1][1] or '0-0'
+end
+return {'empty', last}
+"""
 
 
-async def _last_ids(redis: Redis, streams: Sequence[str]) -> list[str]:
-    async with redis.pipeline(transaction=False) as pipe:
-        for stream in streams:
-            pipe.xrevrange(stream, "+", "-", count=1)
-        newest = await pipe.execute()
-    return [_text(entries[0][0]) if entries else "0-0" for entries in newest]
+async def _read_first(redis: Redis, streams: Sequence[str], group: str, consumer: str) -> Entry | list[str]:
+    """The first new entry in `streams` order, or each stream's newest id when there is none."""
+    reply = await redis.eval(_READ_FIRST, len(streams), *streams, group, consumer)
+    if _text(reply[0]) == "empty":
+        return [_text(i) for i in reply[1]]
+    _, stream, entry_id, flat = reply
+    fields = dict(zip(flat[0::2], flat[1::2], strict=True))
+    return Entry(stream=_text(stream), id=_text(entry_id), fields=_fields(fields), deliveries=1)
 
 
 async def read_next(
@@ -103,19 +117,16 @@ async def read_next(
         raise ValueError("read_next needs at least one stream")
     deadline = time.monotonic() + block_ms / 1000
     while True:
-        # Taken before the checks: an entry added after a stream was checked is newer than its
-        # last id, so the wait below returns at once instead of sleeping past it.
-        last_ids = await _last_ids(redis, streams)
-        for stream in streams:
-            entry = await _read_new(redis, stream, group, consumer)
-            if entry is not None:
-                return entry
+        found = await _read_first(redis, streams, group, consumer)
+        if isinstance(found, Entry):
+            return found
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             return None
         # A plain XREAD only waits: a blocking XREADGROUP would claim an entry of whichever stream
-        # woke first, and a lower-priority entry claimed here could not be handed back.
-        await redis.xread(dict(zip(streams, last_ids, strict=True)), count=1, block=left_ms)
+        # woke first, and a lower-priority entry claimed here could not be handed back. It starts
+        # from the ids the check saw, so an entry added since then wakes it at once.
+        await redis.xread(dict(zip(streams, found, strict=True)), count=1, block=left_ms)
 
 
 async def reclaim(

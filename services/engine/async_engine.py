@@ -209,14 +209,21 @@ class AsyncLLMEngine:
     # -- engine thread -------------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, final: bool) -> None:
-        def put() -> None:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream._put(item)
-                if final:
-                    del self._streams[request_id]
+        self._deliver_all([(request_id, item, final)])
 
-        if self._loop is not None and not self._loop.is_closed():
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException, bool]]) -> None:
+        """Hand items to their streams on the event loop: one wake-up of the loop thread for a whole
+        step's outputs, which on a machine whose cores the model's threads keep busy is what it costs."""
+
+        def put() -> None:
+            for request_id, item, final in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream._put(item)
+                    if final:
+                        del self._streams[request_id]
+
+        if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(put)
 
     def _drain_inbox(self) -> None:
@@ -263,8 +270,7 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for output in engine.step():
-                    self._deliver(output.request_id, output, final=output.finished)
+                self._deliver_all([(o.request_id, o, o.finished) for o in engine.step()])
                 self._stats = engine.get_stats()
             # Shutting down: end every open request as aborted.
             self._drain_inbox()

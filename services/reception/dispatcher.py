@@ -98,6 +98,7 @@ class Dispatcher:
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._runs: dict[str, JobRun] = {}
         self._unplaced = 0  # jobs taken but not yet placed: they will use slots preparation still shows free
+        self._reading = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._reclaimed: set[asyncio.Task] = set()
         self.on_finished: Callable[[float], None] | None = None  # told each finished job's duration
@@ -120,27 +121,36 @@ class Dispatcher:
     async def _worker(self, index: int) -> None:
         while True:
             try:
-                capacity = await self.capacity.get()
-                if capacity.free_slots - self._unplaced <= 0:
-                    await asyncio.sleep(0.05)
-                    continue
-                # Reserve the slot before reading (no await in between), so that two workers never
-                # take two jobs for one slot and a lower priority never overtakes a higher one.
-                self._unplaced += 1
-                try:
-                    entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
-                except BaseException:
-                    self._unplaced -= 1
-                    raise
-                if entry is None:
-                    self._unplaced -= 1
-                else:
+                entry = await self._take()
+                if entry is not None:
                     await self._handle(entry, reserved=True)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis hiccups and the like: keep the worker alive
                 log.exception("dispatcher worker error", worker=index)
                 await asyncio.sleep(0.5)
+
+    async def _take(self) -> Entry | None:
+        """The next job for an idle worker, reserved against a free slot; None if none came.
+
+        Idle workers take turns: one at a time checks capacity and waits on the queue, so a new
+        job wakes one worker, not all of them (each wake-up is a round of Redis calls)."""
+        async with self._reading:
+            capacity = await self.capacity.get()
+            if capacity.free_slots - self._unplaced <= 0:
+                await asyncio.sleep(0.05)
+                return None
+            # Reserve the slot before reading, so that a lower priority never overtakes a higher
+            # one and a slot is never promised twice.
+            self._unplaced += 1
+            try:
+                entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
+            except BaseException:
+                self._unplaced -= 1
+                raise
+            if entry is None:
+                self._unplaced -= 1
+            return entry
 
     async def _handle(self, entry: Entry, reserved: bool = False) -> None:
         """Run the entry's job to a final state, then acknowledge the entry. With `reserved`, the

@@ -11,10 +11,12 @@ overwritten, so a cancellation and a completion racing each other resolve to exa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from libs.gen.expert.v1 import common_pb2
 
@@ -69,7 +71,6 @@ class JobRecord:
     attempts: int
     error: str
     result: common_pb2.InferenceResult | None
-    admission_ms: float = 0.0
 
     @property
     def final(self) -> bool:
@@ -99,7 +100,15 @@ class JobStore:
         self.ttl_s = ttl_s
         self._set_status = redis.register_script(_SET_STATUS)
 
-    async def create(self, job_id: str, request: common_pb2.InferenceRequest, priority: int) -> float:
+    async def create(
+        self,
+        job_id: str,
+        request: common_pb2.InferenceRequest,
+        priority: int,
+        also: Callable[[Pipeline], None] | None = None,
+    ) -> float:
+        """Write the job's record; `also` adds commands (the enqueue) to the same transaction, so
+        that a job is never queued without its record and admission takes one round trip."""
         now = time.time()
         key = job_key(job_id)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -117,6 +126,8 @@ class JobStore:
             pipe.expire(key, self.ttl_s)
             pipe.xadd(events_key(job_id), {"kind": b"status", "status": str(common_pb2.JOB_STATUS_QUEUED)})
             pipe.expire(events_key(job_id), self.ttl_s)
+            if also is not None:
+                also(pipe)
             await pipe.execute()
         return now
 
@@ -139,11 +150,14 @@ class JobStore:
             attempts=int(fields.get(b"attempts", 0)),
             error=fields.get(b"error", b"").decode(),
             result=result,
-            admission_ms=float(fields.get(b"admission_ms", 0.0)),
         )
 
     async def record_admission(self, job_id: str, milliseconds: float) -> None:
         await self.redis.hset(job_key(job_id), "admission_ms", repr(milliseconds))
+
+    async def admission_ms(self, job_id: str) -> float:
+        """Reception's admission time for the job (0 if it was never recorded)."""
+        return float(await self.redis.hget(job_key(job_id), "admission_ms") or 0.0)
 
     async def text(self, job_id: str) -> str:
         return (await self.redis.get(text_key(job_id)) or b"").decode("utf-8", errors="replace")

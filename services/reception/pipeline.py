@@ -296,7 +296,7 @@ class Pipeline:
             outcome=outcome,
             submitted_at=timestamp(run.record.submitted_at),
             queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
-            reception_latency_ms=run.record.admission_ms,
+            reception_latency_ms=await self.jobs.admission_ms(run.job_id),
             inference_latency_ms=inference_ms,
             timed_out=timed_out,
             cancelled=cancelled,

@@ -63,6 +63,12 @@ class ReceptionServicer:
         """Fold a finished job's duration into the average behind estimated_wait_ms."""
         self.average_job_s += 0.1 * (seconds - self.average_job_s)
 
+    async def _max_model_len(self) -> int:
+        """The fleet's context window for validation. The dispatcher keeps the capacity fresh, so
+        admission uses the latest answer and asks preparation only when it has none yet."""
+        known = self.capacity.last.max_model_len
+        return known if known else (await self.capacity.get()).max_model_len
+
     async def _admit(self, request: common_pb2.InferenceRequest | Undecodable) -> tuple[str, float, int]:
         started = time.perf_counter()
         if isinstance(request, Undecodable):
@@ -70,18 +76,19 @@ class ReceptionServicer:
                 "request", f"not a valid request message ({request.reason}); text fields must be valid UTF-8"
             )
         try:
-            validate(request, (await self.capacity.get()).max_model_len)
+            validate(request, await self._max_model_len())
         except ServiceError as exc:
             for field, _ in exc.violations:
                 self.metrics.rejected.labels(field.split("[")[0]).inc()
             raise
         priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
         job_id = uuid.uuid4().hex
-        submitted_at = await self.jobs.create(job_id, request, priority)
+        submitted_at = await self.jobs.create(
+            job_id, request, priority, also=lambda pipe: self.queue.push_in(pipe, job_id, priority)
+        )
         admission = time.perf_counter() - started
-        # Recorded before the enqueue, so that the dispatcher that takes the job can read it.
+        # After the enqueue (a dispatcher may already run the job): postproc's metrics read it.
         await self.jobs.record_admission(job_id, admission * 1000)
-        await self.queue.push(job_id, priority)
         self.metrics.submitted.labels(str(priority)).inc()
         self.metrics.admission.observe(admission)
         log.info("job submitted", job_id=job_id, priority=priority)
