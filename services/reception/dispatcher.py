@@ -106,7 +106,11 @@ class Dispatcher:
     async def start(self) -> None:
         await self.queue.setup()
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.settings.workers)]
-        self._tasks += [asyncio.create_task(self._reclaimer()), asyncio.create_task(self._cancellations())]
+        self._tasks += [
+            asyncio.create_task(self._reclaimer()),
+            asyncio.create_task(self._cancellations()),
+            asyncio.create_task(self._expiry()),
+        ]
         log.info("dispatcher started", consumer=self.consumer, workers=self.settings.workers)
 
     async def stop(self) -> None:
@@ -234,6 +238,18 @@ class Dispatcher:
                 raise
             except Exception:
                 log.exception("reclaim failed")
+
+    async def _expiry(self, period_s: float = 0.25) -> None:
+        """End queued jobs whose deadline passed: no worker may be free to find out."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                for job_id in await self.jobs.expire_queued():
+                    log.warning("job timed out in the queue", job_id=job_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("queue expiry failed")
 
     async def _cancellations(self) -> None:
         pubsub = self.redis.pubsub()

@@ -22,6 +22,9 @@ from libs.gen.expert.v1 import common_pb2
 
 PREFIX = "expert:job:"
 CANCEL_CHANNEL = "expert:cancel"
+# Job ids by deadline (a sorted set), so that a job whose deadline passes while it waits in the
+# queue ends TIMED_OUT even when no dispatcher is free to pick it up.
+DEADLINES = "expert:jobs:deadlines"
 FINAL = (
     common_pb2.JOB_STATUS_COMPLETED,
     common_pb2.JOB_STATUS_FAILED,
@@ -51,6 +54,15 @@ def events_key(job_id: str) -> str:
 
 def text_key(job_id: str) -> str:
     return PREFIX + job_id + ":text"
+
+
+def job_deadline(
+    request: common_pb2.InferenceRequest, submitted_at: float, default_timeout_s: float | None
+) -> float | None:
+    """When the job must end: submission + timeout_ms, or + the default timeout (None: never)."""
+    if request.HasField("timeout_ms"):
+        return submitted_at + request.timeout_ms / 1000
+    return None if default_timeout_s is None else submitted_at + default_timeout_s
 
 
 def timestamp(seconds: float) -> Timestamp:
@@ -95,9 +107,10 @@ class JobRecord:
 
 
 class JobStore:
-    def __init__(self, redis: Redis, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, ttl_s: int, default_timeout_s: float | None = None) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
+        self.default_timeout_s = default_timeout_s  # for requests without timeout_ms
         self._set_status = redis.register_script(_SET_STATUS)
 
     async def create(
@@ -111,6 +124,7 @@ class JobStore:
         that a job is never queued without its record and admission takes one round trip."""
         now = time.time()
         key = job_key(job_id)
+        deadline = job_deadline(request, now, self.default_timeout_s)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 key,
@@ -126,6 +140,8 @@ class JobStore:
             pipe.expire(key, self.ttl_s)
             pipe.xadd(events_key(job_id), {"kind": b"status", "status": str(common_pb2.JOB_STATUS_QUEUED)})
             pipe.expire(events_key(job_id), self.ttl_s)
+            if deadline is not None:
+                pipe.zadd(DEADLINES, {job_id: deadline})
             if also is not None:
                 also(pipe)
             await pipe.execute()
@@ -208,5 +224,30 @@ class JobStore:
                 },
             )
             pipe.xadd(events_key(job_id), {"kind": b"result", "result": result.SerializeToString()})
+            pipe.zrem(DEADLINES, job_id)
             await pipe.execute()
         return True
+
+    async def expire_queued(self, now: float | None = None, limit: int = 100) -> list[str]:
+        """End the queued jobs whose deadline passed as TIMED_OUT (with no output); returns their ids.
+        Jobs past their deadline in a later state are left to the pipeline running them."""
+        now = time.time() if now is None else now
+        expired = []
+        for raw in await self.redis.zrangebyscore(DEADLINES, "-inf", now, start=0, num=limit):
+            job_id = raw.decode()
+            record = await self.get(job_id)
+            if record is not None and record.status == common_pb2.JOB_STATUS_QUEUED:
+                waited_ms = (now - record.submitted_at) * 1000
+                result = common_pb2.InferenceResult(
+                    job_id=job_id,
+                    status=common_pb2.JOB_STATUS_TIMED_OUT,
+                    finish_reason=common_pb2.FINISH_REASON_TIMEOUT,
+                    timed_out=True,
+                    latency_ms=waited_ms,
+                    error=f"timed out after {waited_ms:.0f} ms in the queue (no engine was free)",
+                )
+                if await self.finish(job_id, result):
+                    expired.append(job_id)
+                    continue
+            await self.redis.zrem(DEADLINES, job_id)
+        return expired

@@ -30,7 +30,7 @@ from libs.gen.expert.v1 import (
 )
 from libs.grpc_client import call
 from libs.logging import get_logger
-from services.reception.jobs import JobRecord, JobStore, timestamp
+from services.reception.jobs import JobRecord, JobStore, job_deadline, timestamp
 from services.reception.peers import Peers
 
 log = get_logger(__name__)
@@ -86,10 +86,7 @@ class JobRun:
 
     @property
     def deadline(self) -> float | None:
-        request = self.record.request
-        if request.HasField("timeout_ms"):
-            return self.record.submitted_at + request.timeout_ms / 1000
-        return None if self.default_timeout_s is None else self.record.submitted_at + self.default_timeout_s
+        return job_deadline(self.record.request, self.record.submitted_at, self.default_timeout_s)
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.time())
@@ -203,12 +200,19 @@ class Pipeline:
         request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, exclude_engines=excluded)
         delay = self.place_retry_s
         while True:
+            prepare = asyncio.ensure_future(
+                call(self.peers.preparation.Prepare, request, timeout=run.remaining(), idempotent=False)
+            )
             try:
-                response = await self._until(
-                    run,
-                    call(self.peers.preparation.Prepare, request, timeout=run.remaining(), idempotent=False),
-                )
+                response = await self._until(run, asyncio.shield(prepare))
                 return response.placement
+            except JobStopped:
+                # Preparation may have reserved an engine slot for the job already: let the call
+                # land (it takes a millisecond) and give the reservation back, or the slot leaks.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(prepare, timeout=5.0)
+                await self._release(run)
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _PLACE_LATER:
                     raise JobFailed(

@@ -135,6 +135,29 @@ def test_a_backlog_is_served_by_priority(client):
     assert [p for _, p in sorted(finished)] == sorted(priorities, reverse=True)
 
 
+def test_a_job_that_times_out_in_the_queue_ends_timed_out(client):
+    blocker = client.submit(prompt="Write a long poem about autumn.", temperature=0.0, max_tokens=200)
+    wait_status(client, blocker.job_id, "running")  # the engine's only slot is taken
+    result = client.infer(prompt=QUESTION, timeout_ms=400)
+    assert result.status == "timed_out" and result.timed_out and result.finish_reason == "timeout"
+    assert result.tokens_generated == 0 and "queue" in result.error
+    client.cancel(blocker.job_id)
+    wait_final(client, blocker.job_id)
+
+
+def test_jobs_cancelled_at_any_stage_never_leak_an_engine_slot(client, stack):
+    # Cancels land while jobs are queued, planned, being placed and running; whichever it is,
+    # preparation must get the job's slot back (the stack has one, so a leak stops everything).
+    for delay in (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12):
+        job = client.submit(prompt=QUESTION, temperature=0.0, max_tokens=64)
+        time.sleep(delay)
+        client.cancel(job.job_id)
+        wait_final(client, job.job_id)
+    assert client.infer(prompt=QUESTION, temperature=0.0, max_tokens=8, timeout_ms=30_000).status == (
+        "completed"
+    )
+
+
 def assert_engine_idle(stack, timeout: float = 10.0) -> None:
     from libs.gen.expert.v1 import engine_pb2, engine_pb2_grpc
 

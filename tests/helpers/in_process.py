@@ -1,0 +1,49 @@
+"""Real service objects served in-process, for tests that need to hold a stage at a chosen moment.
+
+Each service's metrics register in prometheus_client's default registry, which refuses a second
+registration of a name, so one instance per metrics class is shared by the whole test process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable
+
+import grpc
+
+from libs.config import ServerConfig
+from libs.grpc_server import Health, serve
+from libs.stack import free_port
+
+
+@functools.cache
+def shared_metrics(cls: type):
+    return cls()
+
+
+@contextlib.asynccontextmanager
+async def serving(register: Callable[[grpc.aio.Server], list[str]]):
+    """A real serve() with what `register` adds, on a free port; yields its target."""
+    health, stop = Health(), asyncio.Event()
+    config = ServerConfig(bind_host="127.0.0.1", port=free_port(), metrics_port=0, log_level="info")
+
+    async def on_start() -> None:
+        await health.set_serving(True)
+
+    task = asyncio.create_task(
+        serve("inprocess", config, register, health=health, on_start=on_start, grace=1.0, stop=stop)
+    )
+    target = f"127.0.0.1:{config.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        ready = asyncio.ensure_future(channel.channel_ready())
+        await asyncio.wait({ready, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        assert ready.done(), "the in-process server did not start within 10 s"
+    try:
+        yield target
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

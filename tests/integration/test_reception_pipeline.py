@@ -1,0 +1,128 @@
+"""Reception's pipeline against the real router, preparation and postproc servicers and a real Redis,
+served in-process so that a stage can be held at the moment a cancellation or a deadline lands."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from redis.asyncio import Redis
+
+from libs.gen.expert.v1 import (
+    common_pb2,
+    postproc_pb2_grpc,
+    preparation_pb2_grpc,
+    router_pb2_grpc,
+)
+from services.postproc.finalizer import Finalizer
+from services.postproc.metrics import PostprocMetrics
+from services.postproc.server import PostprocServicer
+from services.preparation.fleet import Fleet
+from services.preparation.metrics import PreparationMetrics
+from services.preparation.server import PreparationServicer
+from services.reception.jobs import JobStore
+from services.reception.peers import Peers
+from services.reception.pipeline import JobRun, Pipeline
+from services.router.metrics import RouterMetrics
+from services.router.planner import Planner
+from services.router.server import RouterServicer
+from tests.helpers.in_process import serving, shared_metrics
+
+MODEL = common_pb2.ModelSpec(
+    name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, max_model_len=1024, block_size=16
+)
+
+
+class SlowPreparation(PreparationServicer):
+    """The real preparation, answering Prepare only after `delay_s` (its placement already made)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(Fleet(60.0), shared_metrics(PreparationMetrics), heartbeat_interval_s=30.0)
+        self.delay_s = delay_s
+        self.preparing = asyncio.Event()
+
+    async def Prepare(self, request, context):
+        response = await super().Prepare(request, context)
+        self.preparing.set()
+        await asyncio.sleep(self.delay_s)
+        return response
+
+
+async def _pipeline_scenario(redis_url: str, *, timeout_ms: int | None, cancel: bool) -> Fleet:
+    redis = Redis.from_url(redis_url)
+    preparation = SlowPreparation(delay_s=0.5)
+    preparation.fleet.register(
+        common_pb2.EngineInfo(
+            engine_id="e1",
+            address="127.0.0.1:1",  # never reached: the job stops while it is being placed
+            model=MODEL,
+            load=common_pb2.EngineLoad(kv_blocks_total=64, kv_blocks_free=64, max_num_seqs=1),
+        )
+    )
+
+    async def release(job_id: str) -> None:
+        preparation.fleet.release(job_id)
+
+    async def publish(stream: str, fields: dict[str, bytes]) -> None:
+        await redis.xadd(stream, fields)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        router_pb2_grpc.add_RouterServiceServicer_to_server(
+            RouterServicer(Planner(), shared_metrics(RouterMetrics)), server
+        )
+        preparation_pb2_grpc.add_PreparationServiceServicer_to_server(preparation, server)
+        postproc_pb2_grpc.add_PostprocServiceServicer_to_server(
+            PostprocServicer(Finalizer(release, publish, shared_metrics(PostprocMetrics))), server
+        )
+        return ["expert.v1.RouterService", "expert.v1.PreparationService", "expert.v1.PostprocService"]
+
+    async with serving(register) as target:
+        jobs = JobStore(redis, ttl_s=60)
+        peers = Peers(target, target, target)
+        pipeline = Pipeline(jobs, peers, engine_retries=0, max_model_len=lambda: 1024)
+        request = common_pb2.InferenceRequest(prompt="What is the capital of France?", max_tokens=8)
+        if timeout_ms is not None:
+            request.timeout_ms = timeout_ms
+        await jobs.create("job-1", request, 5)
+        run = JobRun(await jobs.get("job-1"))
+        task = asyncio.create_task(pipeline.run(run))
+        await preparation.preparing.wait()
+        if cancel:
+            run.cancel.set()
+        result = await task
+        await peers.close()
+    await redis.aclose()
+    assert result.status == (common_pb2.JOB_STATUS_CANCELLED if cancel else common_pb2.JOB_STATUS_TIMED_OUT)
+    return preparation.fleet
+
+
+def test_a_job_cancelled_while_it_is_placed_gives_its_engine_slot_back(clean_redis_url):
+    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, timeout_ms=None, cancel=True))
+    assert fleet.jobs == {} and fleet.engines["e1"].free_slots == 1
+
+
+def test_a_job_whose_deadline_passes_while_it_is_placed_gives_its_slot_back(clean_redis_url):
+    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, timeout_ms=200, cancel=False))
+    assert fleet.jobs == {} and fleet.engines["e1"].free_slots == 1
+
+
+def test_queued_jobs_past_their_deadline_end_timed_out(clean_redis_url):
+    async def scenario() -> None:
+        redis = Redis.from_url(clean_redis_url)
+        jobs = JobStore(redis, ttl_s=60, default_timeout_s=None)
+        await jobs.create("short", common_pb2.InferenceRequest(prompt="a", timeout_ms=50), 5)
+        await jobs.create("endless", common_pb2.InferenceRequest(prompt="b"), 5)
+        await jobs.create("running", common_pb2.InferenceRequest(prompt="c", timeout_ms=50), 5)
+        await jobs.set_status("running", common_pb2.JOB_STATUS_RUNNING)
+        assert await jobs.expire_queued() == []
+        assert await jobs.expire_queued(now=time.time() + 1) == ["short"]
+        short = await jobs.get("short")
+        assert short.status == common_pb2.JOB_STATUS_TIMED_OUT and short.result.timed_out
+        assert short.result.finish_reason == common_pb2.FINISH_REASON_TIMEOUT
+        # A running job is its pipeline's to end; it leaves the deadline index either way.
+        assert (await jobs.get("running")).status == common_pb2.JOB_STATUS_RUNNING
+        assert await redis.zcard("expert:jobs:deadlines") == 0
+        await redis.aclose()
+
+    asyncio.run(scenario())
