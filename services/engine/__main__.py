@@ -27,7 +27,6 @@ from services.engine.adapters.registry import (
 )
 from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from services.engine.errors import InvalidRequestError
-from services.engine.llm_engine import LLMEngine
 from services.engine.registration import Membership
 from services.engine.sampling_params import SamplingParams
 from services.engine.server import EngineServicer
@@ -69,10 +68,10 @@ async def main() -> None:
         return [SERVICE]
 
     async def on_start() -> None:
-        loop = asyncio.get_running_loop()
-        inner = await loop.run_in_executor(None, LLMEngine, config.engine)  # loading takes seconds
-        engine = AsyncLLMEngine(inner, max_pending=config.stream_buffer)
+        # The model loads (seconds) on the engine's own thread, which keeps all of torch's work there.
+        engine = AsyncLLMEngine.from_config(config.engine, max_pending=config.stream_buffer)
         await engine.start()
+        inner = engine.engine
         servicer.engine = engine
         # Warm up: one real generation through the whole path before declaring SERVING.
         async for _ in engine.generate(

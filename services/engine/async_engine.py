@@ -1,11 +1,16 @@
 """AsyncLLMEngine: the engine loop in its own thread, requests and outputs on an asyncio loop.
 
 The model steps in a dedicated thread (torch releases the GIL while it computes), so the event
-loop stays free for the network. Requests and aborts cross into the engine thread through a
-queue; outputs come back with `call_soon_threadsafe` into per-request streams, so the decode loop
-never waits for a consumer, however slow. A stream holds at most `max_pending` outputs: when a
-consumer falls behind, new outputs are merged into the last one waiting (text appended for DELTA,
-replaced for CUMULATIVE), so memory stays bounded without dropping or blocking anything.
+loop stays free for the network. That thread also builds the model, and no other thread runs
+torch's parallel ops: every thread that does gets its own OpenMP team, and once a process holds
+more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions, which halved
+decode speed on a 2-core machine (23 instead of 48 tokens/s on the default model).
+
+Requests and aborts cross into the engine thread through a queue; outputs come back with
+`call_soon_threadsafe` into per-request streams, so the decode loop never waits for a consumer,
+however slow. A stream holds at most `max_pending` outputs: when a consumer falls behind, new
+outputs are merged into the last one waiting (text appended for DELTA, replaced for CUMULATIVE),
+so memory stays bounded without dropping or blocking anything.
 """
 
 from __future__ import annotations
@@ -84,8 +89,11 @@ class RequestStream:
 class AsyncLLMEngine:
     """Asyncio front of an LLMEngine: `generate()` streams a request's outputs, `abort()` stops it."""
 
-    def __init__(self, engine: LLMEngine, max_pending: int = 64) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_pending: int = 64) -> None:
+        """`engine` is a built LLMEngine, or a function that builds one: then `start()` builds it on
+        the engine thread (the way to keep all of torch's work on one thread, see above)."""
+        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self._build = None if isinstance(engine, LLMEngine) else engine
         self.max_pending = max_pending  # outputs a stream holds before it merges them
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -94,18 +102,22 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead: BaseException | None = None
-        self._stats = engine.get_stats()
+        self._stats: EngineStats | None = self.engine.get_stats() if self.engine is not None else None
 
     @classmethod
-    def from_pretrained(cls, model: str, **overrides: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_pretrained(model, **overrides))
+    def from_pretrained(cls, model: str, *, max_pending: int = 64, **overrides: Any) -> AsyncLLMEngine:
+        """An engine that loads `model` on its own thread when started."""
+        return cls(lambda: LLMEngine.from_pretrained(model, **overrides), max_pending)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, *, max_pending: int = 64) -> AsyncLLMEngine:
+        """An engine built from `config` on its own thread when started."""
+        return cls(lambda: LLMEngine(config), max_pending)
 
     @property
     def tokenizer(self):
+        if self.engine is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited (the engine is not built)")
         return self.engine.tokenizer
 
     @property
@@ -113,13 +125,21 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     async def start(self) -> None:
-        """Start the engine thread (idempotent). Call from the event loop that will read outputs."""
+        """Start the engine thread, building the engine there first if it was given as a function
+        (idempotent). Call from the event loop that will read outputs; a build error is raised here."""
         if self.is_running:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        started = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="engine-loop", daemon=True)
         self._thread.start()
+        try:
+            await started
+        except BaseException:
+            await self._loop.run_in_executor(None, self._thread.join)
+            self._thread = None
+            raise
 
     async def shutdown(self) -> None:
         """Abort everything in flight and stop the engine thread."""
@@ -183,26 +203,28 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> EngineStats:
         """The snapshot the engine thread took after its latest step."""
+        if self._stats is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         return self._stats
 
     async def load_expert(
         self, source: bytes | str | os.PathLike[str], trusted_keys_dir: str | os.PathLike[str] | None = None
     ) -> tuple[str, str]:
         """LLMEngine.load_expert, run on the engine thread between steps."""
-        return await self._call(self.engine.load_expert, source, trusted_keys_dir)
+        return await self._call("load_expert", source, trusted_keys_dir)
 
     async def unload_expert(self, name: str) -> None:
-        await self._call(self.engine.unload_expert, name)
+        await self._call("unload_expert", name)
 
     async def list_experts(self) -> list[ExpertInfo]:
-        return await self._call(self.engine.list_experts)
+        return await self._call("list_experts")
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` on the engine thread (the engine is single-threaded) and await its result."""
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Run the engine's `method(*args)` on the engine thread (the engine is single-threaded)."""
         if not self.is_running:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._inbox.put(("call", (fn, args, future)))
+        self._inbox.put(("call", (getattr(self.engine, method), args, future)))
         self._wake.set()
         return await future
 
@@ -248,6 +270,10 @@ class AsyncLLMEngine:
             result, error = fn(*args), None
         except Exception as exc:  # handed to the awaiting caller
             result, error = None, exc
+        self._settle(future, result, error)
+
+    def _settle(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        """Complete an event-loop future from the engine thread."""
 
         def settle() -> None:
             if future.done():
@@ -260,7 +286,15 @@ class AsyncLLMEngine:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(settle)
 
-    def _run(self) -> None:
+    def _run(self, started: asyncio.Future) -> None:
+        try:
+            if self.engine is None:
+                self.engine = self._build()
+            self._stats = self.engine.get_stats()
+        except Exception as exc:
+            self._settle(started, error=exc)
+            return
+        self._settle(started)
         engine = self.engine
         try:
             while not self._stopping:

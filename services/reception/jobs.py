@@ -11,12 +11,10 @@ overwritten, so a cancellation and a completion racing each other resolve to exa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 
 from libs.gen.expert.v1 import common_pb2
 
@@ -40,6 +38,36 @@ for i = 3, #ARGV do
   if current == ARGV[i] then return 0 end
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
+return 1
+"""
+
+
+# KEYS: job hash, its events, the deadline set; ARGV: final status, now, result, error, job id,
+# final statuses... -> 1 if recorded, 0 if the job was already final, -1 if it is gone
+_FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local current = redis.call('HGET', KEYS[1], 'status')
+for i = 6, #ARGV do
+  if current == ARGV[i] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'finished_at', ARGV[2],
+           'result', ARGV[3], 'error', ARGV[4])
+redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
+redis.call('XADD', KEYS[2], '*', 'kind', 'result', 'result', ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[5])
+return 1
+"""
+
+# KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
+# ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id
+_ADMIT = """
+redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2], 'priority', ARGV[3],
+           'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0)
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if ARGV[6] ~= '' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[7]) end
+if KEYS[4] ~= '' then redis.call('XADD', KEYS[4], '*', 'job_id', ARGV[7]) end
 return 1
 """
 
@@ -112,39 +140,28 @@ class JobStore:
         self.ttl_s = ttl_s
         self.default_timeout_s = default_timeout_s  # for requests without timeout_ms
         self._set_status = redis.register_script(_SET_STATUS)
+        self._admit = redis.register_script(_ADMIT)
+        self._finish = redis.register_script(_FINISH)
 
     async def create(
-        self,
-        job_id: str,
-        request: common_pb2.InferenceRequest,
-        priority: int,
-        also: Callable[[Pipeline], None] | None = None,
+        self, job_id: str, request: common_pb2.InferenceRequest, priority: int, queue: str | None = None
     ) -> float:
-        """Write the job's record; `also` adds commands (the enqueue) to the same transaction, so
-        that a job is never queued without its record and admission takes one round trip."""
+        """Write the job's record and, with `queue`, enqueue it there: one atomic script, so that a
+        job is never queued without its record and admission takes one round trip."""
         now = time.time()
-        key = job_key(job_id)
         deadline = job_deadline(request, now, self.default_timeout_s)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "request": request.SerializeToString(),
-                    "status": common_pb2.JOB_STATUS_QUEUED,
-                    "priority": priority,
-                    "submitted_at": repr(now),
-                    "updated_at": repr(now),
-                    "attempts": 0,
-                },
-            )
-            pipe.expire(key, self.ttl_s)
-            pipe.xadd(events_key(job_id), {"kind": b"status", "status": str(common_pb2.JOB_STATUS_QUEUED)})
-            pipe.expire(events_key(job_id), self.ttl_s)
-            if deadline is not None:
-                pipe.zadd(DEADLINES, {job_id: deadline})
-            if also is not None:
-                also(pipe)
-            await pipe.execute()
+        await self._admit(
+            keys=[job_key(job_id), events_key(job_id), DEADLINES, queue or ""],
+            args=[
+                request.SerializeToString(),
+                common_pb2.JOB_STATUS_QUEUED,
+                priority,
+                repr(now),
+                self.ttl_s,
+                "" if deadline is None else repr(deadline),
+                job_id,
+            ],
+        )
         return now
 
     async def get(self, job_id: str) -> JobRecord | None:
@@ -211,22 +228,15 @@ class JobStore:
         return await self.redis.hget(job_key(job_id), "cancel_requested") == b"1"
 
     async def finish(self, job_id: str, result: common_pb2.InferenceResult) -> bool:
-        """Record the final result once: False if another outcome was recorded first."""
-        if not await self.set_status(job_id, result.status):
-            return False
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                job_key(job_id),
-                mapping={
-                    "result": result.SerializeToString(),
-                    "finished_at": repr(time.time()),
-                    "error": result.error,
-                },
-            )
-            pipe.xadd(events_key(job_id), {"kind": b"result", "result": result.SerializeToString()})
-            pipe.zrem(DEADLINES, job_id)
-            await pipe.execute()
-        return True
+        """Record the final result once: False if another outcome was recorded first. Status,
+        result and the result event are written in one step, so a reader that sees a final status
+        also sees its result."""
+        payload = result.SerializeToString()
+        changed = await self._finish(
+            keys=[job_key(job_id), events_key(job_id), DEADLINES],
+            args=[result.status, repr(time.time()), payload, result.error, job_id, *FINAL],
+        )
+        return changed == 1
 
     async def expire_queued(self, now: float | None = None, limit: int = 100) -> list[str]:
         """End the queued jobs whose deadline passed as TIMED_OUT (with no output); returns their ids.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 
 from libs.redis_streams import ack, ensure_group
 
@@ -26,11 +25,6 @@ class JobQueue:
     async def setup(self) -> None:
         for name in STREAMS:
             await ensure_group(self.redis, name, GROUP)
-
-    @staticmethod
-    def push_in(pipe: Pipeline, job_id: str, priority: int) -> None:
-        """The enqueue as a command of the caller's transaction."""
-        pipe.xadd(stream(priority), {"job_id": job_id.encode()})
 
     async def done(self, stream_name: str, entry_id: str) -> None:
         """Acknowledge and delete a handled entry, so the streams hold only what is left to do."""

@@ -23,7 +23,7 @@ from libs.logging import bind_context, get_logger
 from services.reception.dispatcher import Capacity
 from services.reception.jobs import JobStore, events_key, timestamp
 from services.reception.metrics import ReceptionMetrics
-from services.reception.queue import JobQueue
+from services.reception.queue import JobQueue, stream
 from services.reception.validation import validate
 
 log = get_logger(__name__)
@@ -83,9 +83,7 @@ class ReceptionServicer:
             raise
         priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
         job_id = uuid.uuid4().hex
-        submitted_at = await self.jobs.create(
-            job_id, request, priority, also=lambda pipe: self.queue.push_in(pipe, job_id, priority)
-        )
+        submitted_at = await self.jobs.create(job_id, request, priority, queue=stream(priority))
         admission = time.perf_counter() - started
         # After the enqueue (a dispatcher may already run the job): postproc's metrics read it.
         await self.jobs.record_admission(job_id, admission * 1000)
