@@ -3,6 +3,7 @@ send feedback to the router."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -78,9 +79,7 @@ class Finalizer:
             ttft_ms=usage.ttft_ms,
             reception_latency_ms=request.reception_latency_ms,
         )
-        if request.placement.engine_id:
-            await self.release(request.job_id)
-        await self.publish(
+        feedback = self.publish(
             FEEDBACK_STREAM,
             {
                 "job_id": request.job_id.encode(),
@@ -93,6 +92,10 @@ class Finalizer:
                 "timestamp": f"{time.time():.3f}".encode(),
             },
         )
+        if request.placement.engine_id:  # the release and the feedback go out together
+            await asyncio.gather(self.release(request.job_id), feedback)
+        else:
+            await feedback
         metrics.postproc_latency_ms = (time.perf_counter() - started) * 1000
         self.metrics.observe(metrics, status, validation.validator)
         log.info(

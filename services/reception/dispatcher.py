@@ -96,7 +96,7 @@ class Dispatcher:
         self.settings = settings
         self.metrics = metrics
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._runs: dict[str, JobRun] = {}
+        self._cancels: dict[str, asyncio.Event] = {}  # of the jobs this dispatcher runs
         self._unplaced = 0  # jobs taken but not yet placed: they will use slots preparation still shows free
         self._reading = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -166,15 +166,17 @@ class Dispatcher:
         counted = True
         try:
             with bind_context(job_id=job_id):
-                record = await self.jobs.get(job_id) if job_id else None
+                # Listen for its cancellation before reading the record, so none is missed.
+                cancel = self._cancels[job_id] = asyncio.Event()
+                record = await self.jobs.begin(job_id) if job_id else None
                 if record is None or record.final:
                     return  # expired, or finished (a cancellation) before it was picked
-                if record.attempts >= self.settings.max_deliveries:
-                    await self._give_up(entry, record.attempts)
+                if record.attempts > self.settings.max_deliveries:
+                    await self._give_up(entry, record.attempts - 1)
                     return
-                await self.jobs.start_attempt(job_id)
-                run = JobRun(record, default_timeout_s=self.settings.default_timeout_s)
-                self._runs[job_id] = run
+                if record.cancel_requested:
+                    cancel.set()
+                run = JobRun(record, default_timeout_s=self.settings.default_timeout_s, cancel=cancel)
                 task = asyncio.create_task(self.pipeline.run(run))
                 placed = asyncio.ensure_future(run.placed.wait())
                 await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
@@ -190,7 +192,7 @@ class Dispatcher:
         finally:
             if counted:
                 self._unplaced -= 1
-            self._runs.pop(job_id, None)
+            self._cancels.pop(job_id, None)
             keeper.cancel()
             await self.queue.done(entry.stream, entry.id)
 
@@ -258,8 +260,8 @@ class Dispatcher:
             async for message in pubsub.listen():
                 if message.get("type") != "message":
                     continue
-                run = self._runs.get(message["data"].decode())
-                if run is not None:
-                    run.cancel.set()
+                cancel = self._cancels.get(message["data"].decode())
+                if cancel is not None:
+                    cancel.set()
         finally:
             await pubsub.aclose()

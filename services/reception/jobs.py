@@ -3,8 +3,10 @@
 - `expert:job:{id}`: a hash with the request, status, priority, timestamps, attempts, result, error;
 - `expert:job:{id}:text`: the output so far (appended chunk by chunk);
 - `expert:job:{id}:events`: a stream of status changes, text chunks, restarts and the final result,
-  which reception instances read to answer Infer and InferStream, whoever dispatches the job.
-All three expire after the job TTL. Status changes are atomic (a Lua script): a final status is never
+  which reception instances read to answer InferStream, whoever dispatches the job;
+- `expert:job:{id}:result`: a stream holding only the final result, which Infer waits on (one
+  wake-up per job instead of one per token).
+All four expire after the job TTL. Status changes are atomic (a Lua script): a final status is never
 overwritten, so a cancellation and a completion racing each other resolve to exactly one outcome.
 """
 
@@ -30,7 +32,8 @@ FINAL = (
     common_pb2.JOB_STATUS_TIMED_OUT,
 )
 
-# KEYS[1] job hash; ARGV: new status, now, final statuses... -> 1 if changed, 0 if the job was final or gone
+# KEYS: job hash, its events; ARGV: new status, now, final statuses...
+# -> 1 if changed (and announced), 0 if the job was final, -1 if it is gone
 _SET_STATUS = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local current = redis.call('HGET', KEYS[1], 'status')
@@ -38,12 +41,38 @@ for i = 3, #ARGV do
   if current == ARGV[i] then return 0 end
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
 return 1
 """
 
 
-# KEYS: job hash, its events, the deadline set; ARGV: final status, now, result, error, job id,
-# final statuses... -> 1 if recorded, 0 if the job was already final, -1 if it is gone
+# KEYS: job hash, its text, its events; ARGV: final statuses -> the hash's fields after counting
+# the attempt (a final job's fields as they are; nothing when the job is gone)
+_BEGIN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local current = redis.call('HGET', KEYS[1], 'status')
+for i = 1, #ARGV do
+  if current == ARGV[i] then return redis.call('HGETALL', KEYS[1]) end
+end
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if attempts > 1 then
+  redis.call('DEL', KEYS[2])
+  redis.call('XADD', KEYS[3], '*', 'kind', 'restart', 'attempt', attempts)
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS: the job's text, its events; ARGV: the chunk, ttl
+_APPEND = """
+redis.call('APPEND', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'kind', 'text', 'text', ARGV[1])
+return 1
+"""
+
+# KEYS: job hash, its events, the deadline set, its result stream
+# ARGV: final status, now, result, error, job id, final statuses...
+# -> 1 if recorded, 0 if the job was already final, -1 if it is gone
 _FINISH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local current = redis.call('HGET', KEYS[1], 'status')
@@ -55,6 +84,8 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'finished_
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
 redis.call('XADD', KEYS[2], '*', 'kind', 'result', 'result', ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[5])
+redis.call('XADD', KEYS[4], '*', 'kind', 'result', 'result', ARGV[3])
+redis.call('EXPIRE', KEYS[4], redis.call('TTL', KEYS[1]))
 return 1
 """
 
@@ -78,6 +109,10 @@ def job_key(job_id: str) -> str:
 
 def events_key(job_id: str) -> str:
     return PREFIX + job_id + ":events"
+
+
+def result_key(job_id: str) -> str:
+    return PREFIX + job_id + ":result"
 
 
 def text_key(job_id: str) -> str:
@@ -111,6 +146,7 @@ class JobRecord:
     attempts: int
     error: str
     result: common_pb2.InferenceResult | None
+    cancel_requested: bool = False
 
     @property
     def final(self) -> bool:
@@ -134,6 +170,25 @@ class JobRecord:
         return job
 
 
+def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
+    if not fields:
+        return None
+    finished = fields.get(b"finished_at")
+    return JobRecord(
+        job_id=job_id,
+        request=common_pb2.InferenceRequest.FromString(fields[b"request"]),
+        status=int(fields[b"status"]),
+        priority=int(fields[b"priority"]),
+        submitted_at=float(fields[b"submitted_at"]),
+        updated_at=float(fields[b"updated_at"]),
+        finished_at=float(finished) if finished else None,
+        attempts=int(fields.get(b"attempts", 0)),
+        error=fields.get(b"error", b"").decode(),
+        result=common_pb2.InferenceResult.FromString(fields[b"result"]) if fields.get(b"result") else None,
+        cancel_requested=fields.get(b"cancel_requested") == b"1",
+    )
+
+
 class JobStore:
     def __init__(self, redis: Redis, ttl_s: int, default_timeout_s: float | None = None) -> None:
         self.redis = redis
@@ -142,6 +197,8 @@ class JobStore:
         self._set_status = redis.register_script(_SET_STATUS)
         self._admit = redis.register_script(_ADMIT)
         self._finish = redis.register_script(_FINISH)
+        self._append = redis.register_script(_APPEND)
+        self._begin = redis.register_script(_BEGIN)
 
     async def create(
         self, job_id: str, request: common_pb2.InferenceRequest, priority: int, queue: str | None = None
@@ -165,25 +222,14 @@ class JobStore:
         return now
 
     async def get(self, job_id: str) -> JobRecord | None:
-        fields = await self.redis.hgetall(job_key(job_id))
-        if not fields:
-            return None
-        result = None
-        if fields.get(b"result"):
-            result = common_pb2.InferenceResult.FromString(fields[b"result"])
-        finished = fields.get(b"finished_at")
-        return JobRecord(
-            job_id=job_id,
-            request=common_pb2.InferenceRequest.FromString(fields[b"request"]),
-            status=int(fields[b"status"]),
-            priority=int(fields[b"priority"]),
-            submitted_at=float(fields[b"submitted_at"]),
-            updated_at=float(fields[b"updated_at"]),
-            finished_at=float(finished) if finished else None,
-            attempts=int(fields.get(b"attempts", 0)),
-            error=fields.get(b"error", b"").decode(),
-            result=result,
-        )
+        return _record(job_id, await self.redis.hgetall(job_key(job_id)))
+
+    async def begin(self, job_id: str) -> JobRecord | None:
+        """Start a delivery of the job: count the attempt (from the second on, readers are told to
+        discard earlier text) and return the record, in one step. None when the job is gone; a
+        final job is returned as it is, not counted."""
+        reply = await self._begin(keys=[job_key(job_id), text_key(job_id), events_key(job_id)], args=[*FINAL])
+        return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
     async def record_admission(self, job_id: str, milliseconds: float) -> None:
         await self.redis.hset(job_key(job_id), "admission_ms", repr(milliseconds))
@@ -197,35 +243,24 @@ class JobStore:
 
     async def set_status(self, job_id: str, status: int) -> bool:
         """Move a live job to `status` and announce it; False when the job is already final (or gone)."""
-        changed = await self._set_status(keys=[job_key(job_id)], args=[status, repr(time.time()), *FINAL])
-        if changed == 1:
-            await self.redis.xadd(events_key(job_id), {"kind": b"status", "status": str(status)})
+        changed = await self._set_status(
+            keys=[job_key(job_id), events_key(job_id)], args=[status, repr(time.time()), *FINAL]
+        )
         return changed == 1
 
     async def start_attempt(self, job_id: str) -> int:
-        """Count a delivery of the job; from the second on, readers are told to discard earlier text."""
-        attempts = await self.redis.hincrby(job_key(job_id), "attempts", 1)
-        if attempts > 1:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(text_key(job_id))
-                pipe.xadd(events_key(job_id), {"kind": b"restart", "attempt": str(attempts)})
-                await pipe.execute()
-        return attempts
+        """Count another attempt of a job in flight (an engine failed); readers discard earlier text."""
+        record = await self.begin(job_id)
+        return record.attempts if record is not None else 0
 
     async def append_text(self, job_id: str, text: str) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.append(text_key(job_id), text.encode())
-            pipe.expire(text_key(job_id), self.ttl_s)
-            pipe.xadd(events_key(job_id), {"kind": b"text", "text": text.encode()})
-            await pipe.execute()
+        """Add a chunk to the job's text and announce it (one command: this runs for every token)."""
+        await self._append(keys=[text_key(job_id), events_key(job_id)], args=[text.encode(), self.ttl_s])
 
     async def request_cancel(self, job_id: str) -> None:
         """Flag the job and tell every dispatcher (the one running it stops it)."""
         await self.redis.hset(job_key(job_id), "cancel_requested", 1)
         await self.redis.publish(CANCEL_CHANNEL, job_id.encode())
-
-    async def cancel_requested(self, job_id: str) -> bool:
-        return await self.redis.hget(job_key(job_id), "cancel_requested") == b"1"
 
     async def finish(self, job_id: str, result: common_pb2.InferenceResult) -> bool:
         """Record the final result once: False if another outcome was recorded first. Status,
@@ -233,7 +268,7 @@ class JobStore:
         also sees its result."""
         payload = result.SerializeToString()
         changed = await self._finish(
-            keys=[job_key(job_id), events_key(job_id), DEADLINES],
+            keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id)],
             args=[result.status, repr(time.time()), payload, result.error, job_id, *FINAL],
         )
         return changed == 1

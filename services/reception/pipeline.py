@@ -132,7 +132,7 @@ class Pipeline:
         """Take the job to its final state and return the result recorded for it."""
         outcome, timed_out, cancelled, failure = common_pb2.GenerationOutcome(), False, False, None
         try:
-            if await self.jobs.cancel_requested(run.job_id):
+            if run.cancel.is_set():
                 raise JobStopped("cancelled")
             outcome = await self._stages(run)
         except JobStopped as stop:
@@ -246,19 +246,22 @@ class Pipeline:
         stream = stub.Generate(request, timeout=run.remaining())
         run.inference_started = time.time()
         final = engine_pb2.GenerateResponse()
-        responses = stream.__aiter__()
-        try:
-            while True:
-                try:
-                    response = await self._until(run, anext(responses))
-                except StopAsyncIteration:
-                    break
+
+        async def consume() -> None:
+            nonlocal final
+            async for response in stream:
                 if response.text:
                     run.text.append(response.text)
                     await self.jobs.append_text(run.job_id, response.text)
                 run.completion_tokens += len(response.token_ids)
                 if response.finish_reason:
                     final = response
+
+        try:
+            # One race against the deadline and the cancellation for the whole stream, not one per
+            # token: on a machine whose cores the model keeps busy, per-token work here is decode
+            # time taken from the engine.
+            await self._until(run, consume())
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REQUEST_ERRORS:
                 raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
@@ -290,7 +293,10 @@ class Pipeline:
     async def _finalize(
         self, run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool
     ) -> common_pb2.InferenceResult:
-        await self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
+        _, admission_ms = await asyncio.gather(
+            self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING),
+            self.jobs.admission_ms(run.job_id),
+        )
         inference_ms = (time.time() - run.inference_started) * 1000 if run.inference_started else 0.0
         request = postproc_pb2.FinalizeRequest(
             job_id=run.job_id,
@@ -300,7 +306,7 @@ class Pipeline:
             outcome=outcome,
             submitted_at=timestamp(run.record.submitted_at),
             queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
-            reception_latency_ms=await self.jobs.admission_ms(run.job_id),
+            reception_latency_ms=admission_ms,
             inference_latency_ms=inference_ms,
             timed_out=timed_out,
             cancelled=cancelled,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,7 +22,7 @@ from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_f
 from libs.gen.expert.v1 import common_pb2, inference_pb2
 from libs.logging import bind_context, get_logger
 from services.reception.dispatcher import Capacity
-from services.reception.jobs import JobStore, events_key, timestamp
+from services.reception.jobs import JobStore, events_key, job_key, result_key, timestamp
 from services.reception.metrics import ReceptionMetrics
 from services.reception.queue import JobQueue, stream
 from services.reception.validation import validate
@@ -85,8 +86,9 @@ class ReceptionServicer:
         job_id = uuid.uuid4().hex
         submitted_at = await self.jobs.create(job_id, request, priority, queue=stream(priority))
         admission = time.perf_counter() - started
-        # After the enqueue (a dispatcher may already run the job): postproc's metrics read it.
-        await self.jobs.record_admission(job_id, admission * 1000)
+        # After the enqueue (a dispatcher may already run the job), for postproc's metrics to read;
+        # in the background, so the client's answer does not wait for it.
+        self._in_background(self.jobs.record_admission(job_id, admission * 1000))
         self.metrics.submitted.labels(str(priority)).inc()
         self.metrics.admission.observe(admission)
         log.info("job submitted", job_id=job_id, priority=priority)
@@ -114,7 +116,7 @@ class ReceptionServicer:
         job_id, _, _ = await self._admit(_inner(request))
         with bind_context(job_id=job_id):
             try:
-                async for kind, fields in self._events(job_id):
+                async for kind, fields in self._events(job_id, result_key(job_id)):
                     if kind == b"result":
                         result = common_pb2.InferenceResult.FromString(fields[b"result"])
                         _raise_client_error(result)
@@ -150,13 +152,15 @@ class ReceptionServicer:
             if not finished:  # the client went away (or we failed): do not leave the job running
                 self._cancel_in_background(job_id)
 
-    async def _events(self, job_id: str) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
-        """The job's events from the first, as they are written."""
+    async def _events(
+        self, job_id: str, key: str | None = None
+    ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries of the job's event stream (or of `key`) from the first, as they are written."""
         last = b"0-0"
-        key = events_key(job_id)
+        key = key or events_key(job_id)
         while True:
             batches = await self.redis.xread({key: last}, block=1000, count=256)
-            if not batches and not await self.redis.exists(key):
+            if not batches and not await self.redis.exists(job_key(job_id)):
                 raise not_found(f"job {job_id} expired")
             for _, entries in batches:
                 for entry_id, fields in entries:
@@ -204,12 +208,20 @@ class ReceptionServicer:
 
     def _cancel_in_background(self, job_id: str) -> None:
         async def cancel() -> None:
-            try:
-                await self._cancel(await self._job(job_id))
-            except Exception:
-                log.exception("cancelling an abandoned job failed", job_id=job_id)
+            await self._cancel(await self._job(job_id))
 
-        task = asyncio.create_task(cancel())
+        self._in_background(cancel(), job_id)
+
+    def _in_background(self, work: Coroutine[Any, Any, None], job_id: str = "") -> None:
+        """Run `work` without waiting for it; a failure is logged, not lost."""
+
+        async def guarded() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("background work for a job failed", job_id=job_id)
+
+        task = asyncio.create_task(guarded())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
