@@ -32,28 +32,34 @@ FINAL = (
     common_pb2.JOB_STATUS_TIMED_OUT,
 )
 
-# KEYS: job hash, its events; ARGV: new status, now, final statuses...
+# Shared by the scripts below: whether the job hash `key` holds a final status.
+_IS_FINAL = (
+    "local FINAL = {"
+    + ", ".join(f"['{status}'] = true" for status in FINAL)
+    + "}\nlocal function is_final(key) return FINAL[redis.call('HGET', key, 'status')] ~= nil end\n"
+)
+
+# KEYS: job hash, its events; ARGV: new status, now
 # -> 1 if changed (and announced), 0 if the job was final, -1 if it is gone
-_SET_STATUS = """
+_SET_STATUS = (
+    _IS_FINAL
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local current = redis.call('HGET', KEYS[1], 'status')
-for i = 3, #ARGV do
-  if current == ARGV[i] then return 0 end
-end
+if is_final(KEYS[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
 return 1
 """
+)
 
 
-# KEYS: job hash, its text, its events; ARGV: final statuses -> the hash's fields after counting
-# the attempt (a final job's fields as they are; nothing when the job is gone)
-_BEGIN = """
+# KEYS: job hash, its text, its events -> the hash's fields after counting the attempt (a final
+# job's fields as they are; nothing when the job is gone)
+_BEGIN = (
+    _IS_FINAL
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
-local current = redis.call('HGET', KEYS[1], 'status')
-for i = 1, #ARGV do
-  if current == ARGV[i] then return redis.call('HGETALL', KEYS[1]) end
-end
+if is_final(KEYS[1]) then return redis.call('HGETALL', KEYS[1]) end
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if attempts > 1 then
   redis.call('DEL', KEYS[2])
@@ -61,6 +67,7 @@ if attempts > 1 then
 end
 return redis.call('HGETALL', KEYS[1])
 """
+)
 
 # KEYS: the job's text, its events; ARGV: the chunk, ttl
 _APPEND = """
@@ -71,14 +78,13 @@ return 1
 """
 
 # KEYS: job hash, its events, the deadline set, its result stream
-# ARGV: final status, now, result, error, job id, final statuses...
+# ARGV: final status, now, result, error, job id
 # -> 1 if recorded, 0 if the job was already final, -1 if it is gone
-_FINISH = """
+_FINISH = (
+    _IS_FINAL
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local current = redis.call('HGET', KEYS[1], 'status')
-for i = 6, #ARGV do
-  if current == ARGV[i] then return 0 end
-end
+if is_final(KEYS[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'finished_at', ARGV[2],
            'result', ARGV[3], 'error', ARGV[4])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
@@ -88,6 +94,7 @@ redis.call('XADD', KEYS[4], '*', 'kind', 'result', 'result', ARGV[3])
 redis.call('EXPIRE', KEYS[4], redis.call('TTL', KEYS[1]))
 return 1
 """
+)
 
 # KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
 # ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id
@@ -228,7 +235,7 @@ class JobStore:
         """Start a delivery of the job: count the attempt (from the second on, readers are told to
         discard earlier text) and return the record, in one step. None when the job is gone; a
         final job is returned as it is, not counted."""
-        reply = await self._begin(keys=[job_key(job_id), text_key(job_id), events_key(job_id)], args=[*FINAL])
+        reply = await self._begin(keys=[job_key(job_id), text_key(job_id), events_key(job_id)])
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
     async def record_admission(self, job_id: str, milliseconds: float) -> None:
@@ -244,7 +251,7 @@ class JobStore:
     async def set_status(self, job_id: str, status: int) -> bool:
         """Move a live job to `status` and announce it; False when the job is already final (or gone)."""
         changed = await self._set_status(
-            keys=[job_key(job_id), events_key(job_id)], args=[status, repr(time.time()), *FINAL]
+            keys=[job_key(job_id), events_key(job_id)], args=[status, repr(time.time())]
         )
         return changed == 1
 
@@ -269,7 +276,7 @@ class JobStore:
         payload = result.SerializeToString()
         changed = await self._finish(
             keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id)],
-            args=[result.status, repr(time.time()), payload, result.error, job_id, *FINAL],
+            args=[result.status, repr(time.time()), payload, result.error, job_id],
         )
         return changed == 1
 
