@@ -21,8 +21,16 @@ class Peers:
             channel = self._channels[target] = insecure_channel(target)
         return channel
 
-    def engine_channel(self, address: str) -> grpc.aio.Channel:
-        """The channel to an engine, by the address it registered (engines come and go)."""
+    async def engine_channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to an engine, by the address it registered (engines come and go).
+
+        A channel whose engine failed waits out a reconnect backoff (seconds) before it tries again;
+        preparation placing a job at that address means an engine is back there (a restart), so the
+        failed channel is replaced by a new one, which connects at once."""
+        channel = self._channels.get(address)
+        if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            del self._channels[address]
+            await channel.close()
         return self._channel(address)
 
     async def close(self) -> None:

@@ -242,7 +242,7 @@ class Pipeline:
             ],
             priority=run.record.priority,
         )
-        stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(placement.address))
+        stub = engine_pb2_grpc.EngineServiceStub(await self.peers.engine_channel(placement.address))
         stream = stub.Generate(request, timeout=run.remaining())
         run.inference_started = time.time()
         final = engine_pb2.GenerateResponse()

@@ -77,7 +77,7 @@ def test_an_engine_killed_mid_stream_fails_the_job_with_a_reason(tiny_stack, lon
         stack.start_service("engine")
         stack.wait_serving("engine")
         again = client.infer(prompt="Hello", raw=True, temperature=0.0, max_tokens=8, timeout_ms=60_000)
-        assert again.status == "completed"
+        assert again.status == "completed", again.error
 
 
 def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_prompt, tmp_path):
