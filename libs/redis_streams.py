@@ -10,14 +10,13 @@ bytes, stream names, ids and field names are returned as str.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 FieldValue = bytes | str | int | float
 
@@ -97,15 +96,10 @@ return {'empty', last}
 """
 
 
-_READ_FIRST_SHA = hashlib.sha1(_READ_FIRST.encode()).hexdigest()
-
-
 async def _read_first(redis: Redis, streams: Sequence[str], group: str, consumer: str) -> Entry | list[str]:
     """The first new entry in `streams` order, or each stream's newest id when there is none."""
-    try:  # by hash: the script's text is sent only when Redis does not know it yet
-        reply = await redis.evalsha(_READ_FIRST_SHA, len(streams), *streams, group, consumer)
-    except NoScriptError:
-        reply = await redis.eval(_READ_FIRST, len(streams), *streams, group, consumer)
+    # A registered script runs by its hash; its text goes to Redis only when Redis lacks it.
+    reply = await redis.register_script(_READ_FIRST)(keys=list(streams), args=[group, consumer])
     if _text(reply[0]) == "empty":
         return [_text(i) for i in reply[1]]
     _, stream, entry_id, flat = reply

@@ -255,11 +255,6 @@ class JobStore:
         )
         return changed == 1
 
-    async def start_attempt(self, job_id: str) -> int:
-        """Count another attempt of a job in flight (an engine failed); readers discard earlier text."""
-        record = await self.begin(job_id)
-        return record.attempts if record is not None else 0
-
     async def append_text(self, job_id: str, text: str) -> None:
         """Add a chunk to the job's text and announce it (one command: this runs for every token)."""
         await self._append(keys=[text_key(job_id), events_key(job_id)], args=[text.encode(), self.ttl_s])

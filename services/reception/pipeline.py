@@ -187,7 +187,7 @@ class Pipeline:
                 )
                 run.text.clear()
                 run.completion_tokens = 0
-                await self.jobs.start_attempt(run.job_id)
+                await self.jobs.begin(run.job_id)  # another attempt: readers discard the text so far
         raise AssertionError("unreachable")
 
     async def _stage(self, run: JobRun, method: Any, request: Any, name: str) -> Any:
