@@ -53,8 +53,9 @@ return 1
 )
 
 
-# KEYS: job hash, its text, its events -> the hash's fields after counting the attempt (a final
-# job's fields as they are; nothing when the job is gone)
+# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now
+# -> the hash's fields after counting the attempt (a final job's fields as they are; nothing when
+# the job is gone)
 _BEGIN = (
     _IS_FINAL
     + """
@@ -64,6 +65,10 @@ local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if attempts > 1 then
   redis.call('DEL', KEYS[2])
   redis.call('XADD', KEYS[3], '*', 'kind', 'restart', 'attempt', attempts)
+end
+if ARGV[1] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
+  redis.call('XADD', KEYS[3], '*', 'kind', 'status', 'status', ARGV[1])
 end
 return redis.call('HGETALL', KEYS[1])
 """
@@ -97,10 +102,10 @@ return 1
 )
 
 # KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
-# ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id
+# ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id, reception ms
 _ADMIT = """
 redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2], 'priority', ARGV[3],
-           'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0)
+           'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0, 'reception_ms', ARGV[8])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -154,6 +159,7 @@ class JobRecord:
     error: str
     result: common_pb2.InferenceResult | None
     cancel_requested: bool = False
+    reception_ms: float = 0.0  # seed 000 stage 1 (parse, validate, normalize, job id) for this job
 
     @property
     def final(self) -> bool:
@@ -193,6 +199,7 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
         error=fields.get(b"error", b"").decode(),
         result=common_pb2.InferenceResult.FromString(fields[b"result"]) if fields.get(b"result") else None,
         cancel_requested=fields.get(b"cancel_requested") == b"1",
+        reception_ms=float(fields.get(b"reception_ms") or 0.0),
     )
 
 
@@ -208,10 +215,16 @@ class JobStore:
         self._begin = redis.register_script(_BEGIN)
 
     async def create(
-        self, job_id: str, request: common_pb2.InferenceRequest, priority: int, queue: str | None = None
+        self,
+        job_id: str,
+        request: common_pb2.InferenceRequest,
+        priority: int,
+        queue: str | None = None,
+        reception_ms: float = 0.0,
     ) -> float:
         """Write the job's record and, with `queue`, enqueue it there: one atomic script, so that a
-        job is never queued without its record and admission takes one round trip."""
+        job is never queued without its record and admission takes one round trip. `reception_ms`
+        is the time reception spent on the request before this write, for the job's metrics."""
         now = time.time()
         deadline = job_deadline(request, now, self.default_timeout_s)
         await self._admit(
@@ -224,6 +237,7 @@ class JobStore:
                 self.ttl_s,
                 "" if deadline is None else repr(deadline),
                 job_id,
+                repr(reception_ms),
             ],
         )
         return now
@@ -231,19 +245,15 @@ class JobStore:
     async def get(self, job_id: str) -> JobRecord | None:
         return _record(job_id, await self.redis.hgetall(job_key(job_id)))
 
-    async def begin(self, job_id: str) -> JobRecord | None:
+    async def begin(self, job_id: str, status: int | None = None) -> JobRecord | None:
         """Start a delivery of the job: count the attempt (from the second on, readers are told to
-        discard earlier text) and return the record, in one step. None when the job is gone; a
-        final job is returned as it is, not counted."""
-        reply = await self._begin(keys=[job_key(job_id), text_key(job_id), events_key(job_id)])
+        discard earlier text), move it to `status` if given, and return the record, in one step.
+        None when the job is gone; a final job is returned as it is, not counted."""
+        reply = await self._begin(
+            keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
+            args=["" if status is None else status, repr(time.time())],
+        )
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
-
-    async def record_admission(self, job_id: str, milliseconds: float) -> None:
-        await self.redis.hset(job_key(job_id), "admission_ms", repr(milliseconds))
-
-    async def admission_ms(self, job_id: str) -> float:
-        """Reception's admission time for the job (0 if it was never recorded)."""
-        return float(await self.redis.hget(job_key(job_id), "admission_ms") or 0.0)
 
     async def text(self, job_id: str) -> str:
         return (await self.redis.get(text_key(job_id)) or b"").decode("utf-8", errors="replace")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -124,9 +124,19 @@ class Pipeline:
             await task
         raise JobStopped("cancelled" if run.cancel.is_set() else "timeout")
 
-    async def _status(self, run: JobRun, status: int) -> None:
-        if not await self.jobs.set_status(run.job_id, status):
-            raise JobStopped("cancelled")  # someone finalized the job meanwhile (a CancelJob)
+    @contextlib.asynccontextmanager
+    async def _status(self, run: JobRun, status: int) -> AsyncIterator[None]:
+        """Announce `status` while the stage it names runs (the write is not on the job's path);
+        once the stage is done, stop the job if it was finalized meanwhile (a CancelJob)."""
+        write = asyncio.ensure_future(self.jobs.set_status(run.job_id, status))
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await write
+            raise
+        if not await write:
+            raise JobStopped("cancelled")
 
     async def run(self, run: JobRun) -> common_pb2.InferenceResult:
         """Take the job to its final state and return the result recorded for it."""
@@ -158,7 +168,7 @@ class Pipeline:
         return result
 
     async def _stages(self, run: JobRun) -> common_pb2.GenerationOutcome:
-        await self._status(run, common_pb2.JOB_STATUS_PLANNING)
+        # The dispatcher moved the job to PLANNING when it took it (JobStore.begin).
         plan_request = router_pb2.PlanRequest(
             job_id=run.job_id, request=run.record.request, max_model_len=self.max_model_len()
         )
@@ -166,12 +176,12 @@ class Pipeline:
         run.plan = response.plan
         excluded: list[str] = []
         for attempt in range(self.engine_retries + 1):
-            await self._status(run, common_pb2.JOB_STATUS_PREPARING)
-            run.placement = await self._place(run, excluded)
+            async with self._status(run, common_pb2.JOB_STATUS_PREPARING):
+                run.placement = await self._place(run, excluded)
             run.placed.set()
-            await self._status(run, common_pb2.JOB_STATUS_RUNNING)
             try:
-                return await self._generate(run, attempt)
+                async with self._status(run, common_pb2.JOB_STATUS_RUNNING):
+                    return await self._generate(run, attempt)
             except EngineLost as lost:
                 excluded.append(run.placement.engine_id)
                 await self._release(run)
@@ -293,9 +303,10 @@ class Pipeline:
     async def _finalize(
         self, run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool
     ) -> common_pb2.InferenceResult:
-        _, admission_ms = await asyncio.gather(
-            self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING),
-            self.jobs.admission_ms(run.job_id),
+        # Announced alongside the call: whatever the status write says, postproc runs (it releases
+        # the engine and records the outcome), and finish() never overwrites a final status.
+        announce = asyncio.ensure_future(
+            self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
         )
         inference_ms = (time.time() - run.inference_started) * 1000 if run.inference_started else 0.0
         request = postproc_pb2.FinalizeRequest(
@@ -306,7 +317,7 @@ class Pipeline:
             outcome=outcome,
             submitted_at=timestamp(run.record.submitted_at),
             queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
-            reception_latency_ms=admission_ms,
+            reception_latency_ms=run.record.reception_ms,
             inference_latency_ms=inference_ms,
             timed_out=timed_out,
             cancelled=cancelled,
@@ -321,6 +332,9 @@ class Pipeline:
             )
             await self._release(run)
             return _fallback_result(run, outcome, timed_out, cancelled, f"postproc: {exc.details()}")
+        finally:
+            with contextlib.suppress(Exception):
+                await announce  # before finish(), so the final status is the last one written
 
 
 def _fallback_result(
