@@ -195,11 +195,14 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks; its stream ends with a finish_reason "abort" output."""
-        if request_id in self._streams:
-            self._inbox.put(("abort", request_id))
-            self._wake.set()
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; its stream ends with a finish_reason "abort" output.
+        False when the request is not running (finished, or unknown)."""
+        if request_id not in self._streams:
+            return False
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+        return True
 
     def get_stats(self) -> EngineStats:
         """The snapshot the engine thread took after its latest step."""

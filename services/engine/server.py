@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.adapters.registry import ExpertNotFoundError
 from services.engine.async_engine import AsyncLLMEngine
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import RequestOutput, merge_outputs
 from services.engine.sampling_params import OutputKind, SamplingParams
 from services.engine.service_metrics import EngineMetrics
 
@@ -79,20 +82,36 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             priority=request.priority,
             experts=experts or None,
         )
+        expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
+        interval = max(1, request.stream_interval)
+        pending: RequestOutput | None = None  # outputs held back until `interval` tokens gathered
         try:
             async for output in stream:
-                yield self._response(output)
+                pending = output if pending is None else merge_outputs(pending, output, OutputKind.DELTA)
+                if output.finished or len(pending.outputs[0].token_ids) >= interval:
+                    yield self._response(pending, expiry.expired)
+                    pending = None
         finally:
+            expiry.cancel()
             if not stream.finished:  # the caller went away or was cancelled: free the KV now
                 self.engine.abort(request_id)
 
-    def _response(self, output: RequestOutput) -> engine_pb2.GenerateResponse:
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.AbortResponse:
+        if not request.request_id:
+            raise invalid_argument("request_id", "must not be empty")
+        return engine_pb2.AbortResponse(found=self._ready().abort(request.request_id))
+
+    def _response(self, output: RequestOutput, timed_out: bool = False) -> engine_pb2.GenerateResponse:
         completion = output.outputs[0]
         response = engine_pb2.GenerateResponse(text=completion.text, token_ids=completion.token_ids)
         if output.finished:
             m = output.metrics
-            response.finish_reason = FINISH_REASONS.get(
-                completion.finish_reason, common_pb2.FINISH_REASON_STOP
+            response.finish_reason = (
+                common_pb2.FINISH_REASON_TIMEOUT
+                if timed_out and completion.finish_reason == "abort"
+                else FINISH_REASONS.get(completion.finish_reason, common_pb2.FINISH_REASON_STOP)
             )
             response.usage.CopyFrom(
                 common_pb2.GenerationUsage(
@@ -189,6 +208,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 for e in await self.engine.list_experts()
             ]
         )
+
+
+class _Expiry:
+    """Aborts a request when its deadline comes; the abort ends its stream with the text so far."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, deadline: Timestamp | None) -> None:
+        self.expired = False
+        self._handle: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            delay = max(0.0, deadline.ToNanoseconds() / 1e9 - time.time())
+            self._handle = asyncio.get_running_loop().call_later(delay, self._expire, engine, request_id)
+
+    def _expire(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.expired = True
+        engine.abort(request_id)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:

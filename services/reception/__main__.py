@@ -27,7 +27,13 @@ async def main() -> None:
     queue, metrics = JobQueue(redis), ReceptionMetrics()
     capacity = Capacity(peers.preparation)
     servicer = ReceptionServicer(redis, jobs, queue, capacity, metrics)
-    pipeline = Pipeline(jobs, peers, config.engine_retries, lambda: capacity.last.max_model_len)
+    pipeline = Pipeline(
+        jobs,
+        peers,
+        config.engine_retries,
+        lambda: capacity.last.max_model_len,
+        stream_interval=config.stream_interval,
+    )
     dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)
     dispatcher.on_finished = servicer.observe_job
 

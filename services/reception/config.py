@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from libs.config import EnvReader, ServerConfig
 from services.reception.dispatcher import DispatchSettings
+from services.reception.pipeline import DEFAULT_STREAM_INTERVAL
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -22,6 +23,7 @@ class ReceptionConfig:
     dispatch_enabled: bool  # off: an API-only instance (other instances dispatch)
     dispatch: DispatchSettings
     engine_retries: int
+    stream_interval: int  # tokens per engine message for a job no client streams
     job_ttl_s: int
 
     @classmethod
@@ -42,5 +44,8 @@ class ReceptionConfig:
                 default_timeout_s=default_timeout_ms / 1000 if default_timeout_ms else None,
             ),
             engine_retries=reader.integer("EXPERT_DISPATCH_ENGINE_RETRIES", 2, minimum=0),
+            stream_interval=reader.integer(
+                "EXPERT_DISPATCH_STREAM_INTERVAL", DEFAULT_STREAM_INTERVAL, minimum=1
+            ),
             job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
         )

@@ -102,10 +102,12 @@ return 1
 )
 
 # KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
-# ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id, reception ms
+# ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id, reception ms,
+# streaming ("1" or "0")
 _ADMIT = """
 redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2], 'priority', ARGV[3],
-           'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0, 'reception_ms', ARGV[8])
+           'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0, 'reception_ms', ARGV[8],
+           'streaming', ARGV[9])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -160,6 +162,7 @@ class JobRecord:
     result: common_pb2.InferenceResult | None
     cancel_requested: bool = False
     reception_ms: float = 0.0  # seed 000 stage 1 (parse, validate, normalize, job id) for this job
+    streaming: bool = False  # a client shows its tokens as they come (InferStream)
 
     @property
     def final(self) -> bool:
@@ -200,6 +203,7 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
         result=common_pb2.InferenceResult.FromString(fields[b"result"]) if fields.get(b"result") else None,
         cancel_requested=fields.get(b"cancel_requested") == b"1",
         reception_ms=float(fields.get(b"reception_ms") or 0.0),
+        streaming=fields.get(b"streaming") == b"1",
     )
 
 
@@ -221,10 +225,12 @@ class JobStore:
         priority: int,
         queue: str | None = None,
         reception_ms: float = 0.0,
+        streaming: bool = False,
     ) -> float:
         """Write the job's record and, with `queue`, enqueue it there: one atomic script, so that a
         job is never queued without its record and admission takes one round trip. `reception_ms`
-        is the time reception spent on the request before this write, for the job's metrics."""
+        is the time reception spent on the request before this write, for the job's metrics;
+        `streaming` says a client shows the job's tokens as they come."""
         now = time.time()
         deadline = job_deadline(request, now, self.default_timeout_s)
         await self._admit(
@@ -238,6 +244,7 @@ class JobStore:
                 "" if deadline is None else repr(deadline),
                 job_id,
                 repr(reception_ms),
+                "1" if streaming else "0",
             ],
         )
         return now

@@ -44,6 +44,11 @@ _REQUEST_ERRORS = (
     grpc.StatusCode.OUT_OF_RANGE,
 )
 _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+DEFAULT_STREAM_INTERVAL = 16
+# The engine ends a request at the job's deadline (or when asked to Abort it) and sends the text it
+# has not sent yet; the call is given this long for that last message before it is cancelled
+# outright (and that text is lost).
+ENGINE_STOP_GRACE_S = 0.5
 
 
 class JobStopped(Exception):
@@ -100,25 +105,45 @@ class Pipeline:
         engine_retries: int,
         max_model_len: Callable[[], int],
         place_retry_s: float = 0.05,
+        stream_interval: int = DEFAULT_STREAM_INTERVAL,
     ) -> None:
         self.jobs = jobs
+        # Tokens per engine message for a job no client streams (a streamed job gets every token).
+        self.stream_interval = stream_interval
         self.max_model_len = max_model_len  # the fleet's context window, as preparation last reported it
         self.peers = peers
         self.engine_retries = engine_retries
         self.place_retry_s = place_retry_s
 
-    async def _until(self, run: JobRun, awaitable: Awaitable[T]) -> T:
-        """Await one stage step, unless the job is cancelled or its deadline passes first."""
+    async def _until(
+        self,
+        run: JobRun,
+        awaitable: Awaitable[T],
+        grace_s: float = 0.0,
+        on_cancel: Callable[[], Awaitable[Any]] | None = None,
+    ) -> T:
+        """Await one stage step, unless the job is cancelled or its deadline (+ `grace_s`) passes
+        first. With `on_cancel`, a cancellation first asks the step to wind down (and gives it
+        `grace_s` to do so) before the step is cancelled outright."""
         task = asyncio.ensure_future(awaitable)
         stop = asyncio.ensure_future(run.cancel.wait())
+        remaining = run.remaining()
         try:
             done, _ = await asyncio.wait(
-                {task, stop}, timeout=run.remaining(), return_when=asyncio.FIRST_COMPLETED
+                {task, stop},
+                timeout=None if remaining is None else remaining + grace_s,
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
             stop.cancel()
         if task in done:
             return task.result()
+        if on_cancel is not None and run.cancel.is_set():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(on_cancel(), grace_s)
+            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            if task in done:
+                return task.result()
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
@@ -251,9 +276,22 @@ class Pipeline:
                 for e in placement.experts
             ],
             priority=run.record.priority,
+            stream_interval=1 if run.record.streaming else self.stream_interval,
         )
+        remaining = run.remaining()
+        if run.deadline is not None:
+            request.deadline.CopyFrom(timestamp(run.deadline))
         stub = engine_pb2_grpc.EngineServiceStub(await self.peers.engine_channel(placement.address))
-        stream = stub.Generate(request, timeout=run.remaining())
+        stream = stub.Generate(
+            request, timeout=None if remaining is None else remaining + ENGINE_STOP_GRACE_S
+        )
+
+        def abort() -> Awaitable[engine_pb2.AbortResponse]:
+            # The engine stops the request and its stream ends with the text not yet sent.
+            return stub.Abort(
+                engine_pb2.AbortRequest(request_id=request.request_id), timeout=ENGINE_STOP_GRACE_S
+            )
+
         run.inference_started = time.time()
         final = engine_pb2.GenerateResponse()
 
@@ -271,7 +309,7 @@ class Pipeline:
             # One race against the deadline and the cancellation for the whole stream, not one per
             # token: on a machine whose cores the model keeps busy, per-token work here is decode
             # time taken from the engine.
-            await self._until(run, consume())
+            await self._until(run, consume(), grace_s=ENGINE_STOP_GRACE_S, on_cancel=abort)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REQUEST_ERRORS:
                 raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
@@ -280,6 +318,11 @@ class Pipeline:
             stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request
         if not final.finish_reason:
             raise EngineLost("the stream ended without a final message")
+        # The engine stopped the request at the deadline, or on our Abort: run.text holds all it made.
+        if final.finish_reason == common_pb2.FINISH_REASON_TIMEOUT:
+            raise JobStopped("timeout")
+        if final.finish_reason == common_pb2.FINISH_REASON_ABORT and run.cancel.is_set():
+            raise JobStopped("cancelled")
         return common_pb2.GenerationOutcome(
             text="".join(run.text),
             completion_tokens=run.completion_tokens,

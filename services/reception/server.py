@@ -70,7 +70,9 @@ class ReceptionServicer:
         known = self.capacity.last.max_model_len
         return known if known else (await self.capacity.get()).max_model_len
 
-    async def _admit(self, request: common_pb2.InferenceRequest | Undecodable) -> tuple[str, float, int]:
+    async def _admit(
+        self, request: common_pb2.InferenceRequest | Undecodable, streaming: bool = False
+    ) -> tuple[str, float, int]:
         started = time.perf_counter()
         if isinstance(request, Undecodable):
             raise invalid_argument(
@@ -90,7 +92,7 @@ class ReceptionServicer:
         # job's metrics. The enqueue that follows is the queue's, and counts in its wait.
         reception_ms = (time.perf_counter() - started_work) * 1000
         submitted_at = await self.jobs.create(
-            job_id, request, priority, queue=stream(priority), reception_ms=reception_ms
+            job_id, request, priority, queue=stream(priority), reception_ms=reception_ms, streaming=streaming
         )
         admission = time.perf_counter() - started
         self.metrics.submitted.labels(str(priority)).inc()
@@ -133,7 +135,7 @@ class ReceptionServicer:
     async def InferStream(
         self, request: inference_pb2.InferStreamRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.InferStreamResponse]:
-        job_id, submitted_at, priority = await self._admit(_inner(request))
+        job_id, submitted_at, priority = await self._admit(_inner(request), streaming=True)
         finished = False
         try:
             yield inference_pb2.InferStreamResponse(

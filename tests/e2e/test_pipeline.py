@@ -158,6 +158,83 @@ def test_jobs_cancelled_at_any_stage_never_leak_an_engine_slot(client, stack):
     )
 
 
+def _generate(stack, **fields) -> list:
+    """The engine service's Generate, called directly (no job): every streamed message."""
+    from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    request = engine_pb2.GenerateRequest(
+        input=common_pb2.ModelInput(
+            conversation=common_pb2.Conversation(
+                messages=[common_pb2.ChatMessage(role="user", content="Write a long story about a dragon.")]
+            )
+        ),
+        **fields,
+    )
+    with grpc.insecure_channel(stack.target("engine")) as channel:
+        return list(engine_pb2_grpc.EngineServiceStub(channel).Generate(request, timeout=60))
+
+
+def test_the_engine_sends_text_every_stream_interval_tokens(stack):
+    from libs.gen.expert.v1 import common_pb2
+
+    params = common_pb2.GenerationParams(temperature=0.0, max_tokens=10)
+    every_token = _generate(stack, params=params)
+    by_four = _generate(stack, params=params, stream_interval=4)
+    assert [len(m.token_ids) for m in every_token] == [1] * 10
+    assert [len(m.token_ids) for m in by_four] == [4, 4, 2]
+    assert "".join(m.text for m in by_four) == "".join(m.text for m in every_token)
+    assert by_four[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert by_four[-1].usage.completion_tokens == 10
+
+
+def test_the_engine_ends_a_request_at_its_deadline_with_the_text_so_far(stack):
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from libs.gen.expert.v1 import common_pb2
+
+    deadline = Timestamp()
+    deadline.FromNanoseconds(int((time.time() + 1.0) * 1e9))
+    messages = _generate(
+        stack,
+        params=common_pb2.GenerationParams(temperature=0.0, max_tokens=600),
+        stream_interval=1000,  # nothing is sent before the end: the last message must carry it all
+        deadline=deadline,
+    )
+    assert len(messages) == 1
+    final = messages[0]
+    assert final.finish_reason == common_pb2.FINISH_REASON_TIMEOUT
+    assert final.text and 0 < len(final.token_ids) == final.usage.completion_tokens < 600
+    assert_engine_idle(stack)
+
+
+def test_an_aborted_request_ends_its_stream_with_the_text_not_yet_sent(stack):
+    import threading
+
+    from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(stack.target("engine")) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        assert not stub.Abort(engine_pb2.AbortRequest(request_id="no-such-request")).found
+        with pytest.raises(grpc.RpcError) as empty:
+            stub.Abort(engine_pb2.AbortRequest())
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id" in empty.value.details()
+
+        abort = engine_pb2.AbortRequest(request_id="to-abort")
+        aborted = threading.Timer(1.0, stub.Abort, [abort])
+        aborted.start()
+        messages = _generate(
+            stack,
+            request_id="to-abort",
+            params=common_pb2.GenerationParams(temperature=0.0, max_tokens=600),
+            stream_interval=1000,
+        )
+        aborted.join()
+    assert len(messages) == 1 and messages[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert messages[0].text and 0 < len(messages[0].token_ids) < 600
+    assert_engine_idle(stack)
+
+
 def assert_engine_idle(stack, timeout: float = 10.0) -> None:
     from libs.gen.expert.v1 import engine_pb2, engine_pb2_grpc
 

@@ -112,6 +112,21 @@ def test_the_recorded_variables_are_the_ones_the_config_modules_name():
     assert "EXPERT_REDIS_URL" in READS["reception"] and "EXPERT_REDIS_URL" not in READS["router"]
 
 
+def test_every_variable_a_service_reads_is_documented():
+    """docs/configuration.md names every EXPERT_* variable, each in a table row with its default
+    (the per-service metrics ports share one row)."""
+    rows = {
+        name
+        for line in (REPO / "docs/configuration.md").read_text().splitlines()
+        if line.startswith("| `EXPERT_")
+        for name in [line.split("`")[1]]
+    }
+    metrics_ports = {f"EXPERT_{service.upper()}_METRICS_PORT" for service in CONFIGS}
+    assert "EXPERT_<SERVICE>_METRICS_PORT" in rows
+    missing = ALL_READS - rows - metrics_ports
+    assert not missing, sorted(missing)
+
+
 def test_the_default_ports_are_the_config_classes_defaults():
     assert set(SERVICES) == set(CONFIGS) == set(DEFAULT_PORTS) == set(DEFAULT_METRICS_PORTS)
     for service, config in CONFIGS.items():
