@@ -70,6 +70,17 @@ async def add(
     return _text(entry_id)
 
 
+async def add_many(
+    redis: Redis, entries: Sequence[tuple[str, Mapping[str, FieldValue]]], *, maxlen: int | None = None
+) -> list[str]:
+    """`add` for several (stream, fields) entries in one round trip (a pipeline, not a transaction:
+    each entry is added on its own); returns their ids in order."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for stream, fields in entries:
+            pipe.xadd(stream, dict(fields), maxlen=maxlen, approximate=True)
+        return [_text(entry_id) for entry_id in await pipe.execute()]
+
+
 async def ack(redis: Redis, stream: str, group: str, entry_id: str) -> bool:
     """Acknowledges an entry: it leaves the group's pending list and is never delivered again.
     Returns False when it was not pending (already acknowledged, or dead-lettered)."""

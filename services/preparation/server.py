@@ -7,7 +7,7 @@ import time
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from libs.errors import invalid_argument
+from libs.errors import invalid_argument, invalid_arguments
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
 from libs.logging import bind_context, get_logger
 from services.preparation.fleet import Engine, Fleet
@@ -65,7 +65,12 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
     async def Release(
         self, request: preparation_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> preparation_pb2.ReleaseResponse:
-        released = self.fleet.release(request.job_id)
+        if not request.job_ids:
+            raise invalid_argument("job_ids", "name at least one job")
+        blank = [i for i, job_id in enumerate(request.job_ids) if not job_id]
+        if blank:
+            raise invalid_arguments([(f"job_ids[{i}]", "must not be empty") for i in blank])
+        released = sum(self.fleet.release(job_id) for job_id in request.job_ids)
         self.metrics.update(self.fleet)
         return preparation_pb2.ReleaseResponse(released=released)
 

@@ -338,7 +338,7 @@ class Pipeline:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await call(
                 self.peers.preparation.Release,
-                preparation_pb2.ReleaseRequest(job_id=run.job_id),
+                preparation_pb2.ReleaseRequest(job_ids=[run.job_id]),
                 timeout=5.0,
                 idempotent=True,
             )

@@ -9,7 +9,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from libs.redis_streams import Entry, ack, add, ensure_group, read_next, reclaim
+from libs.redis_streams import Entry, ack, add, add_many, ensure_group, read_next, reclaim
 
 HIGH, NORMAL, LOW = "jobs:high", "jobs:normal", "jobs:low"
 STREAMS = [HIGH, NORMAL, LOW]
@@ -217,5 +217,19 @@ def test_read_next_needs_a_stream(clean_redis_url):
     async def scenario(redis):
         with pytest.raises(ValueError):
             await read_next(redis, [], GROUP, "c1", block_ms=0)
+
+    run_with_redis(clean_redis_url, scenario)
+
+
+def test_add_many_adds_every_entry_in_order_to_its_stream(clean_redis_url):
+    async def scenario(redis):
+        ids = await add_many(redis, [(HIGH, {"n": "1"}), (LOW, {"n": "2"}), (HIGH, {"n": "3"})], maxlen=100)
+        assert len(ids) == 3 and ids[0] < ids[2]
+        high = await redis.xrange(HIGH)
+        assert [(entry_id.decode(), fields) for entry_id, fields in high] == [
+            (ids[0], {b"n": b"1"}),
+            (ids[2], {b"n": b"3"}),
+        ]
+        assert [fields for _, fields in await redis.xrange(LOW)] == [{b"n": b"2"}]
 
     run_with_redis(clean_redis_url, scenario)
