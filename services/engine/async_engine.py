@@ -98,6 +98,9 @@ class AsyncLLMEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
+        # Engine thread only: the stream interval of requests that have one, and their held outputs.
+        self._intervals: dict[str, tuple[int, OutputKind, int]] = {}  # (interval, kind, tokens sent)
+        self._held: dict[str, RequestOutput] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -158,11 +161,18 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         experts: ExpertSpec | None = None,
+        stream_interval: int = 1,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
+        With `stream_interval` N > 1, the engine thread holds a request's outputs back until they
+        carry N new tokens (merged into one), and always delivers the last: a caller that does not
+        show tokens as they come then does not wake the event loop at every step.
+
         Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input.
         """
+        if stream_interval < 1:
+            raise InvalidRequestError("stream_interval", f"must be at least 1, got {stream_interval}")
         if self._dead is not None:
             raise EngineDeadError(f"engine loop failed: {self._dead}")
         if not self.is_running:
@@ -172,7 +182,7 @@ class AsyncLLMEngine:
         request = self.engine.prepare_request(request_id, prompt, params, priority=priority, experts=experts)
         stream = RequestStream(request_id, request.params.output_kind, self.max_pending)
         self._streams[request_id] = stream
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", (request, stream_interval)))
         self._wake.set()
         return stream
 
@@ -251,6 +261,30 @@ class AsyncLLMEngine:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(put)
 
+    def _ready(self, outputs: list[RequestOutput]) -> list[tuple[str, RequestOutput, bool]]:
+        """The step's outputs to deliver now: those of a request with a stream interval are merged
+        and held back until they carry that many new tokens, or the request finished."""
+        ready = []
+        for output in outputs:
+            request_id = output.request_id
+            holding = self._intervals.get(request_id)
+            if holding is not None:
+                interval, kind, sent = holding
+                held = self._held.pop(request_id, None)
+                if held is not None:
+                    output = merge_outputs(held, output, kind)
+                made = len(output.outputs[0].token_ids)  # all so far, or (DELTA) all since the last
+                new = made - sent if kind == OutputKind.CUMULATIVE else made
+                if not output.finished and new < interval:
+                    self._held[request_id] = output
+                    continue
+                if output.finished:
+                    del self._intervals[request_id]
+                elif kind == OutputKind.CUMULATIVE:
+                    self._intervals[request_id] = (interval, kind, made)
+            ready.append((request_id, output, output.finished))
+        return ready
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -258,11 +292,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request: Request = payload
+                request: Request = payload[0]
                 try:
                     self.engine.enqueue(request)
                 except (InvalidRequestError, ExpertError) as exc:
                     self._deliver(request.request_id, exc, final=True)
+                    continue
+                if payload[1] > 1:
+                    self._intervals[request.request_id] = (payload[1], request.params.output_kind, 0)
             elif kind == "abort":
                 self.engine.abort_request(payload)
             else:
@@ -307,13 +344,13 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                self._deliver_all([(o.request_id, o, o.finished) for o in engine.step()])
+                self._deliver_all(self._ready(engine.step()))
                 self._stats = engine.get_stats()
             # Shutting down: end every open request as aborted.
             self._drain_inbox()
             engine.abort_request(engine.unfinished_request_ids())
-            for output in engine.step():
-                self._deliver(output.request_id, output, final=True)
+            ending = self._ready(engine.step())
+            self._deliver_all([(request_id, output, True) for request_id, output, _ in ending])
         except BaseException as exc:
             log.exception("engine loop failed")
             self._dead = exc

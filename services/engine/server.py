@@ -14,7 +14,7 @@ from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.adapters.registry import ExpertNotFoundError
 from services.engine.async_engine import AsyncLLMEngine
-from services.engine.outputs import RequestOutput, merge_outputs
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import OutputKind, SamplingParams
 from services.engine.service_metrics import EngineMetrics
 
@@ -81,16 +81,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             sampling_params(request.params),
             priority=request.priority,
             experts=experts or None,
+            stream_interval=max(1, request.stream_interval),  # held back on the engine thread
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
-        interval = max(1, request.stream_interval)
-        pending: RequestOutput | None = None  # outputs held back until `interval` tokens gathered
         try:
             async for output in stream:
-                pending = output if pending is None else merge_outputs(pending, output, OutputKind.DELTA)
-                if output.finished or len(pending.outputs[0].token_ids) >= interval:
-                    yield self._response(pending, expiry.expired)
-                    pending = None
+                yield self._response(output, expiry.expired)
         finally:
             expiry.cancel()
             if not stream.finished:  # the caller went away or was cancelled: free the KV now

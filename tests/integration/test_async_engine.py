@@ -117,6 +117,59 @@ def test_cancelling_the_consumer_aborts_the_request(engine):
     assert asyncio.run(main()).requests_finished_total == {"abort": 1}
 
 
+def test_a_stream_interval_delivers_every_n_tokens_merged_and_the_rest_at_the_end(engine, sync_engine):
+    delta = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=OutputKind.DELTA)
+    cumulative = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        try:
+            by_four = await collect(engine.add_request("d", "Hello", delta, stream_interval=4))
+            whole = await collect(engine.add_request("c", "Hello", cumulative, stream_interval=4))
+            return by_four, whole
+        finally:
+            await engine.shutdown()
+
+    by_four, whole = asyncio.run(main())
+    reference = sync_engine.generate(["Hello"], [cumulative])[0]
+    assert [len(o.token_ids) for o in by_four] == [4, 4, 2]
+    assert [o.finished for o in by_four] == [False, False, True]
+    assert [t for o in by_four for t in o.token_ids] == reference.token_ids
+    assert "".join(o.text for o in by_four) == reference.text
+    assert [len(o.token_ids) for o in whole] == [4, 8, 10] and whole[-1].text == reference.text
+
+
+def test_an_abort_delivers_the_tokens_held_back_by_a_stream_interval(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True, output_kind=OutputKind.DELTA)
+
+    async def main():
+        await engine.start()
+        try:
+            stream = engine.add_request("held", "Hello", params, stream_interval=10_000)
+            await wait_for(lambda: engine.get_stats().num_running == 1)
+            await asyncio.sleep(0.2)  # some tokens are made, none delivered
+            engine.abort("held")
+            return await asyncio.wait_for(collect(stream), timeout=10)
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(main())
+    assert len(outputs) == 1 and outputs[0].finish_reason == "abort"
+    assert 0 < len(outputs[0].token_ids) < 900
+
+
+def test_a_stream_interval_below_one_is_refused(engine):
+    async def main():
+        await engine.start()
+        try:
+            with pytest.raises(InvalidRequestError, match="stream_interval"):
+                engine.add_request("bad", "Hello", stream_interval=0)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_abort_ends_the_stream_with_finish_reason_abort(engine):
     async def main():
         await engine.start()
