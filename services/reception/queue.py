@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from libs.redis_streams import ack, ensure_group
+from libs.redis_streams import ensure_group
 
 GROUP = "dispatch"
 DEAD_LETTER = "expert:jobs:dead"
@@ -27,9 +27,12 @@ class JobQueue:
             await ensure_group(self.redis, name, GROUP)
 
     async def done(self, stream_name: str, entry_id: str) -> None:
-        """Acknowledge and delete a handled entry, so the streams hold only what is left to do."""
-        await ack(self.redis, stream_name, GROUP, entry_id)
-        await self.redis.xdel(stream_name, entry_id)
+        """Acknowledge and delete a handled entry, so the streams hold only what is left to do
+        (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(stream_name, GROUP, entry_id)
+            pipe.xdel(stream_name, entry_id)
+            await pipe.execute()
 
     async def keep(self, stream_name: str, entry_id: str, consumer: str) -> None:
         """Reset the entry's idle time while its job runs, so no other dispatcher reclaims it."""
