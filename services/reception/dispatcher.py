@@ -168,11 +168,17 @@ class Dispatcher:
             with bind_context(job_id=job_id):
                 # Listen for its cancellation before reading the record, so none is missed.
                 cancel = self._cancels[job_id] = asyncio.Event()
-                record = await self.jobs.begin(job_id, common_pb2.JOB_STATUS_PLANNING) if job_id else None
+                record = (
+                    await self.jobs.begin(job_id, common_pb2.JOB_STATUS_PLANNING, delivery=True)
+                    if job_id
+                    else None
+                )
                 if record is None or record.final:
                     return  # expired, or finished (a cancellation) before it was picked
-                if record.attempts > self.settings.max_deliveries:
-                    await self._give_up(entry, record.attempts - 1)
+                # Deliveries, not attempts: a job that failed over between engines within one
+                # delivery has more attempts, but its dispatchers did not die.
+                if record.deliveries > self.settings.max_deliveries:
+                    await self._give_up(entry, record.deliveries - 1)
                     return
                 if record.cancel_requested:
                     cancel.set()

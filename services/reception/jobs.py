@@ -53,14 +53,15 @@ return 1
 )
 
 
-# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now
-# -> the hash's fields after counting the attempt (a final job's fields as they are; nothing when
-# the job is gone)
+# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery
+# -> the hash's fields after counting the attempt (and the delivery); a final job's fields as they
+# are; nothing when the job is gone
 _BEGIN = (
     _IS_FINAL
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 if is_final(KEYS[1]) then return redis.call('HGETALL', KEYS[1]) end
+if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[1], 'deliveries', 1) end
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 if attempts > 1 then
   redis.call('DEL', KEYS[2])
@@ -157,12 +158,13 @@ class JobRecord:
     submitted_at: float
     updated_at: float
     finished_at: float | None
-    attempts: int
+    attempts: int  # runs of the job so far: one per delivery and one per engine it failed over to
     error: str
     result: common_pb2.InferenceResult | None
     cancel_requested: bool = False
     reception_ms: float = 0.0  # seed 000 stage 1 (parse, validate, normalize, job id) for this job
     streaming: bool = False  # a client shows its tokens as they come (InferStream)
+    deliveries: int = 0  # times a dispatcher took the job from the queue (a reclaim is another)
 
     @property
     def final(self) -> bool:
@@ -204,6 +206,7 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
         cancel_requested=fields.get(b"cancel_requested") == b"1",
         reception_ms=float(fields.get(b"reception_ms") or 0.0),
         streaming=fields.get(b"streaming") == b"1",
+        deliveries=int(fields.get(b"deliveries", 0)),
     )
 
 
@@ -252,13 +255,16 @@ class JobStore:
     async def get(self, job_id: str) -> JobRecord | None:
         return _record(job_id, await self.redis.hgetall(job_key(job_id)))
 
-    async def begin(self, job_id: str, status: int | None = None) -> JobRecord | None:
-        """Start a delivery of the job: count the attempt (from the second on, readers are told to
-        discard earlier text), move it to `status` if given, and return the record, in one step.
-        None when the job is gone; a final job is returned as it is, not counted."""
+    async def begin(
+        self, job_id: str, status: int | None = None, *, delivery: bool = False
+    ) -> JobRecord | None:
+        """Start a run of the job: count the attempt (from the second on, readers are told to
+        discard earlier text) and, for a dispatcher taking it from the queue, the delivery; move it
+        to `status` if given; return the record, in one step. None when the job is gone; a final
+        job is returned as it is, not counted."""
         reply = await self._begin(
             keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
-            args=["" if status is None else status, repr(time.time())],
+            args=["" if status is None else status, repr(time.time()), "1" if delivery else "0"],
         )
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
