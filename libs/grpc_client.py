@@ -27,6 +27,10 @@ CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     # Keep pinging an idle connection instead of stopping after two pings without data.
     ("grpc.http2.max_pings_without_data", 0),
+    # Spread calls over every address the target resolves to: a headless Kubernetes Service (or a
+    # compose service with replicas) resolves to one address per replica, and with the default
+    # pick_first every call of this channel would go to the first of them.
+    ("grpc.lb_policy_name", "round_robin"),
 )
 
 # Backoff between attempts of `call`: full jitter over an exponentially growing window.

@@ -40,6 +40,7 @@ from libs.metrics import start_metrics_server
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     # Without this a second process could bind the same port and silently share the traffic.
     ("grpc.so_reuseport", 0),
@@ -49,6 +50,10 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     # minimum of 5 minutes would make the server close their connections for pinging too often.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    # Ask clients to reconnect every 5 minutes, so that their round-robin channels resolve the
+    # target again and find replicas added since; calls in flight may finish (up to a day).
+    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+    ("grpc.max_connection_age_grace_ms", 24 * 3600 * 1000),
 ]
 
 _log = get_logger(__name__)

@@ -446,3 +446,16 @@ def test_the_dockerfile_sets_only_variables_the_code_reads():
 def test_the_build_context_leaves_out_local_state():
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
     assert {".git", ".venv", "data", "build", "libs/gen"} <= ignored
+
+
+@pytest.mark.parametrize("service", ["router", "postproc", "engine"])
+def test_the_services_called_by_dispatchers_are_headless(manifests, service):
+    """The dispatchers' channels round-robin over what a name resolves to (libs.grpc_client): a
+    headless Service resolves to every pod, where a cluster IP would pin a connection to one."""
+    assert _one(manifests[f"{service}.yaml"], "Service", service)["spec"].get("clusterIP") == "None"
+
+
+def test_preparation_keeps_one_replica(manifests):
+    """Its registry is in memory: two replicas would each know only some engines."""
+    deployment = _one(manifests["preparation.yaml"], "Deployment", "preparation")
+    assert deployment["spec"]["replicas"] == 1
