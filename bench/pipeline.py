@@ -7,6 +7,10 @@ stack (a redis-server and the five services as processes, libs.stack) with `Expe
 Greedy decoding makes both produce the same tokens, so the difference in wall time per request is
 what reception, the router, preparation, postproc, Redis and the gRPC hops add.
 
+The stages are the job's InferenceMetrics: reception is seed 000's stage 1 (validation,
+normalization, the job id); the enqueue that follows counts in the queue wait; router, preparation
+and postproc are measured inside those services. A stage passes when its p99 is within the budget.
+
     python bench/pipeline.py --model data/models/SmolLM2-135M-Instruct
 """
 
@@ -176,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
