@@ -27,21 +27,24 @@ CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     # Keep pinging an idle connection instead of stopping after two pings without data.
     ("grpc.http2.max_pings_without_data", 0),
-    # Spread calls over every address the target resolves to: a headless Kubernetes Service (or a
-    # compose service with replicas) resolves to one address per replica, and with the default
-    # pick_first every call of this channel would go to the first of them.
-    ("grpc.lb_policy_name", "round_robin"),
 )
+# Spread calls over every address the target resolves to: a headless Kubernetes Service (or a
+# compose service with replicas) resolves to one address per replica, and with the default
+# pick_first every call of a channel would go to the first of them.
+BALANCED_OPTIONS: Sequence[tuple[str, Any]] = (("grpc.lb_policy_name", "round_robin"),)
 
 # Backoff between attempts of `call`: full jitter over an exponentially growing window.
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
 
-def insecure_channel(target: str) -> grpc.aio.Channel:
-    """An aio channel to `target` (host:port) with keepalive and 64 MiB message limits. Create one per
-    peer and reuse it; close it with `await channel.close()`."""
-    return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+def insecure_channel(target: str, *, balanced: bool = True) -> grpc.aio.Channel:
+    """An aio channel to `target` (host:port) with keepalive and 64 MiB message limits, round-robin
+    over the target's addresses unless `balanced` is False (a channel to one particular replica,
+    such as an engine at the address it registered). Create one per peer and reuse it; close it
+    with `await channel.close()`."""
+    options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else ())]
+    return grpc.aio.insecure_channel(target, options=options)
 
 
 def remaining_timeout(context: grpc.aio.ServicerContext | None, default: float | None) -> float | None:

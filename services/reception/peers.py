@@ -15,10 +15,10 @@ class Peers:
         self.preparation = preparation_pb2_grpc.PreparationServiceStub(self._channel(preparation_target))
         self.postproc = postproc_pb2_grpc.PostprocServiceStub(self._channel(postproc_target))
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
+    def _channel(self, target: str, *, balanced: bool = True) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = insecure_channel(target)
+            channel = self._channels[target] = insecure_channel(target, balanced=balanced)
         return channel
 
     async def engine_channel(self, address: str) -> grpc.aio.Channel:
@@ -31,7 +31,7 @@ class Peers:
         if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             del self._channels[address]
             await channel.close()
-        return self._channel(address)
+        return self._channel(address, balanced=False)  # one engine: nothing to balance over
 
     async def close(self) -> None:
         for channel in self._channels.values():
