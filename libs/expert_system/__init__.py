@@ -24,6 +24,7 @@ from .client import ExpertClient
 from .errors import (
     DeadlineExceeded,
     ExpertSystemError,
+    FailedPrecondition,
     InvalidRequest,
     NotFound,
     ResourceExhausted,
@@ -48,6 +49,7 @@ __all__ = [
     "DeadlineExceeded",
     "ExpertClient",
     "ExpertSystemError",
+    "FailedPrecondition",
     "InferStream",
     "InferenceMetrics",
     "InferenceResult",

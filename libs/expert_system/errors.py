@@ -31,6 +31,11 @@ class NotFound(ExpertSystemError):
     """NOT_FOUND: no such job (or expert)."""
 
 
+class FailedPrecondition(ExpertSystemError):
+    """FAILED_PRECONDITION: the request can never run as asked (e.g. it needs more KV cache than
+    any engine holds); change the request rather than retry it."""
+
+
 class Unavailable(ExpertSystemError):
     """UNAVAILABLE: the service could not be reached or failed transiently; retrying may work."""
 
@@ -46,6 +51,7 @@ class ResourceExhausted(ExpertSystemError):
 _BY_CODE: dict[grpc.StatusCode, type[ExpertSystemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,

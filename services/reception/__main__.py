@@ -23,8 +23,8 @@ async def main() -> None:
     health = Health()
     redis = Redis.from_url(config.redis_url)
     peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
-    jobs = JobStore(redis, config.job_ttl_s, config.dispatch.default_timeout_s)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
+    jobs = JobStore(redis, config.job_ttl_s, config.dispatch.default_timeout_s, on_finished=metrics.finished)
     capacity = Capacity(peers.preparation)
     servicer = ReceptionServicer(redis, jobs, queue, capacity, metrics)
     pipeline = Pipeline(

@@ -110,6 +110,7 @@ class Dispatcher:
             asyncio.create_task(self._reclaimer()),
             asyncio.create_task(self._cancellations()),
             asyncio.create_task(self._expiry()),
+            asyncio.create_task(self._queue_gauge()),
         ]
         log.info("dispatcher started", consumer=self.consumer, workers=self.settings.workers)
 
@@ -190,9 +191,8 @@ class Dispatcher:
                 self._unplaced -= 1
                 counted = False
                 self.capacity.invalidate()
-                result = await task
+                await task
                 seconds = time.time() - record.submitted_at
-                self.metrics.finished(result, seconds)
                 if self.on_finished is not None:
                     self.on_finished(seconds)
         finally:
@@ -258,6 +258,18 @@ class Dispatcher:
                 raise
             except Exception:
                 log.exception("queue expiry failed")
+
+    async def _queue_gauge(self, period_s: float = 1.0) -> None:
+        """Keep the queue-depth gauge current (every dispatcher sets it: they all see one queue)."""
+        while True:
+            try:
+                for priority, depth in (await self.queue.depths()).items():
+                    self.metrics.queue_depth.labels(str(priority)).set(depth)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reading the queue depth failed")
+            await asyncio.sleep(period_s)
 
     async def _cancellations(self) -> None:
         pubsub = self.redis.pubsub()

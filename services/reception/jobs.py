@@ -13,6 +13,7 @@ overwritten, so a cancellation and a completion racing each other resolve to exa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -211,10 +212,19 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
 
 
 class JobStore:
-    def __init__(self, redis: Redis, ttl_s: int, default_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        ttl_s: int,
+        default_timeout_s: float | None = None,
+        on_finished: Callable[[common_pb2.InferenceResult], None] | None = None,
+    ) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
         self.default_timeout_s = default_timeout_s  # for requests without timeout_ms
+        # Told of each result this store records as a job's final one, whoever ended the job (the
+        # pipeline, a CancelJob of a queued job, the queue's deadline sweep, the dead-letter path).
+        self.on_finished = on_finished
         self._set_status = redis.register_script(_SET_STATUS)
         self._admit = redis.register_script(_ADMIT)
         self._finish = redis.register_script(_FINISH)
@@ -296,6 +306,8 @@ class JobStore:
             keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id)],
             args=[result.status, repr(time.time()), payload, result.error, job_id],
         )
+        if changed == 1 and self.on_finished is not None:
+            self.on_finished(result)
         return changed == 1
 
     async def expire_queued(self, now: float | None = None, limit: int = 100) -> list[str]:

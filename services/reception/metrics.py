@@ -18,7 +18,7 @@ class ReceptionMetrics:
         )
         self.admission = Histogram(
             "expert_reception_admission_latency_seconds",
-            "Validation, normalization, job record and enqueue (seed 000 stage 1)",
+            "A call's admission: validation, normalization, the job record and the enqueue",
             buckets=_FAST,
         )
         self.finished_jobs = Counter(
@@ -27,9 +27,11 @@ class ReceptionMetrics:
         self.job_latency = Histogram(
             "expert_reception_job_latency_seconds", "Submission to final state", buckets=_JOB
         )
-        self.queue_depth = Gauge("expert_reception_queue_depth", "Jobs waiting for a dispatcher")
+        self.queue_depth = Gauge(
+            "expert_reception_queue_depth", "Jobs waiting for a dispatcher, by priority", ["priority"]
+        )
 
-    def finished(self, result: common_pb2.InferenceResult, seconds: float) -> None:
+    def finished(self, result: common_pb2.InferenceResult) -> None:
         status = common_pb2.JobStatus.Name(result.status).removeprefix("JOB_STATUS_").lower()
         self.finished_jobs.labels(status).inc()
-        self.job_latency.observe(seconds)
+        self.job_latency.observe(result.latency_ms / 1000)

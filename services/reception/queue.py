@@ -38,6 +38,17 @@ class JobQueue:
         """Reset the entry's idle time while its job runs, so no other dispatcher reclaims it."""
         await self.redis.xclaim(stream_name, GROUP, consumer, 0, [entry_id], justid=True)
 
+    async def depths(self) -> dict[int, int]:
+        """Entries not yet handed to a dispatcher, by priority (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in PRIORITIES:
+                pipe.xinfo_groups(stream(p))
+            replies = await pipe.execute()
+        return {
+            p: sum(int(g.get("lag") or 0) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+            for p, groups in zip(PRIORITIES, replies, strict=True)
+        }
+
     async def depth_at_or_above(self, priority: int) -> int:
         """Entries not yet handed to a dispatcher, at this priority or higher."""
         total = 0

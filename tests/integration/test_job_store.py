@@ -48,3 +48,41 @@ def test_admission_records_the_reception_time_and_whether_a_client_streams(clean
         assert (plain.reception_ms, plain.streaming, plain.deliveries) == (0.0, False, 0)
 
     _run(clean_redis_url, scenario)
+
+
+def test_every_recorded_final_result_is_reported_once_whoever_ended_the_job(clean_redis_url):
+    async def scenario(redis, jobs):
+        seen: list[tuple[str, int]] = []
+        jobs.on_finished = lambda result: seen.append((result.job_id, result.status))
+        request = common_pb2.InferenceRequest(prompt="hi", timeout_ms=1)
+        await jobs.create("late", request, 5)  # queued past its deadline: the sweep ends it
+        await jobs.create("done", common_pb2.InferenceRequest(prompt="hi"), 5)
+        await asyncio.sleep(0.01)
+        assert await jobs.expire_queued() == ["late"]
+        completed = common_pb2.InferenceResult(job_id="done", status=common_pb2.JOB_STATUS_COMPLETED)
+        assert await jobs.finish("done", completed)
+        cancelled = common_pb2.InferenceResult(job_id="done", status=common_pb2.JOB_STATUS_CANCELLED)
+        assert not await jobs.finish("done", cancelled)  # a final status is never overwritten
+        assert seen == [("late", common_pb2.JOB_STATUS_TIMED_OUT), ("done", common_pb2.JOB_STATUS_COMPLETED)]
+
+    _run(clean_redis_url, scenario)
+
+
+def test_the_queue_depth_counts_the_entries_no_dispatcher_took_by_priority(clean_redis_url):
+    from libs.redis_streams import read_next
+    from services.reception.queue import GROUP, STREAMS, JobQueue, stream
+
+    async def scenario(redis, jobs):
+        queue = JobQueue(redis)
+        await queue.setup()
+        for job_id, priority in (("a", 9), ("b", 9), ("c", 2)):
+            await jobs.create(
+                job_id, common_pb2.InferenceRequest(prompt="hi"), priority, queue=stream(priority)
+            )
+        assert (await queue.depths())[9] == 2 and (await queue.depths())[2] == 1
+        taken = await read_next(redis, STREAMS, GROUP, "worker", block_ms=0)
+        assert taken.fields["job_id"] == b"a"
+        depths = await queue.depths()
+        assert (depths[9], depths[2], sum(depths.values())) == (1, 1, 2)
+
+    _run(clean_redis_url, scenario)

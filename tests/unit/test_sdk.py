@@ -13,6 +13,7 @@ import dataclasses
 import json
 from datetime import UTC, datetime
 
+import grpc
 import pytest
 
 from expert_system import (
@@ -315,3 +316,24 @@ def test_the_async_stream_cancels_the_call_when_left(fakes):
 
     stream = asyncio.run(run())
     assert fakes.reception.stream_cancelled.wait(5) and stream.result is None
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "InvalidRequest"),
+        (grpc.StatusCode.NOT_FOUND, "NotFound"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "FailedPrecondition"),
+        (grpc.StatusCode.UNAVAILABLE, "Unavailable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "DeadlineExceeded"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "ResourceExhausted"),
+        (grpc.StatusCode.INTERNAL, "ExpertSystemError"),
+    ],
+)
+def test_each_status_a_caller_reacts_to_has_its_exception(code, cls):
+    import expert_system
+    from expert_system.errors import error_from_status
+
+    error = error_from_status(code, "why", None)
+    assert type(error) is getattr(expert_system, cls)
+    assert (error.code, error.message) == (code.name, "why")
