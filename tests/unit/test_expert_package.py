@@ -16,7 +16,7 @@ from safetensors.torch import load as load_safetensors
 
 from libs.experts.integrity import format_checksums, sha256_hex
 from libs.experts.jsonio import dumps_canonical
-from libs.experts.manifest import BaseModelIdentity, Manifest
+from libs.experts.manifest import BaseModelIdentity
 from libs.experts.package import (
     PACKAGE_FILES,
     PackageError,
@@ -27,6 +27,7 @@ from libs.experts.package import (
 )
 from libs.experts.peft_adapter import PeftAdapter, read_peft_adapter
 from libs.experts.signing import Keyring, key_id
+from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
 
 KEY = Ed25519PrivateKey.generate()
@@ -44,24 +45,6 @@ def base(tiny_llama) -> BaseModelIdentity:
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, PeftAdapter]:
     directories = write_all_adapters(tiny_llama, tmp_path_factory.mktemp("peft"))
     return {kind: read_peft_adapter(path) for kind, path in directories.items()}
-
-
-def manifest_for(adapter: PeftAdapter, base: BaseModelIdentity, **overrides) -> Manifest:
-    fields = {
-        "name": f"test-{adapter.adapter_type.replace('_', '-')}",
-        "version": "1.0.0",
-        "description": "A test expert.",
-        "adapter_type": adapter.adapter_type,
-        "base_model": base,
-        "target_modules": adapter.target_modules,
-        "rank": adapter.rank,
-        "alpha": adapter.alpha,
-        "use_rslora": adapter.use_rslora,
-        "num_virtual_tokens": adapter.num_virtual_tokens,
-        "feedforward_modules": adapter.feedforward_modules,
-        "keywords": ("test",),
-    }
-    return Manifest(**(fields | overrides))
 
 
 @pytest.fixture(scope="module")
