@@ -1,0 +1,192 @@
+"""The expert index: one vector per expert in a Qdrant collection, with the facts selection needs.
+
+Each expert that can be selected has one point: its vector is the mean of the sentence embeddings of
+its description, its keywords and each of its example prompts, scaled to unit length (seed 000's
+`expert.embedding`, so cosine similarity to a prompt's embedding is a dot product). The payload
+holds the manifest's routing facts, the package's content hash and size, and what feedback taught:
+the success rate (an exponential moving average starting from a prior) and the use count.
+
+One point per expert name: the version installed last is the one selected; registering the same
+version again keeps what feedback taught, a new version starts again from the prior.
+
+Qdrant runs embedded (qdrant-client's local mode, on disk under the data directory) or as a server
+(a URL); the code path is the same.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from qdrant_client import QdrantClient, models
+
+from libs.experts.manifest import Manifest
+from services.router.embedding import SentenceEncoder
+
+COLLECTION = "experts"
+_NAMESPACE = uuid.UUID("5b1f0c8e-4d0a-4a53-9c1e-6f2b7f1d9a40")  # point ids: uuid5(namespace, name)
+
+
+@dataclass(frozen=True)
+class IndexedExpert:
+    """What the router knows of a selectable expert."""
+
+    name: str
+    version: str
+    adapter_type: str
+    description: str
+    keywords: tuple[str, ...]
+    task_types: tuple[str, ...]
+    capabilities: tuple[str, ...]
+    incompatible_with: tuple[str, ...]
+    priority: int
+    content_hash: str
+    size_bytes: int
+    success_rate: float
+    uses: int
+    registered_at: float
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> IndexedExpert:
+        fields = dict(payload)
+        for name in ("keywords", "task_types", "capabilities", "incompatible_with"):
+            fields[name] = tuple(fields[name])
+        return cls(**fields)
+
+    def payload(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def expert_text(manifest: Manifest) -> list[str]:
+    """The texts an expert is known by: its description, its keywords, each example prompt."""
+    texts = [manifest.description]
+    if manifest.keywords:
+        texts.append(", ".join(manifest.keywords))
+    texts.extend(manifest.examples)
+    return texts
+
+
+def point_id(name: str) -> str:
+    return str(uuid.uuid5(_NAMESPACE, name))
+
+
+class ExpertIndex:
+    def __init__(
+        self, client: QdrantClient, encoder: SentenceEncoder, prior_success_rate: float = 0.5
+    ) -> None:
+        if not 0.0 <= prior_success_rate <= 1.0:
+            raise ValueError(f"prior_success_rate must be in [0, 1], got {prior_success_rate}")
+        self.client = client
+        self.encoder = encoder
+        self.prior_success_rate = prior_success_rate
+        if not client.collection_exists(COLLECTION):
+            client.create_collection(
+                COLLECTION,
+                vectors_config=models.VectorParams(size=encoder.dim, distance=models.Distance.COSINE),
+            )
+
+    @staticmethod
+    def connect(data_dir: str | Path | None = None, url: str | None = None) -> QdrantClient:
+        """A Qdrant server at `url`, else embedded Qdrant stored under `data_dir`/qdrant."""
+        if url:
+            return QdrantClient(url=url)
+        if data_dir is None:
+            raise ValueError("give the data directory for embedded Qdrant, or a Qdrant server URL")
+        path = Path(data_dir) / "qdrant"
+        path.mkdir(parents=True, exist_ok=True)
+        return QdrantClient(path=str(path))
+
+    # -- the registry ---------------------------------------------------------------------------------
+
+    def register(self, manifest: Manifest, content_hash: str, size_bytes: int) -> IndexedExpert:
+        """Make this version of the expert the selectable one (see the module's notes on stats)."""
+        previous = self._get(manifest.name)
+        same_version = previous is not None and previous.version == manifest.version
+        expert = IndexedExpert(
+            name=manifest.name,
+            version=manifest.version,
+            adapter_type=manifest.adapter_type,
+            description=manifest.description,
+            keywords=tuple(manifest.keywords),
+            task_types=tuple(manifest.task_types),
+            capabilities=tuple(manifest.capabilities),
+            incompatible_with=tuple(manifest.incompatible_with),
+            priority=manifest.priority,
+            content_hash=content_hash,
+            size_bytes=size_bytes,
+            success_rate=previous.success_rate if same_version else self.prior_success_rate,
+            uses=previous.uses if same_version else 0,
+            registered_at=time.time(),
+        )
+        vector = self.embed_expert(manifest)
+        self.client.upsert(
+            COLLECTION,
+            points=[
+                models.PointStruct(id=point_id(expert.name), vector=vector.tolist(), payload=expert.payload())
+            ],
+        )
+        return expert
+
+    def embed_expert(self, manifest: Manifest) -> torch.Tensor:
+        vectors = self.encoder.encode(expert_text(manifest))
+        return torch.nn.functional.normalize(vectors.mean(dim=0), dim=0)
+
+    def remove(self, name: str) -> IndexedExpert:
+        expert = self.get(name)
+        self.client.delete(COLLECTION, points_selector=models.PointIdsList(points=[point_id(name)]))
+        return expert
+
+    def get(self, name: str) -> IndexedExpert:
+        expert = self._get(name)
+        if expert is None:
+            raise KeyError(name)
+        return expert
+
+    def find(self, name: str) -> IndexedExpert | None:
+        return self._get(name)
+
+    def list(self) -> list[IndexedExpert]:
+        experts, offset = [], None
+        while True:
+            points, offset = self.client.scroll(COLLECTION, limit=256, offset=offset, with_payload=True)
+            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
+            if offset is None:
+                return sorted(experts, key=lambda e: e.name)
+
+    def _get(self, name: str) -> IndexedExpert | None:
+        points = self.client.retrieve(COLLECTION, ids=[point_id(name)], with_payload=True)
+        return IndexedExpert.from_payload(points[0].payload) if points else None
+
+    # -- selection and feedback -----------------------------------------------------------------------
+
+    def search(
+        self, vector: torch.Tensor, k: int = 30, threshold: float = 0.6
+    ) -> list[tuple[IndexedExpert, float]]:
+        """Up to `k` experts whose cosine similarity to `vector` is at least `threshold`, best first."""
+        found = self.client.query_points(
+            COLLECTION, query=vector.tolist(), limit=k, score_threshold=threshold, with_payload=True
+        )
+        return [(IndexedExpert.from_payload(p.payload), float(p.score)) for p in found.points]
+
+    def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
+        """Cosine similarity of `vector` to each named expert (for candidates the search did not return)."""
+        points = self.client.retrieve(
+            COLLECTION, ids=[point_id(n) for n in names], with_vectors=True, with_payload=True
+        )
+        return {p.payload["name"]: float(torch.tensor(p.vector) @ vector) for p in points}
+
+    def record_outcome(self, name: str, success: bool, alpha: float) -> IndexedExpert | None:
+        """Fold one job's outcome into the expert's success rate (an exponential moving average with
+        weight `alpha`) and count the use; None when the expert is no longer registered. A read and
+        a write: the feedback consumer that calls it must be the only writer of an expert's stats."""
+        expert = self._get(name)
+        if expert is None:
+            return None
+        rate = expert.success_rate + alpha * ((1.0 if success else 0.0) - expert.success_rate)
+        self.client.set_payload(
+            COLLECTION, payload={"success_rate": rate, "uses": expert.uses + 1}, points=[point_id(name)]
+        )
+        return IndexedExpert.from_payload({**expert.payload(), "success_rate": rate, "uses": expert.uses + 1})

@@ -1,0 +1,124 @@
+"""The router's expert index on embedded Qdrant (qdrant-client local mode, on disk) with the real
+sentence encoder: registration, retrieval by meaning with seed 000's k and threshold, feedback as
+an exponential moving average from a prior, and a registry that survives reopening."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.experts.manifest import BaseModelIdentity
+from libs.experts.peft_adapter import read_peft_adapter
+from services.router.embedding import SentenceEncoder
+from services.router.index import ExpertIndex
+from tests.helpers.manifests import manifest_for
+from tests.helpers.peft_adapters import write_all_adapters
+
+SKILLS = {
+    "json-parser": (
+        "Parses JSON documents and extracts the fields asked for.",
+        ("json", "parse", "extract fields"),
+        ("Extract the name and email from this JSON object.", "Parse this JSON and list its keys."),
+    ),
+    "sql-writer": (
+        "Writes SQL queries for relational databases.",
+        ("sql", "query", "database"),
+        ("Write a SQL query that counts orders per customer.", "Join the users and orders tables."),
+    ),
+    "french": (
+        "Answers in French and translates English text into French.",
+        ("french", "translation"),
+        ("Translate this sentence into French.", "Réponds en français, s'il te plaît."),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def encoder() -> SentenceEncoder:
+    return SentenceEncoder.from_package()
+
+
+@pytest.fixture(scope="module")
+def manifests(tiny_llama, tmp_path_factory):
+    lora = read_peft_adapter(write_all_adapters(tiny_llama, tmp_path_factory.mktemp("peft"))["lora"])
+    base = BaseModelIdentity.from_dir(tiny_llama)
+
+    def make(name: str, version: str = "1.0.0"):
+        description, keywords, examples = SKILLS[name]
+        return manifest_for(
+            lora,
+            base,
+            name=name,
+            version=version,
+            description=description,
+            keywords=keywords,
+            examples=examples,
+        )
+
+    return make
+
+
+@pytest.fixture
+def index(tmp_path, encoder):
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    yield ExpertIndex(client, encoder, prior_success_rate=0.5)
+    client.close()
+
+
+def test_a_prompt_finds_the_expert_whose_skill_it_asks_for(index, manifests, encoder):
+    for name in SKILLS:
+        index.register(manifests(name), content_hash=name[0] * 64, size_bytes=1000)
+    for prompt, expected in [
+        ("Parse this JSON and extract the email field.", "json-parser"),
+        ("Write a SQL query listing customers with more than three orders.", "sql-writer"),
+        ("Translate 'good morning, my friend' into French.", "french"),
+    ]:
+        found = index.search(encoder.encode([prompt])[0], k=30, threshold=0.6)
+        assert found and found[0][0].name == expected, (prompt, [(e.name, round(s, 3)) for e, s in found])
+        assert all(score >= 0.6 for _, score in found)
+
+
+def test_an_unrelated_prompt_finds_nothing_above_the_threshold(index, manifests, encoder):
+    for name in SKILLS:
+        index.register(manifests(name), content_hash=name[0] * 64, size_bytes=1000)
+    assert index.search(encoder.encode(["What colour are flamingos?"])[0], k=30, threshold=0.6) == []
+
+
+def test_registration_keeps_the_routing_facts(index, manifests):
+    expert = index.register(manifests("json-parser"), content_hash="a" * 64, size_bytes=1234)
+    assert index.get("json-parser") == expert
+    assert (expert.version, expert.adapter_type, expert.size_bytes, expert.uses) == ("1.0.0", "lora", 1234, 0)
+    assert expert.keywords == ("json", "parse", "extract fields") and expert.success_rate == 0.5
+    assert [e.name for e in index.list()] == ["json-parser"]
+    assert index.remove("json-parser") == expert and index.find("json-parser") is None
+    with pytest.raises(KeyError):
+        index.get("json-parser")
+
+
+def test_feedback_is_an_exponential_moving_average_from_the_prior(index, manifests):
+    index.register(manifests("sql-writer"), content_hash="b" * 64, size_bytes=10)
+    rates = [
+        index.record_outcome("sql-writer", success, alpha=0.5).success_rate
+        for success in (True, False, False)
+    ]
+    assert rates == pytest.approx([0.75, 0.375, 0.1875])
+    assert index.get("sql-writer").uses == 3
+    assert index.record_outcome("nobody", True, alpha=0.5) is None
+
+
+def test_the_same_version_again_keeps_its_stats_and_a_new_version_starts_from_the_prior(index, manifests):
+    index.register(manifests("french"), content_hash="c" * 64, size_bytes=10)
+    index.record_outcome("french", False, alpha=0.5)
+    assert index.register(manifests("french"), content_hash="c" * 64, size_bytes=10).success_rate == 0.25
+    renewed = index.register(manifests("french", "2.0.0"), content_hash="d" * 64, size_bytes=10)
+    assert (renewed.version, renewed.success_rate, renewed.uses) == ("2.0.0", 0.5, 0)
+
+
+def test_the_registry_survives_reopening(tmp_path, encoder, manifests):
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    ExpertIndex(client, encoder).register(manifests("json-parser"), content_hash="a" * 64, size_bytes=1)
+    client.close()
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    try:
+        assert [e.name for e in ExpertIndex(client, encoder).list()] == ["json-parser"]
+    finally:
+        client.close()
