@@ -44,7 +44,7 @@ class IndexedExpert:
     incompatible_with: tuple[str, ...]
     priority: int
     content_hash: str
-    size_bytes: int
+    weight_bytes: int
     success_rate: float
     uses: int
     registered_at: float
@@ -101,7 +101,7 @@ class ExpertIndex:
 
     # -- the registry ---------------------------------------------------------------------------------
 
-    def register(self, manifest: Manifest, content_hash: str, size_bytes: int) -> IndexedExpert:
+    def register(self, manifest: Manifest, content_hash: str, weight_bytes: int) -> IndexedExpert:
         """Make this version of the expert the selectable one (see the module's notes on stats)."""
         previous = self._get(manifest.name)
         same_version = previous is not None and previous.version == manifest.version
@@ -116,7 +116,7 @@ class ExpertIndex:
             incompatible_with=tuple(manifest.incompatible_with),
             priority=manifest.priority,
             content_hash=content_hash,
-            size_bytes=size_bytes,
+            weight_bytes=weight_bytes,
             success_rate=previous.success_rate if same_version else self.prior_success_rate,
             uses=previous.uses if same_version else 0,
             registered_at=time.time(),
@@ -170,6 +170,24 @@ class ExpertIndex:
             COLLECTION, query=vector.tolist(), limit=k, score_threshold=threshold, with_payload=True
         )
         return [(IndexedExpert.from_payload(p.payload), float(p.score)) for p in found.points]
+
+    def tagged(self, task_types: list[str], capabilities: list[str]) -> list[IndexedExpert]:
+        """The experts whose manifest lists one of `task_types` or one of `capabilities`."""
+        conditions = [
+            models.FieldCondition(key=key, match=models.MatchAny(any=values))
+            for key, values in (("task_types", task_types), ("capabilities", capabilities))
+            if values
+        ]
+        if not conditions:
+            return []
+        experts, offset = [], None
+        while True:
+            points, offset = self.client.scroll(
+                COLLECTION, scroll_filter=models.Filter(should=conditions), limit=256, offset=offset
+            )
+            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
+            if offset is None:
+                return experts
 
     def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
         """Cosine similarity of `vector` to each named expert (for candidates the search did not return)."""

@@ -66,7 +66,7 @@ def index(tmp_path, encoder):
 
 def test_a_prompt_finds_the_expert_whose_skill_it_asks_for(index, manifests, encoder):
     for name in SKILLS:
-        index.register(manifests(name), content_hash=name[0] * 64, size_bytes=1000)
+        index.register(manifests(name), content_hash=name[0] * 64, weight_bytes=1000)
     for prompt, expected in [
         ("Parse this JSON and extract the email field.", "json-parser"),
         ("Write a SQL query listing customers with more than three orders.", "sql-writer"),
@@ -79,14 +79,15 @@ def test_a_prompt_finds_the_expert_whose_skill_it_asks_for(index, manifests, enc
 
 def test_an_unrelated_prompt_finds_nothing_above_the_threshold(index, manifests, encoder):
     for name in SKILLS:
-        index.register(manifests(name), content_hash=name[0] * 64, size_bytes=1000)
+        index.register(manifests(name), content_hash=name[0] * 64, weight_bytes=1000)
     assert index.search(encoder.encode(["What colour are flamingos?"])[0], k=30, threshold=0.6) == []
 
 
 def test_registration_keeps_the_routing_facts(index, manifests):
-    expert = index.register(manifests("json-parser"), content_hash="a" * 64, size_bytes=1234)
+    expert = index.register(manifests("json-parser"), content_hash="a" * 64, weight_bytes=1234)
     assert index.get("json-parser") == expert
-    assert (expert.version, expert.adapter_type, expert.size_bytes, expert.uses) == ("1.0.0", "lora", 1234, 0)
+    facts = (expert.version, expert.adapter_type, expert.weight_bytes, expert.uses)
+    assert facts == ("1.0.0", "lora", 1234, 0)
     assert expert.keywords == ("json", "parse", "extract fields") and expert.success_rate == 0.5
     assert [e.name for e in index.list()] == ["json-parser"]
     assert index.remove("json-parser") == expert and index.find("json-parser") is None
@@ -95,7 +96,7 @@ def test_registration_keeps_the_routing_facts(index, manifests):
 
 
 def test_feedback_is_an_exponential_moving_average_from_the_prior(index, manifests):
-    index.register(manifests("sql-writer"), content_hash="b" * 64, size_bytes=10)
+    index.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
     rates = [
         index.record_outcome("sql-writer", success, alpha=0.5).success_rate
         for success in (True, False, False)
@@ -106,16 +107,16 @@ def test_feedback_is_an_exponential_moving_average_from_the_prior(index, manifes
 
 
 def test_the_same_version_again_keeps_its_stats_and_a_new_version_starts_from_the_prior(index, manifests):
-    index.register(manifests("french"), content_hash="c" * 64, size_bytes=10)
+    index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
     index.record_outcome("french", False, alpha=0.5)
-    assert index.register(manifests("french"), content_hash="c" * 64, size_bytes=10).success_rate == 0.25
-    renewed = index.register(manifests("french", "2.0.0"), content_hash="d" * 64, size_bytes=10)
+    assert index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10).success_rate == 0.25
+    renewed = index.register(manifests("french", "2.0.0"), content_hash="d" * 64, weight_bytes=10)
     assert (renewed.version, renewed.success_rate, renewed.uses) == ("2.0.0", 0.5, 0)
 
 
 def test_the_registry_survives_reopening(tmp_path, encoder, manifests):
     client = ExpertIndex.connect(data_dir=tmp_path)
-    ExpertIndex(client, encoder).register(manifests("json-parser"), content_hash="a" * 64, size_bytes=1)
+    ExpertIndex(client, encoder).register(manifests("json-parser"), content_hash="a" * 64, weight_bytes=1)
     client.close()
     client = ExpertIndex.connect(data_dir=tmp_path)
     try:

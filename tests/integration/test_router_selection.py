@@ -1,0 +1,172 @@
+"""Seed 000's select_experts on embedded Qdrant with the real encoder: the expert a prompt asks for,
+its score from the seed's weights, force/exclude/max_experts, incompatibilities, composition order,
+feedback changing the ranking, and the base-model fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.errors import ServiceError
+from libs.experts.manifest import BaseModelIdentity
+from libs.experts.peft_adapter import read_peft_adapter
+from services.router.embedding import SentenceEncoder
+from services.router.features import extract_features
+from services.router.index import ExpertIndex
+from services.router.selection import score, select_experts, vram_mb
+from tests.helpers.manifests import manifest_for
+from tests.helpers.peft_adapters import write_all_adapters
+
+# name: (adapter kind, description, keywords, examples, task types, capabilities, incompatible, priority)
+EXPERTS = {
+    "json-parser": (
+        "lora",
+        "Parses JSON documents and extracts the fields asked for.",
+        ("json", "parse"),
+        ("Extract the name and email from this JSON object.",),
+        ("json_parsing",),
+        ("json",),
+        (),
+        0,
+    ),
+    "json-pro": (
+        "lora",
+        "Extracts fields from JSON payloads and validates JSON structure.",
+        ("json", "fields"),
+        ("Pull the id field out of this JSON record.",),
+        ("json_parsing",),
+        ("json",),
+        (),
+        0,
+    ),
+    "sql-writer": (
+        "ia3",
+        "Writes SQL queries for relational databases.",
+        ("sql", "query"),
+        ("Write a SQL query that counts orders per customer.",),
+        ("code_generation",),
+        (),
+        ("python-coder",),
+        5,
+    ),
+    "python-coder": (
+        "lora",
+        "Writes Python functions and scripts.",
+        ("python", "function"),
+        ("Write a Python function that reverses a list.",),
+        ("code_generation",),
+        ("code",),
+        (),
+        1,
+    ),
+    "french": (
+        "soft_prompt",
+        "Answers in French and translates English text into French.",
+        ("french",),
+        ("Translate this sentence into French.",),
+        ("translation",),
+        ("language:fr",),
+        (),
+        0,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def encoder() -> SentenceEncoder:
+    return SentenceEncoder.from_package()
+
+
+@pytest.fixture
+def index(tiny_llama, tmp_path, encoder):
+    adapters = {
+        kind: read_peft_adapter(path)
+        for kind, path in write_all_adapters(tiny_llama, tmp_path / "peft").items()
+    }
+    base = BaseModelIdentity.from_dir(tiny_llama)
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    index = ExpertIndex(client, encoder, prior_success_rate=0.5)
+    for name, (kind, description, keywords, examples, tasks, caps, incompatible, priority) in EXPERTS.items():
+        manifest = manifest_for(
+            adapters[kind],
+            base,
+            name=name,
+            description=description,
+            keywords=keywords,
+            examples=examples,
+            task_types=tasks,
+            capabilities=caps,
+            incompatible_with=incompatible,
+            priority=priority,
+        )
+        index.register(manifest, content_hash=f"{len(name):064x}", weight_bytes=(4 << 20))
+    yield index
+    client.close()
+
+
+def select(index, encoder, prompt, **kwargs):
+    return select_experts(extract_features(prompt), encoder.encode([prompt])[0], index, **kwargs)
+
+
+def test_a_json_prompt_selects_a_json_expert_with_the_seeds_score(index, encoder):
+    selection = select(index, encoder, 'Parse this JSON and extract the email field: {"email": "a@b.c"}')
+    names = [c.expert.name for c in selection.chosen]
+    assert names and names[0].startswith("json-")
+    best = selection.considered[0]
+    assert best.score == pytest.approx(score(best.similarity, best.expert.success_rate, vram_mb(best.expert)))
+    assert best.score == pytest.approx(0.5 * best.similarity + 0.3 * 0.5 + 0.2 * (1 - 4 / 100))
+    assert any(line.startswith(f"candidate {best.expert.name}@1.0.0 score") for line in selection.trace)
+
+
+def test_a_sql_prompt_selects_the_sql_expert(index, encoder):
+    selection = select(index, encoder, "Write a SQL query that lists customers with more than three orders.")
+    assert selection.considered[0].expert.name == "sql-writer"
+
+
+def test_an_unrelated_prompt_falls_back_to_the_base_model(index, encoder):
+    selection = select(index, encoder, "What colour are flamingos?")
+    assert selection.fallback and selection.trace[-1].startswith("no suitable expert")
+
+
+def test_incompatible_experts_are_not_chosen_together(index, encoder):
+    selection = select(index, encoder, "Write a Python function that builds a SQL query string.")
+    names = {c.expert.name for c in selection.chosen}
+    assert not {"sql-writer", "python-coder"} <= names
+    assert any("incompatible with" in line for line in selection.trace)
+
+
+def test_force_exclude_and_max_experts(index, encoder):
+    prompt = "Parse this JSON and extract the email field."
+    forced = select(index, encoder, prompt, force=["french"])
+    assert "french" in [c.expert.name for c in forced.chosen]
+    excluded = select(index, encoder, prompt, exclude=["json-parser", "json-pro"])
+    assert not {"json-parser", "json-pro"} & {c.expert.name for c in excluded.chosen}
+    assert len(select(index, encoder, prompt, max_experts=1).chosen) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"force": ["french", "nobody"]}, "request.force_experts[1]"),
+        ({"force": ["french"], "exclude": ["french"]}, "request.exclude_experts[0]"),
+        ({"force": ["french", "json-pro"], "max_experts": 1}, "request.force_experts"),
+        ({"force": ["sql-writer", "python-coder"]}, "request.force_experts[1]"),
+    ],
+)
+def test_impossible_requests_are_refused_naming_the_field(index, encoder, kwargs, field):
+    with pytest.raises(ServiceError) as refused:
+        select(index, encoder, "Write a Python function.", **kwargs)
+    assert field in [f for f, _ in refused.value.violations]
+
+
+def test_soft_prompts_come_first_then_by_priority(index, encoder):
+    selection = select(index, encoder, "Write a SQL query.", force=["french", "sql-writer", "json-pro"])
+    assert [c.expert.name for c in selection.chosen] == ["french", "sql-writer", "json-pro"]
+
+
+def test_failed_feedback_lets_a_competitor_overtake(index, encoder):
+    prompt = "Parse this JSON and extract the email field."
+    leader = select(index, encoder, prompt).considered[0].expert.name
+    rival = "json-pro" if leader == "json-parser" else "json-parser"
+    for _ in range(10):
+        index.record_outcome(leader, False, alpha=0.2)
+    assert select(index, encoder, prompt).considered[0].expert.name == rival
