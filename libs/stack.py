@@ -103,9 +103,12 @@ class LocalStack:
 
     @classmethod
     def on_free_ports(cls, log_dir: Path, **kwargs) -> LocalStack:
-        """A stack that can run next to another one (tests): every port picked free, metrics off."""
+        """A stack that can run next to another one (tests): every port picked free, metrics off,
+        its own data directory (the router's embedded Qdrant) under `log_dir`."""
+        env = {"EXPERT_DATA_DIR": str(Path(log_dir) / "data"), **kwargs.pop("env", {})}
         return cls(
             log_dir,
+            env=env,
             ports={s: free_port() for s in SERVICES},
             metrics_ports=dict.fromkeys(SERVICES, 0),
             **kwargs,

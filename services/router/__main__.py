@@ -8,8 +8,11 @@ from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from services.router.config import RouterConfig
+from services.router.embedding import SentenceEncoder
+from services.router.index import ExpertIndex
 from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
+from services.router.registry import Registry
 from services.router.server import RouterServicer
 
 SERVICE = "expert.v1.RouterService"
@@ -19,7 +22,11 @@ async def main() -> None:
     config = RouterConfig.from_env()
     configure_logging("router", config.server.log_level)
     health = Health()
-    servicer = RouterServicer(Planner(), RouterMetrics())
+    # The expert index: the sentence encoder and Qdrant (embedded under the data directory, or a
+    # server), opened before serving so that a broken index stops start-up with its reason.
+    client = ExpertIndex.connect(data_dir=config.data_dir, url=config.qdrant_url or None)
+    index = ExpertIndex(client, SentenceEncoder.from_package(), config.prior_success_rate)
+    servicer = RouterServicer(Planner(), RouterMetrics(), Registry(index))
 
     def register(server: grpc.aio.Server) -> list[str]:
         router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
@@ -29,7 +36,10 @@ async def main() -> None:
         servicer.planner.plan(_warm_up_request())  # loads langdetect's profiles before the first job
         await health.set_serving(True)
 
-    await serve("router", config.server, register, health=health, on_start=on_start)
+    async def on_stop() -> None:
+        client.close()
+
+    await serve("router", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
 
 
 def _warm_up_request():

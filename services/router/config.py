@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from libs.config import ServerConfig
+from libs.config import EnvReader, ServerConfig
 
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9152
@@ -14,7 +14,18 @@ DEFAULT_METRICS_PORT = 9152
 @dataclass(frozen=True)
 class RouterConfig:
     server: ServerConfig
+    data_dir: str  # embedded Qdrant lives in <data_dir>/qdrant
+    qdrant_url: str  # a Qdrant server instead ("" for embedded)
+    prior_success_rate: float  # what a new expert's success rate starts from
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
-        return cls(server=ServerConfig.from_env("router", DEFAULT_PORT, DEFAULT_METRICS_PORT, env))
+        reader = EnvReader(env)
+        return cls(
+            server=ServerConfig.from_env("router", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            data_dir=reader.text("EXPERT_DATA_DIR", "data"),
+            qdrant_url=reader.text("EXPERT_QDRANT_URL", ""),
+            prior_success_rate=reader.number(
+                "EXPERT_ROUTER_PRIOR_SUCCESS_RATE", 0.5, minimum=0.0, maximum=1.0
+            ),
+        )

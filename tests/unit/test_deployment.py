@@ -283,7 +283,9 @@ def test_every_manifest_parses_and_the_kustomization_lists_them(manifests):
             assert all({"apiVersion", "kind", "metadata"} <= d.keys() for d in docs), name
     (kustomization,) = manifests["kustomization.yaml"]
     assert set(kustomization["resources"]) == set(manifests) - {"kustomization.yaml"}
-    assert {f"{s}.yaml" for s in SERVICES} | {"redis.yaml", "config.yaml"} <= set(kustomization["resources"])
+    assert {f"{s}.yaml" for s in SERVICES} | {"redis.yaml", "qdrant.yaml", "config.yaml"} <= set(
+        kustomization["resources"]
+    )
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -293,7 +295,7 @@ def test_kustomize_builds_the_manifests():
     )
     assert result.returncode == 0, result.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
-    assert kinds.count("Deployment") == len(SERVICES) + 1  # and redis
+    assert kinds.count("Deployment") == len(SERVICES) + 2  # and redis, qdrant
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -465,3 +467,13 @@ def test_preparation_keeps_one_replica(manifests):
     """Its registry is in memory: two replicas would each know only some engines."""
     deployment = _one(manifests["preparation.yaml"], "Deployment", "preparation")
     assert deployment["spec"]["replicas"] == 1
+
+
+def test_the_routers_share_one_qdrant_server(manifests, compose):
+    """Embedded Qdrant admits one process; router replicas need the server (EXPERT_QDRANT_URL)."""
+    url = urlparse(_config_map(manifests)["EXPERT_QDRANT_URL"])
+    service = _one(manifests["qdrant.yaml"], "Service", "qdrant")
+    assert url.hostname == "qdrant" and url.port in {p["port"] for p in service["spec"]["ports"]}
+    assert "EXPERT_QDRANT_URL" in READS["router"]
+    compose_url = urlparse(_environment(compose["services"]["router"])["EXPERT_QDRANT_URL"])
+    assert compose_url.hostname in compose["services"] and compose_url.port == 6333
