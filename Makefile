@@ -65,6 +65,7 @@ lint: setup
 # The whole system on this machine: redis-server and the five services, until Ctrl-C. Logs go to
 # data/logs/. With EXPERT_REDIS_URL set, that Redis is used and redis-server is not needed.
 run: setup model $(if $(strip $(EXPERT_REDIS_URL)),,redis-server)
+	mkdir -p data/keys/trusted  # put publishers' *.pub here to trust their .expert packages
 	$(VENV)/bin/expertctl up --model $(MODEL_DIR)
 
 # A chat with the default model on an in-process engine (no services).

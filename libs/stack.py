@@ -185,6 +185,7 @@ class LocalStack:
         raise StackError(f"redis-server did not answer on port {port}")
 
     def start_service(self, service: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{service}.log", "ab")  # noqa: SIM115 (the process owns it)
         process = subprocess.Popen(
             [sys.executable, "-m", f"services.{service}"],

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from libs.expertctl import registry_cmd
 from libs.expertctl.errors import UsageError
 from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
 from libs.experts.errors import ManifestError, PackageError
@@ -26,7 +27,7 @@ _TENSORS_SHOWN = 6
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `expert keygen|pack|verify|inspect` to the `expertctl` parser."""
+    """Add `expert keygen|pack|verify|install|inspect` to the `expertctl` parser."""
     parser = subparsers.add_parser(
         "expert", help="build, verify and inspect .expert packages", description=__doc__
     )
@@ -80,6 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--base-model", type=Path, metavar="DIR", help="also check that it fits this checkpoint"
     )
     verify.set_defaults(handler=_verify)
+
+    registry_cmd.add_install(actions)
 
     inspect = actions.add_parser("inspect", help="show a package's manifest, files, tensors and memory")
     inspect.add_argument("file", metavar="FILE", type=Path, help="the .expert file")

@@ -46,7 +46,8 @@ class StoredExpert:
 
     manifest: Manifest
     content_hash: str
-    size: int
+    size: int  # bytes of the package
+    weight_bytes: int  # bytes of its adapter weights (safetensors)
     key_id: str
     installed_at: float
 
@@ -64,6 +65,7 @@ class StoredExpert:
             "manifest": self.manifest.to_dict(),
             "content_hash": self.content_hash,
             "size": self.size,
+            "weight_bytes": self.weight_bytes,
             "key_id": self.key_id,
             "installed_at": self.installed_at,
         }
@@ -76,6 +78,7 @@ class StoredExpert:
             manifest=Manifest.from_dict(raw["manifest"]),
             content_hash=raw["content_hash"],
             size=int(raw["size"]),
+            weight_bytes=int(raw["weight_bytes"]),
             key_id=raw["key_id"],
             installed_at=float(raw["installed_at"]),
         )
@@ -121,7 +124,14 @@ class ExpertStore:
         if existing is not None:
             return self._same_or_refuse(existing, package), False
         self._write_blob(package.content_hash, data)
-        entry = StoredExpert(package.manifest, package.content_hash, len(data), package.key_id, time.time())
+        entry = StoredExpert(
+            package.manifest,
+            package.content_hash,
+            len(data),
+            len(package.weights),
+            package.key_id,
+            time.time(),
+        )
         path = self._entry_path(entry.name, entry.version)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:

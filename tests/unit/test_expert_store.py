@@ -45,6 +45,7 @@ def test_an_installed_package_is_stored_under_its_content_hash(tmp_path, package
     store, data = ExpertStore(tmp_path), package()
     entry, created = store.install(data, TRUSTED, base)
     assert created and (entry.name, entry.version, entry.size) == ("json-parser", "1.0.0", len(data))
+    assert entry.weight_bytes == len(read_package(data, TRUSTED).weights)
     assert entry.content_hash == read_package(data, TRUSTED).content_hash
     assert store.blob_path(entry.content_hash).read_bytes() == data
     assert store.get("json-parser") == entry == store.get("json-parser", "1.0.0")
