@@ -136,7 +136,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self.redis_url is None:
-                self._start_redis()
+                self.start_redis()
             for service in SERVICES:
                 self.start_service(service)
             for service in SERVICES:
@@ -145,7 +145,8 @@ class LocalStack:
             self.stop()
             raise
 
-    def _start_redis(self) -> None:
+    def start_redis(self) -> None:
+        """Start a redis-server for this stack on a free port (its URL becomes `redis_url`)."""
         program = shutil.which("redis-server")
         if program is None:
             raise StackError(
@@ -153,7 +154,7 @@ class LocalStack:
             )
         port = free_port()
         data = self.log_dir / "redis"
-        data.mkdir(exist_ok=True)
+        data.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / "redis.log", "wb")  # noqa: SIM115 (the process owns it)
         self._redis = subprocess.Popen(
             [

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 
+from libs.feedback import FEEDBACK_STREAM
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
 from libs.logging import get_logger
 from services.postproc.metrics import PostprocMetrics
@@ -15,7 +16,6 @@ from services.postproc.validation import validate_output
 
 log = get_logger(__name__)
 
-FEEDBACK_STREAM = "expert:feedback"
 
 Release = Callable[[str], Awaitable[None]]
 Publish = Callable[[str, dict[str, bytes]], Awaitable[None]]

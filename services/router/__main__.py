@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import grpc
+from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from services.router.config import RouterConfig
 from services.router.embedding import SentenceEncoder
+from services.router.feedback import FeedbackLearner
 from services.router.index import ExpertIndex
 from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
@@ -27,16 +32,27 @@ async def main() -> None:
     client = ExpertIndex.connect(data_dir=config.data_dir, url=config.qdrant_url or None)
     index = ExpertIndex(client, SentenceEncoder.from_package(), config.prior_success_rate)
     servicer = RouterServicer(Planner(), RouterMetrics(), Registry(index))
+    redis = Redis.from_url(config.redis_url)
+    learner = FeedbackLearner(redis, index, config.feedback_alpha)
+    learning: asyncio.Task | None = None
 
     def register(server: grpc.aio.Server) -> list[str]:
         router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
         return [SERVICE]
 
     async def on_start() -> None:
+        nonlocal learning
         servicer.planner.plan(_warm_up_request())  # loads langdetect's profiles before the first job
+        await redis.ping()  # feedback comes from Redis: not ready without it
+        learning = asyncio.create_task(learner.run())
         await health.set_serving(True)
 
     async def on_stop() -> None:
+        if learning is not None:
+            learning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await learning
+        await redis.aclose()
         client.close()
 
     await serve("router", config.server, register, health=health, on_start=on_start, on_stop=on_stop)

@@ -17,6 +17,8 @@ class RouterConfig:
     data_dir: str  # embedded Qdrant lives in <data_dir>/qdrant
     qdrant_url: str  # a Qdrant server instead ("" for embedded)
     prior_success_rate: float  # what a new expert's success rate starts from
+    redis_url: str  # the feedback stream
+    feedback_alpha: float  # weight of one job's outcome in an expert's success rate
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -28,4 +30,6 @@ class RouterConfig:
             prior_success_rate=reader.number(
                 "EXPERT_ROUTER_PRIOR_SUCCESS_RATE", 0.5, minimum=0.0, maximum=1.0
             ),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
+            feedback_alpha=reader.number("EXPERT_ROUTER_FEEDBACK_ALPHA", 0.1, minimum=0.001, maximum=1.0),
         )

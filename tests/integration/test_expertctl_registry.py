@@ -20,6 +20,7 @@ def setup(tiny_llama, tiny_checkpoints, tmp_path):
     peft = write_all_adapters(tiny_llama, tmp_path / "peft")["lora"]
     publisher = Publisher.create(tmp_path / "publisher")
     stack = LocalStack.on_free_ports(tmp_path / "stack")
+    stack.start_redis()  # the router learns from the feedback stream
     stack.start_service("router")
     stack.wait_serving("router")
 

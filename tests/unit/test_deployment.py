@@ -109,7 +109,7 @@ def test_the_recorded_variables_are_the_ones_the_config_modules_name():
     for service, names in READS.items():
         prefix = f"EXPERT_{service.upper()}"
         assert {f"{prefix}_PORT", f"{prefix}_METRICS_PORT", "EXPERT_LOG_LEVEL"} <= names
-    assert "EXPERT_REDIS_URL" in READS["reception"] and "EXPERT_REDIS_URL" not in READS["router"]
+    assert "EXPERT_REDIS_URL" in READS["reception"] and "EXPERT_REDIS_URL" not in READS["preparation"]
 
 
 def test_every_variable_a_service_reads_is_documented():

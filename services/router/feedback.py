@@ -1,0 +1,79 @@
+"""Feedback learning: the router reads postproc's feedback stream and updates each expert's
+success rate and use count in the index, so the next Plan scores with what the last jobs taught.
+
+The routers read `expert:feedback` as one consumer group, so each record counts once however many
+routers run; a record is acknowledged after it was applied, and the records of a router that died
+are taken over by another (at least once: a record applied just before a crash may count twice).
+A job succeeded for an expert when it completed and its output passed validation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import uuid
+
+from redis.asyncio import Redis
+
+from libs.feedback import FEEDBACK_STREAM
+from libs.logging import get_logger
+from libs.redis_streams import Entry, ack, ensure_group, read_next, reclaim
+from services.router.index import ExpertIndex
+
+log = get_logger(__name__)
+
+GROUP = "router-feedback"
+DEAD_LETTER = "expert:feedback:dead"
+
+
+class FeedbackLearner:
+    def __init__(self, redis: Redis, index: ExpertIndex, alpha: float, reclaim_idle_ms: int = 30_000) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.redis = redis
+        self.index = index
+        self.alpha = alpha
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.applied = 0  # records applied by this router
+
+    async def run(self) -> None:
+        """Apply feedback until cancelled."""
+        await ensure_group(self.redis, FEEDBACK_STREAM, GROUP)
+        while True:
+            try:
+                for entry in await reclaim(
+                    self.redis,
+                    FEEDBACK_STREAM,
+                    GROUP,
+                    self.consumer,
+                    min_idle_ms=self.reclaim_idle_ms,
+                    max_deliveries=5,
+                    dead_letter_stream=DEAD_LETTER,
+                ):
+                    await self._apply(entry)
+                entry = await read_next(self.redis, [FEEDBACK_STREAM], GROUP, self.consumer, block_ms=1000)
+                if entry is not None:
+                    await self._apply(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis or Qdrant hiccups: keep learning once they are back
+                log.exception("applying feedback failed")
+                await asyncio.sleep(1.0)
+
+    async def _apply(self, entry: Entry) -> None:
+        try:
+            experts = json.loads(entry.fields.get("experts", b"[]"))
+        except ValueError:
+            experts = None
+        if not isinstance(experts, list):
+            log.warning("feedback record without a list of experts: skipped", entry=entry.id)
+        else:
+            success = entry.fields.get("success") == b"1" and entry.fields.get("validation_passed") == b"1"
+            for name in experts:
+                if isinstance(name, str):
+                    self.index.record_outcome(name, success, self.alpha)
+            self.applied += 1
+        await ack(self.redis, FEEDBACK_STREAM, GROUP, entry.id)
