@@ -113,6 +113,9 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
 
 @_with_router
 def _install(args: argparse.Namespace, router) -> int:
+    import grpc
+
+    from expert_system.errors import InvalidRequest, error_from_call
     from libs.experts.errors import ManifestError, PackageError
     from libs.experts.manifest import BaseModelIdentity
     from libs.experts.signing import Keyring, SigningError
@@ -134,17 +137,13 @@ def _install(args: argparse.Namespace, router) -> int:
         raise UsageError(f"--model: {exc}") from None
     try:
         entry, created = store.install(args.file, keyring, base_model)
-    except (PackageError, ManifestError, StoreError) as exc:
+    except (PackageError, ManifestError, StoreError, OSError) as exc:
         return _fail(f"{args.file}: {exc}")
     request = router_pb2.RegisterExpertRequest(
         manifest_json=entry.manifest.to_json_bytes(),
         content_hash=entry.content_hash,
         weight_bytes=entry.weight_bytes,
     )
-    import grpc
-
-    from expert_system.errors import InvalidRequest, error_from_call
-
     try:
         registered = router.RegisterExpert(request, timeout=_TIMEOUT).expert
     except grpc.RpcError as exc:
