@@ -93,7 +93,7 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
         import grpc
 
         from expert_system.client import CHANNEL_OPTIONS
-        from expert_system.errors import ExpertSystemError, InvalidRequest, error_from_call
+        from expert_system.errors import InvalidRequest, error_from_call
         from libs.gen.expert.v1 import router_pb2_grpc
 
         target = args.router = _setting(args.router, ROUTER_ENV, DEFAULT_ROUTER)
@@ -105,7 +105,6 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
             if isinstance(error, InvalidRequest):
                 fields = "; ".join(f"{f}: {d}" for f, d in error.field_violations) or error.message
                 raise UsageError(f"the router refused it: {fields}")
-            assert isinstance(error, ExpertSystemError)
             return _fail(f"the router at {target}: {error}")
 
     return run

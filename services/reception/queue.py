@@ -51,11 +51,4 @@ class JobQueue:
 
     async def depth_at_or_above(self, priority: int) -> int:
         """Entries not yet handed to a dispatcher, at this priority or higher."""
-        total = 0
-        for p in PRIORITIES:
-            if p < priority:
-                break
-            for group in await self.redis.xinfo_groups(stream(p)):
-                if group["name"] in (GROUP, GROUP.encode()):
-                    total += int(group.get("lag") or 0)
-        return total
+        return sum(depth for p, depth in (await self.depths()).items() if p >= priority)

@@ -103,7 +103,7 @@ class ExpertIndex:
 
     def register(self, manifest: Manifest, content_hash: str, weight_bytes: int) -> IndexedExpert:
         """Make this version of the expert the selectable one (see the module's notes on stats)."""
-        previous = self._get(manifest.name)
+        previous = self.find(manifest.name)
         same_version = previous is not None and previous.version == manifest.version
         expert = IndexedExpert(
             name=manifest.name,
@@ -140,25 +140,27 @@ class ExpertIndex:
         return expert
 
     def get(self, name: str) -> IndexedExpert:
-        expert = self._get(name)
+        expert = self.find(name)
         if expert is None:
             raise KeyError(name)
         return expert
 
     def find(self, name: str) -> IndexedExpert | None:
-        return self._get(name)
-
-    def list(self) -> list[IndexedExpert]:
-        experts, offset = [], None
-        while True:
-            points, offset = self.client.scroll(COLLECTION, limit=256, offset=offset, with_payload=True)
-            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
-            if offset is None:
-                return sorted(experts, key=lambda e: e.name)
-
-    def _get(self, name: str) -> IndexedExpert | None:
         points = self.client.retrieve(COLLECTION, ids=[point_id(name)], with_payload=True)
         return IndexedExpert.from_payload(points[0].payload) if points else None
+
+    def list(self) -> list[IndexedExpert]:
+        return sorted(self._scroll(None), key=lambda e: e.name)
+
+    def _scroll(self, where: models.Filter | None) -> list[IndexedExpert]:
+        experts, offset = [], None
+        while True:
+            points, offset = self.client.scroll(
+                COLLECTION, scroll_filter=where, limit=256, offset=offset, with_payload=True
+            )
+            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
+            if offset is None:
+                return experts
 
     # -- selection and feedback -----------------------------------------------------------------------
 
@@ -178,16 +180,7 @@ class ExpertIndex:
             for key, values in (("task_types", task_types), ("capabilities", capabilities))
             if values
         ]
-        if not conditions:
-            return []
-        experts, offset = [], None
-        while True:
-            points, offset = self.client.scroll(
-                COLLECTION, scroll_filter=models.Filter(should=conditions), limit=256, offset=offset
-            )
-            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
-            if offset is None:
-                return experts
+        return self._scroll(models.Filter(should=conditions)) if conditions else []
 
     def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
         """Cosine similarity of `vector` to each named expert (for candidates the search did not return)."""
@@ -200,7 +193,7 @@ class ExpertIndex:
         """Fold one job's outcome into the expert's success rate (an exponential moving average with
         weight `alpha`) and count the use; None when the expert is no longer registered. A read and
         a write: the feedback consumer that calls it must be the only writer of an expert's stats."""
-        expert = self._get(name)
+        expert = self.find(name)
         if expert is None:
             return None
         rate = expert.success_rate + alpha * ((1.0 if success else 0.0) - expert.success_rate)

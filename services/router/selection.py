@@ -98,10 +98,11 @@ def select_experts(
     similarities: dict[str, float] = {}
 
     limit = min(max_experts, MAX_EXPERTS)
+    forced_experts = {name: index.find(name) for name in force}
     problems = [
         (f"request.force_experts[{i}]", f"unknown expert {name!r} (not registered)")
         for i, name in enumerate(force)
-        if index.find(name) is None
+        if forced_experts[name] is None
     ]
     problems += [
         (f"request.exclude_experts[{i}]", f"{name!r} is also forced")
@@ -126,7 +127,7 @@ def select_experts(
         similarities[expert.name] = similarity
         reasons.setdefault(expert.name, []).append("embedding")
     for name in force:
-        experts.setdefault(name, index.get(name))
+        experts.setdefault(name, forced_experts[name])
         reasons.setdefault(name, []).append("forced")
     unknown_similarity = [name for name in experts if name not in similarities]
     similarities.update(index.similarity(embedding, unknown_similarity) if unknown_similarity else {})
