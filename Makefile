@@ -56,6 +56,7 @@ bench: setup model
 	$(PY) bench/engine_throughput.py --model $(MODEL_DIR)
 	$(PY) bench/adapters.py --model $(MODEL_DIR)
 	$(PY) bench/pipeline.py --model $(MODEL_DIR)
+	$(PY) bench/routing.py --model $(MODEL_DIR)
 
 lint: setup
 	$(VENV)/bin/ruff check .

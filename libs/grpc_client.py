@@ -27,6 +27,9 @@ CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     # Keep pinging an idle connection instead of stopping after two pings without data.
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that was down is retried at least every 5 s (gRPC's default backoff grows to 120 s,
+    # so a long outage would keep calls failing for minutes after the peer is back).
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 )
 # Spread calls over every address the target resolves to: a headless Kubernetes Service (or a
 # compose service with replicas) resolves to one address per replica, and with the default

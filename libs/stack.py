@@ -185,18 +185,40 @@ class LocalStack:
                 time.sleep(0.05)
         raise StackError(f"redis-server did not answer on port {port}")
 
-    def start_service(self, service: str) -> subprocess.Popen:
+    def start_service(
+        self, service: str, name: str | None = None, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Start `service` as the process `name` (default: the service's own name)."""
+        name = name or service
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{service}.log", "ab")  # noqa: SIM115 (the process owns it)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
         process = subprocess.Popen(
             [sys.executable, "-m", f"services.{service}"],
-            env=self.service_env(),
+            env={**self.service_env(), **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.processes[service] = process
+        self.processes[name] = process
         return process
+
+    def start_engine(self, engine_id: str, timeout: float = 180.0) -> str:
+        """Another engine process (a second accelerator) that joins this stack's fleet as
+        `engine_id`; returns its target once it is SERVING."""
+        port = free_port()
+        self.ports[engine_id] = port
+        self.start_service(
+            "engine",
+            engine_id,
+            {
+                "EXPERT_ENGINE_PORT": str(port),
+                "EXPERT_ENGINE_METRICS_PORT": "0",
+                "EXPERT_ENGINE_ID": engine_id,
+                "EXPERT_ENGINE_ADVERTISE_ADDRESS": self.target(engine_id),
+            },
+        )
+        self.wait_serving(engine_id, timeout)
+        return self.target(engine_id)
 
     def wait_serving(self, service: str, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -232,7 +254,10 @@ class LocalStack:
             process.wait()
 
     def stop(self) -> None:
-        """Stop the services in reverse order, then Redis (if this stack started it)."""
+        """Stop the extra engines and the services in reverse order, then Redis (if this stack
+        started it)."""
+        for name in [n for n in self.processes if n not in SERVICES]:
+            self.stop_service(name)
         for service in reversed(SERVICES):
             self.stop_service(service)
         if self._redis is not None:

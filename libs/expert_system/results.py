@@ -123,6 +123,8 @@ class InferenceResult:
     experts: tuple[AppliedExpert, ...]
     error_code: str
     error_fields: tuple[tuple[str, str], ...]
+    # Experts the plan chose that preparation dropped to fit the engine's budget.
+    dropped_experts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
         experts=tuple(applied_expert_from_proto(e) for e in message.experts),
         error_code=message.error_code,
         error_fields=tuple((f.field, f.description) for f in message.error_fields),
+        dropped_experts=tuple(message.dropped_experts),
     )
 
 

@@ -351,6 +351,7 @@ def _summary(result: InferenceResult) -> str:
     parts = [
         f"job {result.job_id}",
         f"experts: {', '.join(result.experts_used) or 'none'}",
+        *([f"dropped: {', '.join(result.dropped_experts)}"] if result.dropped_experts else []),
         f"latency: {_duration(result.latency_ms)}",
         f"tokens: {result.tokens_generated}",
         f"finish: {result.finish_reason}",

@@ -26,6 +26,7 @@ from typing import Any
 from libs.experts.errors import PackageError
 from libs.experts.manifest import BaseModelIdentity, Manifest
 from libs.experts.package import VerifiedPackage, read_package, write_package
+from libs.experts.safetensors_header import read_header
 from libs.experts.signing import Keyring
 
 _HASH = re.compile(r"[0-9a-f]{64}")
@@ -48,6 +49,7 @@ class StoredExpert:
     content_hash: str
     size: int  # bytes of the package
     weight_bytes: int  # bytes of its adapter weights (safetensors)
+    weight_elements: int  # numbers in its adapter tensors (an engine holds them as float32)
     key_id: str
     installed_at: float
 
@@ -66,6 +68,7 @@ class StoredExpert:
             "content_hash": self.content_hash,
             "size": self.size,
             "weight_bytes": self.weight_bytes,
+            "weight_elements": self.weight_elements,
             "key_id": self.key_id,
             "installed_at": self.installed_at,
         }
@@ -79,6 +82,7 @@ class StoredExpert:
             content_hash=raw["content_hash"],
             size=int(raw["size"]),
             weight_bytes=int(raw["weight_bytes"]),
+            weight_elements=int(raw["weight_elements"]),
             key_id=raw["key_id"],
             installed_at=float(raw["installed_at"]),
         )
@@ -129,6 +133,7 @@ class ExpertStore:
             package.content_hash,
             len(data),
             len(package.weights),
+            sum(t.numel for t in read_header(package.weights)),
             package.key_id,
             time.time(),
         )

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.engine.adapters.manager import ExpertInfo, ExpertSpec
+from services.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertSpec
 from services.engine.adapters.registry import ExpertError
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
@@ -231,6 +231,9 @@ class AsyncLLMEngine:
 
     async def list_experts(self) -> list[ExpertInfo]:
         return await self._call("list_experts")
+
+    async def expert_holdings(self) -> ExpertHoldings:
+        return await self._call("expert_holdings")
 
     async def _call(self, method: str, *args: Any) -> Any:
         """Run the engine's `method(*args)` on the engine thread (the engine is single-threaded)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from services.engine import kv_cache
-from services.engine.adapters.manager import ExpertInfo, ExpertManager, ExpertSpec
+from services.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManager, ExpertSpec
 from services.engine.block_manager import KVCacheManager
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
@@ -228,6 +228,10 @@ class LLMEngine:
 
     def list_experts(self) -> list[ExpertInfo]:
         return self.experts.experts()
+
+    def expert_holdings(self) -> ExpertHoldings:
+        """The experts held, the tiers' budgets and the change counter, taken together."""
+        return self.experts.holdings()
 
     # -- the loop ------------------------------------------------------------------------------
 

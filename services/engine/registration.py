@@ -1,7 +1,8 @@
 """The engine's membership in the fleet: register with preparation, then heartbeat its load.
 
 Preparation may be down or restart: registration is retried with backoff, and a heartbeat that
-preparation does not recognise triggers a new registration.
+preparation does not recognise triggers a new registration. Both carry the experts the engine holds,
+so preparation's view follows loads it did not make and evictions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import grpc
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
 from libs.logging import get_logger
 from services.engine.async_engine import AsyncLLMEngine
-from services.engine.server import engine_load, model_spec
+from services.engine.server import engine_load, expert_holdings, model_spec
 
 log = get_logger(__name__)
 
@@ -34,12 +35,13 @@ class Membership:
         self.interval_s = interval_s
         self.registered = asyncio.Event()
 
-    def info(self) -> common_pb2.EngineInfo:
+    async def info(self) -> common_pb2.EngineInfo:
         return common_pb2.EngineInfo(
             engine_id=self.engine_id,
             address=self.address,
             model=model_spec(self.engine),
             load=engine_load(self.engine),
+            experts=expert_holdings(await self.engine.expert_holdings()),
         )
 
     async def run(self) -> None:
@@ -48,7 +50,7 @@ class Membership:
             try:
                 if not self.registered.is_set():
                     response = await self.preparation.RegisterEngine(
-                        preparation_pb2.RegisterEngineRequest(engine=self.info()), timeout=5.0
+                        preparation_pb2.RegisterEngineRequest(engine=await self.info()), timeout=5.0
                     )
                     self.interval_s = response.heartbeat_interval_ms / 1000 or self.interval_s
                     self.registered.set()
@@ -56,7 +58,9 @@ class Membership:
                 else:
                     response = await self.preparation.Heartbeat(
                         preparation_pb2.HeartbeatRequest(
-                            engine_id=self.engine_id, load=engine_load(self.engine)
+                            engine_id=self.engine_id,
+                            load=engine_load(self.engine),
+                            experts=expert_holdings(await self.engine.expert_holdings()),
                         ),
                         timeout=5.0,
                     )

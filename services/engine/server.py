@@ -12,6 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.adapters.manager import ExpertHoldings
 from services.engine.adapters.registry import ExpertNotFoundError
 from services.engine.async_engine import AsyncLLMEngine
 from services.engine.outputs import RequestOutput
@@ -171,8 +172,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if size is None or received != size:
             raise invalid_argument("chunk", f"received {received} of {size or 0} announced bytes")
         name, version = await self.engine.load_expert(b"".join(chunks))
-        info = next(e for e in await self.engine.list_experts() if e.name == name and e.version == version)
-        return engine_pb2.LoadExpertResponse(name=name, version=version, content_hash=info.content_hash)
+        holdings = await self.engine.expert_holdings()
+        info = next(e for e in holdings.experts if e.name == name and e.version == version)
+        return engine_pb2.LoadExpertResponse(
+            name=name, version=version, content_hash=info.content_hash, holdings=expert_holdings(holdings)
+        )
 
     async def UnloadExpert(
         self, request: engine_pb2.UnloadExpertRequest, context: grpc.aio.ServicerContext
@@ -182,7 +186,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await self.engine.unload_expert(request.name)
         except ExpertNotFoundError as exc:
             raise not_found(str(exc)) from None
-        return engine_pb2.UnloadExpertResponse()
+        return engine_pb2.UnloadExpertResponse(holdings=expert_holdings(await self.engine.expert_holdings()))
 
     async def ListExperts(
         self, request: engine_pb2.ListExpertsRequest, context: grpc.aio.ServicerContext
@@ -223,6 +227,25 @@ class _Expiry:
     def cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
+
+
+def expert_holdings(holdings: ExpertHoldings) -> common_pb2.ExpertHoldings:
+    return common_pb2.ExpertHoldings(
+        epoch=holdings.epoch,
+        host_budget_bytes=holdings.host_budget_bytes,
+        device_budget_bytes=holdings.device_budget_bytes,
+        experts=[
+            common_pb2.HeldExpert(
+                name=e.name,
+                version=e.version,
+                content_hash=e.content_hash,
+                host_bytes=e.host_bytes,
+                device_bytes=e.footprint_bytes,
+                active_requests=e.active_requests,
+            )
+            for e in holdings.experts
+        ],
+    )
 
 
 def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:

@@ -119,7 +119,9 @@ class Finalizer:
                 valid=validation.valid, validator=validation.validator, error=validation.error
             ),
             metrics=metrics,
-            reasoning_trace=plan.reasoning_trace,
+            # The router's reasons, then preparation's: where the job ran, what was staged or dropped.
+            reasoning_trace="\n".join(filter(None, [plan.reasoning_trace, *request.placement.trace])),
             error=outcome.error,
             experts=outcome.experts,
+            dropped_experts=request.placement.dropped_experts,
         )

@@ -7,13 +7,16 @@ import contextlib
 
 import grpc
 
+from libs.experts.store import ExpertStore
 from libs.gen.expert.v1 import preparation_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging, get_logger
 from services.preparation.config import PreparationConfig
 from services.preparation.fleet import Fleet
 from services.preparation.metrics import PreparationMetrics
+from services.preparation.preparer import Preparer
 from services.preparation.server import PreparationServicer
+from services.preparation.staging import Stager
 
 SERVICE = "expert.v1.PreparationService"
 log = get_logger(__name__)
@@ -24,8 +27,17 @@ async def main() -> None:
     configure_logging("preparation", config.server.log_level)
     health = Health()
     fleet = Fleet(config.engine_timeout_s)
-    metrics = PreparationMetrics()
-    servicer = PreparationServicer(fleet, metrics, config.heartbeat_interval_s)
+    metrics = PreparationMetrics(config.max_hot_experts)
+    stager = Stager(
+        ExpertStore(config.store_dir),
+        metrics,
+        chunk_bytes=config.stage_chunk_bytes,
+        timeout_s=config.stage_timeout_s,
+        max_hot=config.max_hot_experts,
+    )
+    servicer = PreparationServicer(
+        fleet, Preparer(fleet, stager, metrics), metrics, config.heartbeat_interval_s
+    )
     sweeper: asyncio.Task | None = None
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -50,6 +62,7 @@ async def main() -> None:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+        await stager.close()
 
     await serve("preparation", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
 

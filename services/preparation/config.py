@@ -16,6 +16,10 @@ class PreparationConfig:
     server: ServerConfig
     heartbeat_interval_s: float  # what engines are told to use
     engine_timeout_s: float  # an engine silent this long is dropped
+    store_dir: str  # the expert store packages are staged from
+    max_hot_experts: int  # experts an engine keeps hot at most (seed 000's ExpertCache.max_hot)
+    stage_chunk_bytes: int  # LoadExpert message size
+    stage_timeout_s: float  # longest one LoadExpert may take
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PreparationConfig:
@@ -27,4 +31,10 @@ class PreparationConfig:
             engine_timeout_s=reader.number(
                 "EXPERT_PREPARATION_ENGINE_TIMEOUT_SECONDS", 3 * interval, minimum=interval
             ),
+            store_dir=reader.text("EXPERT_STORE", "data/experts"),
+            max_hot_experts=reader.integer("EXPERT_PREPARATION_MAX_HOT_EXPERTS", 20, minimum=1),
+            stage_chunk_bytes=reader.integer(
+                "EXPERT_PREPARATION_STAGE_CHUNK_BYTES", 1 << 20, minimum=1024, maximum=3 << 20
+            ),
+            stage_timeout_s=reader.number("EXPERT_PREPARATION_STAGE_TIMEOUT_SECONDS", 60.0, minimum=1.0),
         )

@@ -4,6 +4,12 @@ Engines register on start and heartbeat with their load; one that misses heartbe
 the timeout is dropped, and the jobs placed on it are forgotten (their dispatchers see the engine's
 stream fail and fail over). Each placed job holds one of its engine's sequence slots and a KV
 reservation until it is released.
+
+Each engine also reports the experts it holds (with every heartbeat, and in the answer to each load
+or unload preparation makes). A report carries the engine's change counter, so one taken before a
+change preparation already knows of is ignored. A placed job counts as a reference to each of its
+experts on its engine; an expert no job references may be unloaded to make room, least recently
+used first (seed 000's ExpertCache).
 """
 
 from __future__ import annotations
@@ -16,12 +22,17 @@ from dataclasses import dataclass, field
 from libs.gen.expert.v1 import common_pb2
 
 
+def expert_key(name: str, version: str) -> str:
+    return f"{name}@{version}"
+
+
 @dataclass
 class PlacedJob:
     job_id: str
     engine_id: str
     kv_blocks: int
     placed_at: float
+    experts: tuple[str, ...] = ()  # expert_key of each expert the job uses there
 
 
 @dataclass
@@ -30,10 +41,38 @@ class Engine:
     registered_at: float
     last_heartbeat: float
     jobs: dict[str, PlacedJob] = field(default_factory=dict)
+    last_used: dict[str, float] = field(default_factory=dict)  # expert_key -> when a job last took it
 
     @property
     def engine_id(self) -> str:
         return self.info.engine_id
+
+    @property
+    def holdings(self) -> common_pb2.ExpertHoldings:
+        return self.info.experts
+
+    def held(self) -> dict[str, common_pb2.HeldExpert]:
+        return {expert_key(e.name, e.version): e for e in self.info.experts.experts}
+
+    def holds(self, expert: common_pb2.PlannedExpert) -> bool:
+        """Whether the engine holds this exact version (the same content) of the expert."""
+        held = self.held().get(expert_key(expert.name, expert.version))
+        return held is not None and held.content_hash == expert.content_hash
+
+    def references(self) -> dict[str, int]:
+        """expert_key -> jobs placed here that use it."""
+        counts: dict[str, int] = {}
+        for job in self.jobs.values():
+            for key in job.experts:
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def apply_holdings(self, holdings: common_pb2.ExpertHoldings) -> bool:
+        """Take a report of what the engine holds unless one at least as new was applied."""
+        if holdings.epoch < self.info.experts.epoch:
+            return False
+        self.info.experts.CopyFrom(holdings)
+        return True
 
     @property
     def free_slots(self) -> int:
@@ -70,16 +109,26 @@ class Fleet:
         """Add (or replace) an engine; a re-registration keeps the jobs placed on it."""
         now = self.clock()
         previous = self.engines.get(info.engine_id)
-        engine = Engine(common_pb2.EngineInfo(), now, now, previous.jobs if previous else {})
+        engine = Engine(
+            common_pb2.EngineInfo(),
+            now,
+            now,
+            previous.jobs if previous else {},
+            previous.last_used if previous else {},
+        )
         engine.info.CopyFrom(info)
         self.engines[info.engine_id] = engine
         return engine
 
-    def heartbeat(self, engine_id: str, load: common_pb2.EngineLoad) -> bool:
+    def heartbeat(
+        self, engine_id: str, load: common_pb2.EngineLoad, experts: common_pb2.ExpertHoldings | None = None
+    ) -> bool:
         engine = self.engines.get(engine_id)
         if engine is None:
             return False
         engine.info.load.CopyFrom(load)
+        if experts is not None:
+            engine.apply_holdings(experts)
         engine.last_heartbeat = self.clock()
         return True
 
@@ -93,11 +142,13 @@ class Fleet:
                 self.jobs.pop(job_id, None)
         return dead
 
-    def place(self, job_id: str, engine: Engine, kv_blocks: int) -> PlacedJob:
+    def place(self, job_id: str, engine: Engine, kv_blocks: int, experts: tuple[str, ...] = ()) -> PlacedJob:
         self.release(job_id)  # a retried job moves
-        job = PlacedJob(job_id, engine.engine_id, kv_blocks, self.clock())
+        now = self.clock()
+        job = PlacedJob(job_id, engine.engine_id, kv_blocks, now, experts)
         engine.jobs[job_id] = job
         self.jobs[job_id] = job
+        engine.last_used.update(dict.fromkeys(experts, now))
         return job
 
     def release(self, job_id: str) -> bool:
@@ -107,6 +158,7 @@ class Fleet:
         engine = self.engines.get(job.engine_id)
         if engine is not None:
             engine.jobs.pop(job_id, None)
+            engine.last_used.update(dict.fromkeys(job.experts, self.clock()))
         return True
 
     def capacity(self) -> common_pb2.EngineLoad:

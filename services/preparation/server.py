@@ -1,4 +1,4 @@
-"""PreparationService: the engine registry, placement and capacity."""
+"""PreparationService: the engine registry, placement with staging, and capacity."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
 from libs.logging import bind_context, get_logger
 from services.preparation.fleet import Engine, Fleet
 from services.preparation.metrics import PreparationMetrics
-from services.preparation.placement import place
+from services.preparation.preparer import Preparer
 
 log = get_logger(__name__)
 
 
 class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
-    def __init__(self, fleet: Fleet, metrics: PreparationMetrics, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self, fleet: Fleet, preparer: Preparer, metrics: PreparationMetrics, heartbeat_interval_s: float
+    ) -> None:
         self.fleet = fleet
+        self.preparer = preparer
         self.metrics = metrics
         self.heartbeat_interval_s = heartbeat_interval_s
 
@@ -43,7 +46,9 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
     async def Heartbeat(
         self, request: preparation_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> preparation_pb2.HeartbeatResponse:
-        known = self.fleet.heartbeat(request.engine_id, request.load)
+        known = self.fleet.heartbeat(
+            request.engine_id, request.load, request.experts if request.HasField("experts") else None
+        )
         self.metrics.update(self.fleet)
         return preparation_pb2.HeartbeatResponse(known=known)
 
@@ -53,7 +58,9 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
         with bind_context(job_id=request.job_id):
             started = time.perf_counter()
             try:
-                placement = place(self.fleet, request.job_id, request.plan, set(request.exclude_engines))
+                placement = await self.preparer.prepare(
+                    request.job_id, request.plan, set(request.exclude_engines)
+                )
             except Exception as exc:
                 self.metrics.refused.labels(getattr(getattr(exc, "code", None), "name", "INTERNAL")).inc()
                 raise

@@ -49,6 +49,8 @@ DEFAULT_STREAM_INTERVAL = 16
 # has not sent yet; the call is given this long for that last message before it is cancelled
 # outright (and that text is lost).
 ENGINE_STOP_GRACE_S = 0.5
+# How long a job waits for a stage that answers UNAVAILABLE (a router or postproc restarting).
+PEER_WAIT_S = 10.0
 
 
 class JobStopped(Exception):
@@ -226,10 +228,19 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     async def _stage(self, run: JobRun, method: Any, request: Any, name: str) -> Any:
-        try:
-            return await self._until(run, call(method, request, timeout=run.remaining(), idempotent=True))
-        except grpc.aio.AioRpcError as exc:
-            raise JobFailed(f"{name}: {exc.details()}", exc.code().name, field_violations(exc)) from None
+        # A stage that is down (a restart, a rollout) is waited for, up to PEER_WAIT_S within the
+        # job's deadline: the job should not fail for a gap its peer's replacement closes.
+        waited_since, delay = time.monotonic(), self.place_retry_s
+        while True:
+            try:
+                return await self._until(run, call(method, request, timeout=run.remaining(), idempotent=True))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - waited_since > PEER_WAIT_S:
+                    raise JobFailed(
+                        f"{name}: {exc.details()}", exc.code().name, field_violations(exc)
+                    ) from None
+            await self._until(run, asyncio.sleep(delay))
+            delay = min(delay * 2, 1.0)
 
     async def _place(self, run: JobRun, excluded: list[str]) -> common_pb2.Placement:
         request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, exclude_engines=excluded)

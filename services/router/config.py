@@ -19,6 +19,7 @@ class RouterConfig:
     prior_success_rate: float  # what a new expert's success rate starts from
     redis_url: str  # the feedback stream
     feedback_alpha: float  # weight of one job's outcome in an expert's success rate
+    encoder_threads: int  # torch threads of the sentence encoder
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -32,4 +33,5 @@ class RouterConfig:
             ),
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
             feedback_alpha=reader.number("EXPERT_ROUTER_FEEDBACK_ALPHA", 0.1, minimum=0.001, maximum=1.0),
+            encoder_threads=reader.integer("EXPERT_ROUTER_ENCODER_THREADS", 1, minimum=1, maximum=256),
         )

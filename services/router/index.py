@@ -11,6 +11,15 @@ version again keeps what feedback taught, a new version starts again from the pr
 
 Qdrant runs embedded (qdrant-client's local mode, on disk under the data directory) or as a server
 (a URL); the code path is the same.
+
+Selection's heuristic candidates (experts tagged with a task type or capability) and their
+similarities come from `RoutingTags`, a snapshot of the parts of the registry that change only when
+an expert is registered or removed: each expert's vector and tags. Every registration and removal
+writes a new revision token to a one-point collection beside the experts, and the snapshot is rebuilt
+when the token differs from the one it was built at, so each router (sharing a Qdrant server or not)
+sees every registration at its next plan. What feedback changes (success rate, uses) is always read
+from Qdrant. A payload-filtered scroll would do the same work, but embedded Qdrant evaluates filters
+point by point in Python: 26 ms at 1,000 experts, more than the router's whole budget.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from libs.experts.manifest import Manifest
 from services.router.embedding import SentenceEncoder
 
 COLLECTION = "experts"
+REVISIONS = "experts_revision"  # one point: a token that changes with every registration or removal
 _NAMESPACE = uuid.UUID("5b1f0c8e-4d0a-4a53-9c1e-6f2b7f1d9a40")  # point ids: uuid5(namespace, name)
+_REVISION_POINT = str(uuid.uuid5(_NAMESPACE, "revision"))
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,26 @@ def point_id(name: str) -> str:
     return str(uuid.uuid5(_NAMESPACE, name))
 
 
+@dataclass(frozen=True)
+class RoutingTags:
+    """The registry's vectors and tags at one revision."""
+
+    revision: str
+    names: tuple[str, ...]
+    vectors: torch.Tensor  # [len(names), dim], unit rows
+    by_tag: dict[str, frozenset[str]]  # "task:<type>" or "capability:<name>" -> expert names
+
+    def tagged(self, task_types: list[str], capabilities: list[str]) -> set[str]:
+        keys = [f"task:{t}" for t in task_types] + [f"capability:{c}" for c in capabilities]
+        return set().union(*(self.by_tag.get(k, frozenset()) for k in keys))
+
+    def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
+        row = {name: i for i, name in enumerate(self.names)}
+        rows = [row[n] for n in names if n in row]
+        scores = (self.vectors[rows] @ vector).tolist() if rows else []
+        return {self.names[r]: s for r, s in zip(rows, scores, strict=True)}
+
+
 class ExpertIndex:
     def __init__(
         self, client: QdrantClient, encoder: SentenceEncoder, prior_success_rate: float = 0.5
@@ -87,6 +118,11 @@ class ExpertIndex:
                 COLLECTION,
                 vectors_config=models.VectorParams(size=encoder.dim, distance=models.Distance.COSINE),
             )
+        if not client.collection_exists(REVISIONS):
+            client.create_collection(
+                REVISIONS, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT)
+            )
+        self._tags: RoutingTags | None = None
 
     @staticmethod
     def connect(data_dir: str | Path | None = None, url: str | None = None) -> QdrantClient:
@@ -128,6 +164,7 @@ class ExpertIndex:
                 models.PointStruct(id=point_id(expert.name), vector=vector.tolist(), payload=expert.payload())
             ],
         )
+        self._new_revision()
         return expert
 
     def embed_expert(self, manifest: Manifest) -> torch.Tensor:
@@ -137,6 +174,7 @@ class ExpertIndex:
     def remove(self, name: str) -> IndexedExpert:
         expert = self.get(name)
         self.client.delete(COLLECTION, points_selector=models.PointIdsList(points=[point_id(name)]))
+        self._new_revision()
         return expert
 
     def get(self, name: str) -> IndexedExpert:
@@ -148,6 +186,9 @@ class ExpertIndex:
     def find(self, name: str) -> IndexedExpert | None:
         points = self.client.retrieve(COLLECTION, ids=[point_id(name)], with_payload=True)
         return IndexedExpert.from_payload(points[0].payload) if points else None
+
+    def count(self) -> int:
+        return self.client.count(COLLECTION, exact=True).count
 
     def list(self) -> list[IndexedExpert]:
         return sorted(self._scroll(None), key=lambda e: e.name)
@@ -175,19 +216,57 @@ class ExpertIndex:
 
     def tagged(self, task_types: list[str], capabilities: list[str]) -> list[IndexedExpert]:
         """The experts whose manifest lists one of `task_types` or one of `capabilities`."""
-        conditions = [
-            models.FieldCondition(key=key, match=models.MatchAny(any=values))
-            for key, values in (("task_types", task_types), ("capabilities", capabilities))
-            if values
-        ]
-        return self._scroll(models.Filter(should=conditions)) if conditions else []
+        names = self.routing_tags().tagged(task_types, capabilities)
+        return self._retrieve(sorted(names)) if names else []
 
     def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
-        """Cosine similarity of `vector` to each named expert (for candidates the search did not return)."""
-        points = self.client.retrieve(
-            COLLECTION, ids=[point_id(n) for n in names], with_vectors=True, with_payload=True
+        """Cosine similarity of `vector` (unit length) to each named expert, for candidates the
+        search did not return."""
+        return self.routing_tags().similarity(vector, names)
+
+    def routing_tags(self) -> RoutingTags:
+        """The snapshot of vectors and tags, rebuilt when the registry's revision moved."""
+        points = self.client.retrieve(REVISIONS, ids=[_REVISION_POINT], with_payload=True)
+        revision = points[0].payload["revision"] if points else ""
+        if self._tags is None or self._tags.revision != revision:
+            self._tags = self._build_tags(revision)
+        return self._tags
+
+    def _build_tags(self, revision: str) -> RoutingTags:
+        names, vectors, by_tag, offset = [], [], {}, None
+        while True:
+            points, offset = self.client.scroll(
+                COLLECTION,
+                limit=256,
+                offset=offset,
+                with_payload=["name", "task_types", "capabilities"],
+                with_vectors=True,
+            )
+            for p in points:
+                name = p.payload["name"]
+                names.append(name)
+                vectors.append(p.vector)
+                for key in [f"task:{t}" for t in p.payload["task_types"]] + [
+                    f"capability:{c}" for c in p.payload["capabilities"]
+                ]:
+                    by_tag.setdefault(key, set()).add(name)
+            if offset is None:
+                break
+        matrix = torch.tensor(vectors, dtype=torch.float32) if vectors else torch.empty(0, self.encoder.dim)
+        frozen = {k: frozenset(v) for k, v in by_tag.items()}
+        return RoutingTags(revision, tuple(names), matrix, frozen)
+
+    def _new_revision(self) -> None:
+        self.client.upsert(
+            REVISIONS,
+            points=[
+                models.PointStruct(id=_REVISION_POINT, vector=[1.0], payload={"revision": uuid.uuid4().hex})
+            ],
         )
-        return {p.payload["name"]: float(torch.tensor(p.vector) @ vector) for p in points}
+
+    def _retrieve(self, names: list[str]) -> list[IndexedExpert]:
+        points = self.client.retrieve(COLLECTION, ids=[point_id(n) for n in names], with_payload=True)
+        return [IndexedExpert.from_payload(p.payload) for p in points]
 
     def record_outcome(self, name: str, success: bool, alpha: float) -> IndexedExpert | None:
         """Fold one job's outcome into the expert's success rate (an exponential moving average with

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from libs.gen.expert.v1 import common_pb2
+from services.router.selection import Selection
 
 
 class RouterMetrics:
@@ -19,10 +20,16 @@ class RouterMetrics:
         self.selected = Histogram(
             "expert_router_selected_experts", "Experts per plan", buckets=(0, 1, 2, 3, 5, 10)
         )
+        self.candidates = Histogram(
+            "expert_router_candidate_experts",
+            "Candidates scored per plan (heuristic, retrieved and forced)",
+            buckets=(0, 1, 2, 5, 10, 20, 30, 50),
+        )
 
-    def observe(self, plan: common_pb2.ExpertPlan) -> None:
+    def observe(self, plan: common_pb2.ExpertPlan, selection: Selection | None = None) -> None:
         self.plan_latency.observe(plan.router_latency_ms / 1000)
         self.plans.labels(plan.features.task_type).inc()
         if plan.fallback:
             self.fallbacks.inc()
         self.selected.observe(len(plan.experts))
+        self.candidates.observe(len(selection.considered) if selection else 0)

@@ -1,13 +1,19 @@
-"""Seed 000 stage 2 for one request: features, the expert choice (the base-model fallback until the
-expert index exists), tuned parameters, the final model input, and a reasoning trace."""
+"""Seed 000 stage 2 for one request: features, the expert choice (seed 000's select_experts over the
+expert index, or the base-model fallback), tuned parameters, the final model input, and a reasoning
+trace."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import torch
 
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
-from services.router.features import extract_features
+from services.router.features import Features, extract_features
+from services.router.index import ExpertIndex
+from services.router.selection import MAX_EXPERTS, Selection, select_experts
 from services.router.tuning import tune_parameters
 
 DEFAULT_BODY_TEMPLATE = "{prompt}\n\n{body}"
@@ -48,32 +54,61 @@ def input_bytes(model_input: common_pb2.ModelInput) -> int:
 
 
 class Planner:
-    """Builds ExpertPlans. Until the expert index exists every plan is the base-model fallback."""
+    """Builds ExpertPlans: seed 000's stage 2 over the expert index (without an index, or with
+    nothing registered, every plan is the base-model fallback)."""
 
-    def plan(
+    def __init__(self, index: ExpertIndex | None = None) -> None:
+        self.index = index
+
+    async def plan(
         self, request: common_pb2.InferenceRequest, max_model_len: int | None = None
-    ) -> common_pb2.ExpertPlan:
+    ) -> tuple[common_pb2.ExpertPlan, Selection | None]:
+        """The plan, and the selection it came from (None when no expert was considered)."""
         started = time.perf_counter()
-        if request.force_experts:
-            name = request.force_experts[0]
-            raise invalid_argument(
-                "request.force_experts[0]", f"unknown expert {name!r} (no experts are registered)"
-            )
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
-        features = extract_features(text_for_features, request.body if request.HasField("body") else None)
+        body = request.body if request.HasField("body") else None
+        if self._can_select(request):
+            # Both are CPU work (langdetect in Python, the encoder in torch): off the event loop, in
+            # one executor call, since overlapping them only makes them contend for the GIL.
+            features, vector = await asyncio.get_running_loop().run_in_executor(
+                None, self._analyse, text_for_features, body
+            )
+        else:
+            features, vector = extract_features(text_for_features, body), None
+        selection = self._select(request, features, vector)
         params, tuning_trace = tune_parameters(features, request, max_model_len)
         model_in, text = model_input(request)
         trace = [
             f"features: language {features.language}, has_json {features.has_json}, "
             f"has_code {features.has_code}, task {features.task_type}",
-            "experts: none registered; the base model answers (fallback)",
+            *(
+                selection.trace
+                if selection
+                else ["experts: none registered; the base model answers (fallback)"]
+            ),
             *tuning_trace,
             "input: "
             + ("raw completion" if request.raw else "chat template, as the last user turn")
             + (", template rendered" if request.HasField("template") else "")
             + (", body appended" if request.HasField("body") and not request.HasField("template") else ""),
         ]
-        return common_pb2.ExpertPlan(
+        chosen = selection.chosen if selection else []
+        forced = set(request.force_experts)
+        plan = common_pb2.ExpertPlan(
+            experts=[
+                common_pb2.PlannedExpert(
+                    name=c.expert.name,
+                    version=c.expert.version,
+                    adapter_type=c.expert.adapter_type,
+                    weight=1.0,
+                    score=c.score,
+                    vram_bytes=c.expert.weight_bytes,
+                    content_hash=c.expert.content_hash,
+                    forced=c.expert.name in forced,
+                )
+                for c in chosen
+            ],
+            composition_order=[c.expert.name for c in chosen],
             generation_params=params,
             model_input=model_in,
             prompt_modified=text,
@@ -84,7 +119,33 @@ class Planner:
                 has_code=features.has_code,
                 task_type=features.task_type,
             ),
-            fallback=True,
-            router_latency_ms=(time.perf_counter() - started) * 1000,
+            fallback=not chosen,
             prompt_bytes=input_bytes(model_in),
+        )
+        plan.router_latency_ms = (time.perf_counter() - started) * 1000
+        return plan, selection
+
+    def _can_select(self, request: common_pb2.InferenceRequest) -> bool:
+        return self.index is not None and (bool(request.force_experts) or self.index.count() > 0)
+
+    def _analyse(self, text: str, body: str | None) -> tuple[Features, torch.Tensor]:
+        return extract_features(text, body), self.index.encoder.encode([text])[0]
+
+    def _select(
+        self, request: common_pb2.InferenceRequest, features: Features, embedding: torch.Tensor | None
+    ) -> Selection | None:
+        if embedding is None:
+            if request.force_experts:
+                name = request.force_experts[0]
+                raise invalid_argument(
+                    "request.force_experts[0]", f"unknown expert {name!r} (no experts are registered)"
+                )
+            return None
+        return select_experts(
+            features,
+            embedding,
+            self.index,
+            max_experts=request.max_experts if request.HasField("max_experts") else MAX_EXPERTS,
+            force=list(request.force_experts),
+            exclude=list(request.exclude_experts),
         )

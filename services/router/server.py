@@ -47,6 +47,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.PlanRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PlanResponse:
         with bind_context(job_id=request.job_id):
-            plan = self.planner.plan(request.request, request.max_model_len or None)
-            self.metrics.observe(plan)
+            plan, selection = await self.planner.plan(request.request, request.max_model_len or None)
+            self.metrics.observe(plan, selection)
             return router_pb2.PlanResponse(plan=plan)

@@ -1,6 +1,6 @@
 """Failures on the tiny model: a dispatcher killed mid-job (its job is reclaimed and completes), an
-engine killed mid-stream (the job fails with a reason or runs elsewhere, never hangs), and the
-engine's health before it is warm."""
+engine killed mid-stream (the job fails with a reason or runs elsewhere, never hangs), a router
+restarting under a job (the job waits for it), and the engine's health before it is warm."""
 
 from __future__ import annotations
 
@@ -117,6 +117,20 @@ def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_pro
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_job_waits_for_a_router_that_is_restarting(tiny_stack):
+    """A stage that answers UNAVAILABLE is waited for (up to reception's PEER_WAIT_S, 10 s): a router
+    being replaced does not fail the jobs dispatched meanwhile."""
+    stack = tiny_stack()
+    stack.stop_service("router")
+    with ExpertClient(stack.target("reception")) as client:
+        job = client.submit(prompt="Hello", temperature=0.0, max_tokens=4)
+        time.sleep(1.0)  # the dispatcher has taken the job and found the router down
+        assert not client.get_job(job.job_id).is_finished
+        stack.start_service("router")
+        final = wait_final(client, job.job_id, timeout=60)
+    assert final.result.status == "completed", final.result.error
 
 
 def test_the_engine_is_not_serving_until_its_model_is_warm(tiny_llama, tmp_path):

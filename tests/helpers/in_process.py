@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -23,9 +24,22 @@ def shared_metrics(cls: type):
     return cls()
 
 
+def preparation_parts(store_dir: Path, heartbeat_timeout_s: float = 60.0):
+    """A fleet and the preparer over it, staging from the expert store at `store_dir`."""
+    from libs.experts.store import ExpertStore
+    from services.preparation.fleet import Fleet
+    from services.preparation.metrics import PreparationMetrics
+    from services.preparation.preparer import Preparer
+    from services.preparation.staging import Stager
+
+    fleet, metrics = Fleet(heartbeat_timeout_s), shared_metrics(PreparationMetrics)
+    return fleet, Preparer(fleet, Stager(ExpertStore(store_dir), metrics), metrics), metrics
+
+
 @contextlib.asynccontextmanager
-async def serving(register: Callable[[grpc.aio.Server], list[str]]):
-    """A real serve() with what `register` adds, on a free port; yields its target."""
+async def serving(register: Callable[[grpc.aio.Server], list[str]], error_mapper=None):
+    """A real serve() with what `register` adds (and the service's `error_mapper`, if it has one),
+    on a free port; yields its target."""
     health, stop = Health(), asyncio.Event()
     config = ServerConfig(bind_host="127.0.0.1", port=free_port(), metrics_port=0, log_level="info")
 
@@ -33,7 +47,16 @@ async def serving(register: Callable[[grpc.aio.Server], list[str]]):
         await health.set_serving(True)
 
     task = asyncio.create_task(
-        serve("inprocess", config, register, health=health, on_start=on_start, grace=1.0, stop=stop)
+        serve(
+            "inprocess",
+            config,
+            register,
+            health=health,
+            on_start=on_start,
+            grace=1.0,
+            stop=stop,
+            error_mapper=error_mapper,
+        )
     )
     target = f"127.0.0.1:{config.port}"
     async with grpc.aio.insecure_channel(target) as channel:

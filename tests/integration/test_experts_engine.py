@@ -401,3 +401,35 @@ def test_the_async_engine_loads_experts_on_its_thread_and_streams_with_them(tiny
     expected = _engine(tiny_llama, {"lora-0": packages["lora-0"]}, publisher)
     assert loaded == ("lora-0", "1.0.0") and [e.name for e in infos] == ["lora-0"]
     assert final.token_ids == expected.generate([[5, 6, 7]], GREEDY, experts=["lora-0"])[0].token_ids
+
+
+def test_holdings_report_exact_footprints_and_move_their_epoch_on_every_change(
+    tiny_llama, packages, publisher
+):
+    """What preparation learns from the engine: a footprint known before the expert is resident
+    and equal to what residency then takes, and an epoch that moves on loads, host-tier evictions
+    and unloads (and not on generation)."""
+    probe = _engine(tiny_llama, {"lora-1": packages["lora-1"]}, publisher)
+    size = probe.list_experts()[0].host_bytes
+    engine = LLMEngine.from_pretrained(
+        str(tiny_llama), max_model_len=256, num_blocks=100, host_bytes=2 * size
+    )
+    start = engine.expert_holdings()
+    assert start.experts == () and start.host_budget_bytes == 2 * size and start.device_budget_bytes > 0
+
+    engine.load_expert(packages["lora-1"], publisher.trusted)
+    loaded = engine.expert_holdings()
+    (held,) = loaded.experts
+    assert loaded.epoch > start.epoch and not held.resident and held.footprint_bytes > 0
+    engine.generate([[5, 6, 7]], GREEDY, experts=["lora-1"])
+    (resident,) = engine.list_experts()
+    assert resident.resident and resident.device_bytes == held.footprint_bytes
+    assert engine.expert_holdings().epoch == loaded.epoch  # running requests change nothing held
+
+    engine.load_expert(packages["lora-3"], publisher.trusted)
+    engine.load_expert(packages["lora-0"], publisher.trusted)  # evicts lora-1, the least recent
+    evicted = engine.expert_holdings()
+    assert {e.name for e in evicted.experts} == {"lora-3", "lora-0"}
+    assert evicted.epoch >= loaded.epoch + 3  # two loads and an eviction
+    engine.unload_expert("lora-3")
+    assert engine.expert_holdings().epoch == evicted.epoch + 1

@@ -11,19 +11,18 @@ import pytest
 
 from libs.errors import field_violations
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
-from services.preparation.fleet import Fleet
-from services.preparation.metrics import PreparationMetrics
 from services.preparation.server import PreparationServicer
-from tests.helpers.in_process import serving, shared_metrics
+from tests.helpers.in_process import preparation_parts, serving
 
 MODEL = common_pb2.ModelSpec(
     name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, max_model_len=1024, block_size=16
 )
 
 
-def _scenario(check) -> None:
+def _scenario(check, store_dir) -> None:
     async def main():
-        preparation = PreparationServicer(Fleet(60.0), shared_metrics(PreparationMetrics), 30.0)
+        fleet, preparer, metrics = preparation_parts(store_dir)
+        preparation = PreparationServicer(fleet, preparer, metrics, 30.0)
         preparation.fleet.register(
             common_pb2.EngineInfo(
                 engine_id="e1",
@@ -47,7 +46,7 @@ def _plan() -> common_pb2.ExpertPlan:
     return common_pb2.ExpertPlan(prompt_bytes=10, generation_params=common_pb2.GenerationParams(max_tokens=6))
 
 
-def test_one_release_call_frees_several_jobs_each_once():
+def test_one_release_call_frees_several_jobs_each_once(tmp_path):
     async def check(stub):
         for job in ("a", "b", "c"):
             await stub.Prepare(preparation_pb2.PrepareRequest(job_id=job, plan=_plan()))
@@ -56,15 +55,15 @@ def test_one_release_call_frees_several_jobs_each_once():
         assert released.released == 2
         assert (await stub.GetCapacity(preparation_pb2.GetCapacityRequest())).free_slots == 3
 
-    _scenario(check)
+    _scenario(check, tmp_path)
 
 
 @pytest.mark.parametrize(("job_ids", "field"), [([], "job_ids"), (["a", ""], "job_ids[1]")])
-def test_a_release_without_jobs_or_with_a_blank_id_is_refused_naming_the_field(job_ids, field):
+def test_a_release_without_jobs_or_with_a_blank_id_is_refused_naming_the_field(job_ids, field, tmp_path):
     async def check(stub):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Release(preparation_pb2.ReleaseRequest(job_ids=job_ids))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [f for f, _ in field_violations(refused.value)] == [field]
 
-    _scenario(check)
+    _scenario(check, tmp_path)

@@ -19,7 +19,6 @@ from services.postproc.finalizer import Finalizer
 from services.postproc.metrics import PostprocMetrics
 from services.postproc.server import PostprocServicer
 from services.preparation.fleet import Fleet
-from services.preparation.metrics import PreparationMetrics
 from services.preparation.server import PreparationServicer
 from services.reception.jobs import JobStore
 from services.reception.peers import Peers
@@ -27,7 +26,7 @@ from services.reception.pipeline import JobRun, Pipeline
 from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
 from services.router.server import RouterServicer
-from tests.helpers.in_process import serving, shared_metrics
+from tests.helpers.in_process import preparation_parts, serving, shared_metrics
 
 MODEL = common_pb2.ModelSpec(
     name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, max_model_len=1024, block_size=16
@@ -37,8 +36,9 @@ MODEL = common_pb2.ModelSpec(
 class SlowPreparation(PreparationServicer):
     """The real preparation, answering Prepare only after `delay_s` (its placement already made)."""
 
-    def __init__(self, delay_s: float) -> None:
-        super().__init__(Fleet(60.0), shared_metrics(PreparationMetrics), heartbeat_interval_s=30.0)
+    def __init__(self, delay_s: float, store_dir) -> None:
+        fleet, preparer, metrics = preparation_parts(store_dir)
+        super().__init__(fleet, preparer, metrics, heartbeat_interval_s=30.0)
         self.delay_s = delay_s
         self.preparing = asyncio.Event()
 
@@ -49,9 +49,9 @@ class SlowPreparation(PreparationServicer):
         return response
 
 
-async def _pipeline_scenario(redis_url: str, *, timeout_ms: int | None, cancel: bool) -> Fleet:
+async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | None, cancel: bool) -> Fleet:
     redis = Redis.from_url(redis_url)
-    preparation = SlowPreparation(delay_s=0.5)
+    preparation = SlowPreparation(delay_s=0.5, store_dir=store_dir)
     preparation.fleet.register(
         common_pb2.EngineInfo(
             engine_id="e1",
@@ -97,13 +97,13 @@ async def _pipeline_scenario(redis_url: str, *, timeout_ms: int | None, cancel: 
     return preparation.fleet
 
 
-def test_a_job_cancelled_while_it_is_placed_gives_its_engine_slot_back(clean_redis_url):
-    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, timeout_ms=None, cancel=True))
+def test_a_job_cancelled_while_it_is_placed_gives_its_engine_slot_back(clean_redis_url, tmp_path):
+    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, tmp_path, timeout_ms=None, cancel=True))
     assert fleet.jobs == {} and fleet.engines["e1"].free_slots == 1
 
 
-def test_a_job_whose_deadline_passes_while_it_is_placed_gives_its_slot_back(clean_redis_url):
-    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, timeout_ms=200, cancel=False))
+def test_a_job_whose_deadline_passes_while_it_is_placed_gives_its_slot_back(clean_redis_url, tmp_path):
+    fleet = asyncio.run(_pipeline_scenario(clean_redis_url, tmp_path, timeout_ms=200, cancel=False))
     assert fleet.jobs == {} and fleet.engines["e1"].free_slots == 1
 
 

@@ -5,11 +5,12 @@ an exponential moving average from a prior, and a registry that survives reopeni
 from __future__ import annotations
 
 import pytest
+import torch
 
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.peft_adapter import read_peft_adapter
 from services.router.embedding import SentenceEncoder
-from services.router.index import ExpertIndex
+from services.router.index import ExpertIndex, point_id
 from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
 
@@ -42,7 +43,7 @@ def manifests(tiny_llama, tmp_path_factory):
     lora = read_peft_adapter(write_all_adapters(tiny_llama, tmp_path_factory.mktemp("peft"))["lora"])
     base = BaseModelIdentity.from_dir(tiny_llama)
 
-    def make(name: str, version: str = "1.0.0"):
+    def make(name: str, version: str = "1.0.0", **extra):
         description, keywords, examples = SKILLS[name]
         return manifest_for(
             lora,
@@ -52,6 +53,7 @@ def manifests(tiny_llama, tmp_path_factory):
             description=description,
             keywords=keywords,
             examples=examples,
+            **extra,
         )
 
     return make
@@ -123,3 +125,26 @@ def test_the_registry_survives_reopening(tmp_path, encoder, manifests):
         assert [e.name for e in ExpertIndex(client, encoder).list()] == ["json-parser"]
     finally:
         client.close()
+
+
+def test_every_router_sees_the_tags_another_registers_or_removes(index, manifests, encoder):
+    """Two routers on one Qdrant (two indexes on one client): each keeps its own snapshot of the
+    experts' vectors and tags, and a registration or removal through either moves the revision
+    that makes the other rebuild its snapshot at its next lookup."""
+    other = ExpertIndex(index.client, encoder, prior_success_rate=0.5)
+    index.register(manifests("sql-writer", task_types=("code_generation",)), "b" * 64, weight_bytes=10)
+    assert [e.name for e in other.tagged(["code_generation"], [])] == ["sql-writer"]
+    assert other.tagged([], ["json"]) == []
+
+    index.register(manifests("json-parser", capabilities=("json",)), "a" * 64, weight_bytes=10)
+    index.record_outcome("json-parser", False, alpha=0.5)  # stats are read fresh, not from the snapshot
+    (json_parser,) = other.tagged(["summarization"], ["json"])
+    assert (json_parser.name, json_parser.success_rate) == ("json-parser", 0.25)
+    prompt = encoder.encode(["Extract the email field from this JSON."])[0]
+    (stored,) = index.client.retrieve("experts", ids=[point_id("json-parser")], with_vectors=True)
+    expected = float(torch.tensor(stored.vector) @ prompt)
+    assert other.similarity(prompt, ["json-parser", "nobody"]) == {"json-parser": pytest.approx(expected)}
+
+    index.remove("sql-writer")
+    assert other.tagged(["code_generation"], []) == []
+    assert other.similarity(prompt, ["sql-writer"]) == {}

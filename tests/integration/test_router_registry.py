@@ -12,7 +12,7 @@ import pytest
 from libs.errors import field_violations
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.peft_adapter import read_peft_adapter
-from libs.gen.expert.v1 import router_pb2, router_pb2_grpc
+from libs.gen.expert.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.embedding import SentenceEncoder
 from services.router.index import ExpertIndex
 from services.router.metrics import RouterMetrics
@@ -38,8 +38,9 @@ def manifest_json(tiny_llama, tmp_path_factory) -> bytes:
 def _scenario(tmp_path, check, *, with_index: bool = True) -> None:
     async def main():
         client = ExpertIndex.connect(data_dir=tmp_path) if with_index else None
-        registry = Registry(ExpertIndex(client, SentenceEncoder.from_package())) if client else None
-        servicer = RouterServicer(Planner(), shared_metrics(RouterMetrics), registry)
+        index = ExpertIndex(client, SentenceEncoder.from_package()) if client else None
+        registry = Registry(index) if index else None
+        servicer = RouterServicer(Planner(index), shared_metrics(RouterMetrics), registry)
 
         def register(server: grpc.aio.Server) -> list[str]:
             router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
@@ -75,6 +76,38 @@ def test_register_get_list_and_unregister(tmp_path, manifest_json):
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await stub.GetRegisteredExpert(router_pb2.GetRegisteredExpertRequest(name="json-parser"))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+    _scenario(tmp_path, check)
+
+
+def test_plan_selects_a_registered_expert_and_names_its_package(tmp_path, manifest_json):
+    async def check(stub):
+        plan_for = router_pb2.PlanRequest(
+            job_id="j", request=common_pb2.InferenceRequest(prompt='Parse this JSON: {"a": 1}')
+        )
+        before = (await stub.Plan(plan_for)).plan
+        assert before.fallback and not before.experts
+        await stub.RegisterExpert(
+            router_pb2.RegisterExpertRequest(
+                manifest_json=manifest_json, content_hash=HASH, weight_bytes=4096
+            )
+        )
+        plan = (await stub.Plan(plan_for)).plan
+        assert not plan.fallback and list(plan.composition_order) == ["json-parser"]
+        (expert,) = plan.experts
+        assert (expert.name, expert.version, expert.adapter_type) == ("json-parser", "1.0.0", "lora")
+        assert (expert.content_hash, expert.vram_bytes, expert.weight, expert.forced) == (
+            HASH,
+            4096,
+            1.0,
+            False,
+        )
+        assert (
+            expert.score > 0
+            and f"candidate json-parser@1.0.0 score {expert.score:.3f}" in plan.reasoning_trace
+        )
+        forced = common_pb2.InferenceRequest(prompt="Hello", force_experts=["json-parser"])
+        assert (await stub.Plan(router_pb2.PlanRequest(job_id="k", request=forced))).plan.experts[0].forced
 
     _scenario(tmp_path, check)
 

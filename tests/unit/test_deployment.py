@@ -209,6 +209,19 @@ def test_compose_mounts_the_model_where_the_engine_looks(compose):
     assert volume["type"] == "bind" and volume["read_only"] is True
 
 
+@pytest.mark.parametrize(
+    ("service", "variable"), [("preparation", "EXPERT_STORE"), ("engine", "EXPERT_TRUSTED_KEYS")]
+)
+def test_compose_mounts_the_expert_store_and_the_trusted_keys_where_they_are_read(compose, service, variable):
+    """Preparation stages packages from the store `expertctl expert install` fills on the host; the
+    engine verifies each staged package against the publishers' keys."""
+    spec = compose["services"][service]
+    path = _environment(spec)[variable]
+    (volume,) = [v for v in spec["volumes"] if v["target"] == path]
+    assert volume["type"] == "bind" and volume["read_only"] is True
+    assert variable in READS[service]
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_compose_ports_are_the_defaults(compose, service):
     spec = compose["services"][service]
@@ -388,6 +401,26 @@ def test_the_engine_mounts_the_model_where_it_looks(manifests):
     claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
     claims = [d for docs in manifests.values() for d in docs if d.get("kind") == "PersistentVolumeClaim"]
     assert claim in {c["metadata"]["name"] for c in claims}
+
+
+def _mounted_volume(deployment: dict, variable: str) -> dict:
+    """The pod volume mounted (read-only) at the path the container's `variable` names."""
+    container = _container(deployment)
+    path = {e["name"]: e.get("value") for e in container["env"]}[variable]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert mount["readOnly"] is True
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    return volumes[mount["name"]]
+
+
+def test_preparation_mounts_the_expert_store_and_the_engine_the_trusted_keys(manifests):
+    every = [d for docs in manifests.values() for d in docs]
+    claims = {d["metadata"]["name"] for d in every if d.get("kind") == "PersistentVolumeClaim"}
+    config_maps = {d["metadata"]["name"] for d in every if d.get("kind") == "ConfigMap"}
+    preparation = _one(manifests["preparation.yaml"], "Deployment", "preparation")
+    assert _mounted_volume(preparation, "EXPERT_STORE")["persistentVolumeClaim"]["claimName"] in claims
+    engine = _one(manifests["engine.yaml"], "Deployment", "engine")
+    assert _mounted_volume(engine, "EXPERT_TRUSTED_KEYS")["configMap"]["name"] in config_maps
 
 
 def test_preparation_runs_as_one_replica(manifests):

@@ -7,6 +7,7 @@ import hashlib
 import math
 import os
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ class ExpertInfo:
     current: bool
     host_bytes: int
     device_bytes: int  # 0 when not resident
+    footprint_bytes: int  # what it occupies on the device once resident
     resident: bool
     active_requests: int
     description: str
@@ -73,11 +75,27 @@ class ExpertStats:
     device_evictions_total: int
 
 
+@dataclass(frozen=True)
+class ExpertHoldings:
+    """What the engine holds, for the fleet's control plane: `epoch` grows with every change (it
+    starts from the clock, so that a restarted engine's reports are never taken for old ones)."""
+
+    epoch: int
+    host_budget_bytes: int
+    device_budget_bytes: int
+    experts: tuple[ExpertInfo, ...]
+
+
 class ExpertManager:
     def __init__(self, model: ModelConfig, config: AdapterConfig, device: torch.device) -> None:
         self.config = config
         self.device_tier = DeviceAdapters(model, device, config.device_bytes)
-        self.registry = ExpertRegistry(model, config.host_bytes, on_drop=self.device_tier.drop)
+        self.registry = ExpertRegistry(model, config.host_bytes, on_drop=self._dropped)
+        self.epoch = time.time_ns()
+
+    def _dropped(self, expert: LoadedExpert) -> None:
+        self.device_tier.drop(expert)
+        self.epoch += 1
 
     def load(
         self,
@@ -90,10 +108,20 @@ class ExpertManager:
             package = read_package(source, keyring)
         except (PackageError, SigningError) as exc:
             raise ExpertRefusedError(str(exc)) from None
-        return self.registry.load(package)
+        expert = self.registry.load(package)
+        self.epoch += 1
+        return expert
 
     def unload(self, name: str) -> None:
-        self.registry.unload(name)
+        self.registry.unload(name)  # the drop moves the epoch
+
+    def holdings(self) -> ExpertHoldings:
+        return ExpertHoldings(
+            epoch=self.epoch,
+            host_budget_bytes=self.registry.budget_bytes,
+            device_budget_bytes=self.device_tier.budget_bytes,
+            experts=tuple(self.experts()),
+        )
 
     def experts(self) -> list[ExpertInfo]:
         out = []
@@ -108,6 +136,7 @@ class ExpertManager:
                     current=e.current,
                     host_bytes=e.host_bytes,
                     device_bytes=residency.nbytes if residency else 0,
+                    footprint_bytes=self.device_tier.footprint(e),
                     resident=residency is not None,
                     active_requests=e.pins,
                     description=e.manifest.description,
@@ -207,4 +236,12 @@ def _entry(i: int, item: object) -> tuple[str, float]:
     return name, float(weight)
 
 
-__all__ = ["ExpertError", "ExpertInfo", "ExpertManager", "ExpertSpec", "ExpertStats", "ResolvedExperts"]
+__all__ = [
+    "ExpertError",
+    "ExpertHoldings",
+    "ExpertInfo",
+    "ExpertManager",
+    "ExpertSpec",
+    "ExpertStats",
+    "ResolvedExperts",
+]

@@ -1,0 +1,99 @@
+"""Seed 000 stage 3 for one job outside the accelerator: fit the plan's experts to the budget, choose
+the engine, reserve its slot and KV, stage the experts it lacks, and say what happened.
+
+The budget is checked twice. Before staging, with the best size known for each expert: the exact
+device footprint an engine reported for it if one holds it, else its tensors as float32 from the
+store (what seed 000 calls vram_mb). After staging, with the exact footprints the chosen engine
+reports. Each check drops the lowest-scored experts until the rest fit (see `budget`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from libs.errors import failed_precondition
+from libs.gen.expert.v1 import common_pb2
+from services.preparation.budget import Dropped, fit_to_budget
+from services.preparation.fleet import Engine, Fleet, expert_key, kv_bytes
+from services.preparation.metrics import PreparationMetrics
+from services.preparation.placement import choose_engine, eligible
+from services.preparation.staging import Stager
+
+
+class Preparer:
+    def __init__(self, fleet: Fleet, stager: Stager, metrics: PreparationMetrics) -> None:
+        self.fleet = fleet
+        self.stager = stager
+        self.metrics = metrics
+
+    async def prepare(
+        self, job_id: str, plan: common_pb2.ExpertPlan, exclude: set[str] = frozenset()
+    ) -> common_pb2.Placement:
+        started = time.perf_counter()
+        engines = eligible(self.fleet, exclude)
+        experts = list(plan.experts)
+        sizes = {e.name: self._size_estimate(e, engines) for e in experts}
+        largest = max(e.holdings.device_budget_bytes for e in engines)
+        experts, dropped = fit_to_budget(experts, sizes, largest, "the largest engine")
+        engine, blocks = choose_engine(engines, plan, experts, sizes)
+        self.fleet.place(job_id, engine, blocks, tuple(expert_key(e.name, e.version) for e in experts))
+        try:
+            report = await self.stager.stage(engine, experts)
+        except BaseException:
+            self.fleet.release(job_id)
+            raise
+        for expert in experts:
+            if expert.name in report.unavailable:
+                if expert.forced:
+                    self.fleet.release(job_id)
+                    raise failed_precondition(
+                        f"the forced expert {expert.name}@{expert.version} cannot be staged: "
+                        f"{report.unavailable[expert.name]}"
+                    )
+                dropped.append(Dropped(expert, report.unavailable[expert.name], "unavailable"))
+        experts = [e for e in experts if e.name not in report.unavailable]
+        held = engine.held()
+        exact = {e.name: held[expert_key(e.name, e.version)].device_bytes for e in experts}
+        try:
+            experts, more = fit_to_budget(
+                experts, exact, engine.holdings.device_budget_bytes, f"engine {engine.engine_id}"
+            )
+        except BaseException:
+            self.fleet.release(job_id)
+            raise
+        dropped += more
+        self.fleet.place(job_id, engine, blocks, tuple(expert_key(e.name, e.version) for e in experts))
+        self._count(dropped)
+        names = {e.name for e in experts}
+        trace = [
+            f"preparation: engine {engine.engine_id} ({len(report.hot)} of the plan's experts hot there, "
+            f"{len(engine.jobs)}/{engine.info.load.max_num_seqs} slots taken)",
+            *report.trace,
+            *(d.line() for d in dropped),
+        ]
+        return common_pb2.Placement(
+            engine_id=engine.engine_id,
+            address=engine.info.address,
+            experts=experts,
+            dropped_experts=[d.expert.name for d in dropped],
+            kv_blocks_needed=blocks,
+            kv_bytes_needed=kv_bytes(blocks, engine.info.model),
+            preparation_latency_ms=(time.perf_counter() - started) * 1000,
+            staged_bytes=report.staged_bytes,
+            hot_experts=[name for name in report.hot if name in names],
+            staged_experts=[name for name in report.staged if name in names],
+            trace=trace,
+        )
+
+    def _size_estimate(self, expert: common_pb2.PlannedExpert, engines: list[Engine]) -> int:
+        for engine in engines:
+            held = engine.held().get(expert_key(expert.name, expert.version))
+            if held is not None and held.content_hash == expert.content_hash:
+                return held.device_bytes
+        return self.stager.host_estimate(expert)
+
+    def _count(self, dropped: list[Dropped]) -> None:
+        if dropped:
+            self.metrics.degraded.inc()
+        for d in dropped:
+            self.metrics.dropped.labels(d.kind).inc()

@@ -1,0 +1,113 @@
+"""Preparation's budget rule (seed 000: VRAM overflow -> reduce expert count) and its choice of engine
+(the most experts hot first, then the least loaded)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from libs.errors import ServiceError
+from libs.gen.expert.v1 import common_pb2
+from services.preparation.budget import fit_to_budget
+from services.preparation.fleet import Fleet
+from services.preparation.placement import choose_engine
+
+MODEL = common_pb2.ModelSpec(
+    name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, max_model_len=1024, block_size=16
+)
+
+
+def expert(name: str, score: float, forced: bool = False) -> common_pb2.PlannedExpert:
+    return common_pb2.PlannedExpert(
+        name=name, version="1.0.0", score=score, forced=forced, content_hash=name[0] * 64
+    )
+
+
+def test_the_lowest_scored_experts_are_dropped_until_the_rest_fit():
+    experts = [expert("a", 0.9), expert("b", 0.5), expert("c", 0.7)]
+    kept, dropped = fit_to_budget(experts, {"a": 40, "b": 40, "c": 40}, 100, "engine e1")
+    assert [e.name for e in kept] == ["a", "c"]  # composition order kept
+    assert [d.expert.name for d in dropped] == ["b"]
+    assert dropped[0].reason.endswith("MiB engine e1 holds")
+
+
+def test_a_plan_within_budget_or_without_a_reported_budget_is_kept_whole():
+    experts = [expert("a", 0.9), expert("b", 0.5)]
+    assert fit_to_budget(experts, {"a": 40, "b": 40}, 80, "e")[1] == []
+    assert fit_to_budget(experts, {"a": 40, "b": 40}, 0, "e")[1] == []
+
+
+def test_forced_experts_go_last_and_a_plan_they_alone_overflow_is_refused():
+    experts = [expert("a", 0.2, forced=True), expert("b", 0.9), expert("c", 0.8)]
+    kept, dropped = fit_to_budget(experts, {"a": 50, "b": 50, "c": 50}, 100, "e")
+    assert [e.name for e in kept] == ["a", "b"] and [d.expert.name for d in dropped] == ["c"]
+    with pytest.raises(ServiceError) as refused:
+        fit_to_budget([expert("a", 0.2, True), expert("b", 0.9, True)], {"a": 60, "b": 60}, 100, "engine e1")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "forced experts a, b" in str(refused.value)
+
+
+def _fleet(*engines: tuple[str, int, list[str]]) -> Fleet:
+    """Engines as (id, jobs placed, experts held)."""
+    fleet = Fleet(60.0)
+    for engine_id, jobs, held in engines:
+        engine = fleet.register(
+            common_pb2.EngineInfo(
+                engine_id=engine_id,
+                address=f"{engine_id}:1",
+                model=MODEL,
+                load=common_pb2.EngineLoad(kv_blocks_total=64, kv_blocks_free=64, max_num_seqs=4),
+                experts=common_pb2.ExpertHoldings(
+                    epoch=1,
+                    device_budget_bytes=1000,
+                    experts=[
+                        common_pb2.HeldExpert(
+                            name=n, version="1.0.0", content_hash=n[0] * 64, device_bytes=100
+                        )
+                        for n in held
+                    ],
+                ),
+            )
+        )
+        for i in range(jobs):
+            fleet.place(f"{engine_id}-job-{i}", engine, 1)
+    return fleet
+
+
+PLAN = common_pb2.ExpertPlan(generation_params=common_pb2.GenerationParams(max_tokens=16), prompt_bytes=16)
+
+
+def test_the_engine_holding_more_of_the_plans_experts_wins_over_a_less_loaded_one():
+    fleet = _fleet(("idle", 0, []), ("busy-but-hot", 2, ["x", "y"]), ("one-hot", 0, ["x"]))
+    experts = [expert("x", 0.9), expert("y", 0.8)]
+    engine, _ = choose_engine(list(fleet.engines.values()), PLAN, experts, {"x": 100, "y": 100})
+    assert engine.engine_id == "busy-but-hot"
+
+
+def test_the_same_content_counts_as_hot_and_another_version_does_not():
+    fleet = _fleet(("a", 0, []), ("b", 1, ["x"]))
+    other_content = common_pb2.PlannedExpert(name="x", version="1.0.0", score=1.0, content_hash="f" * 64)
+    engine, _ = choose_engine(list(fleet.engines.values()), PLAN, [other_content], {"x": 100})
+    assert engine.engine_id == "a"  # b holds other content under that version: not hot, and busier
+
+
+def test_without_hot_experts_the_least_loaded_engine_is_chosen():
+    fleet = _fleet(("a", 3, []), ("b", 1, []))
+    engine, _ = choose_engine(list(fleet.engines.values()), PLAN, [expert("x", 1.0)], {"x": 100})
+    assert engine.engine_id == "b"
+
+
+def test_an_engine_whose_expert_budget_is_too_small_is_passed_over():
+    fleet = _fleet(("small", 0, []), ("large", 3, []))
+    fleet.engines["small"].info.experts.device_budget_bytes = 150
+    engine, _ = choose_engine(
+        list(fleet.engines.values()), PLAN, [expert("x", 1.0), expert("y", 1.0)], {"x": 100, "y": 100}
+    )
+    assert engine.engine_id == "large"
+
+
+def test_engines_with_no_free_slot_leave_the_job_to_wait():
+    fleet = _fleet(("a", 4, []))
+    with pytest.raises(ServiceError) as busy:
+        choose_engine(list(fleet.engines.values()), PLAN, [], {})
+    assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
