@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.experts.errors import PackageError
+from libs.experts.inspection import inspect_package
 from libs.experts.manifest import BaseModelIdentity, Manifest
 from libs.experts.package import VerifiedPackage, read_package, write_package
 from libs.experts.safetensors_header import read_header
@@ -239,8 +240,12 @@ class ExpertStore:
 
     def _load(self, path: Path) -> StoredExpert:
         try:
-            return StoredExpert.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(raw, dict) and "weight_elements" not in raw:
+                # An entry of the store's first format: count the numbers from its package.
+                raw["weight_elements"] = inspect_package(self.blob_path(raw["content_hash"])).num_parameters
+            return StoredExpert.from_dict(raw)
+        except (OSError, ValueError, KeyError, TypeError, PackageError) as exc:
             raise StoreError(f"the store's index entry {path} is unreadable ({exc})") from None
 
 

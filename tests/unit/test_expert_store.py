@@ -5,10 +5,12 @@ order, and removal."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors.torch import load as safetensors_load
 
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.package import build_package, read_package
@@ -50,6 +52,20 @@ def test_an_installed_package_is_stored_under_its_content_hash(tmp_path, package
     assert store.blob_path(entry.content_hash).read_bytes() == data
     assert store.get("json-parser") == entry == store.get("json-parser", "1.0.0")
     assert read_package(store.read(entry), TRUSTED).manifest == entry.manifest
+
+
+def test_an_entry_counts_the_numbers_of_its_tensors_even_in_the_first_format(tmp_path, package, base, lora):
+    """weight_elements (what an engine holds as float32) is recorded at install; an entry written
+    before the field existed gets it from its package when read."""
+    store = ExpertStore(tmp_path)
+    entry, _ = store.install(package(), TRUSTED, base)
+    expected = sum(t.numel() for t in safetensors_load(lora.weights).values())
+    assert entry.weight_elements == expected
+    path = tmp_path / "index" / "json-parser" / "1.0.0.json"
+    first_format = {k: v for k, v in json.loads(path.read_text()).items() if k != "weight_elements"}
+    path.write_text(json.dumps(first_format))
+    assert store.get("json-parser").weight_elements == expected
+    assert store.install(package(), TRUSTED, base) == (entry, False)
 
 
 def test_installing_the_same_package_again_changes_nothing(tmp_path, package, base):
