@@ -31,17 +31,20 @@ class Dropped:
         return f"preparation: dropped {self.expert.name} (score {self.expert.score:.3f}): {self.reason}"
 
 
+def fits(need_bytes: int, budget_bytes: int) -> bool:
+    """Whether `need_bytes` of experts fit an expert budget (0: the engine reported none)."""
+    return budget_bytes <= 0 or need_bytes <= budget_bytes
+
+
 def fit_to_budget(
     experts: list[common_pb2.PlannedExpert], sizes: Mapping[str, int], budget_bytes: int, where: str
 ) -> tuple[list[common_pb2.PlannedExpert], list[Dropped]]:
     """The experts that fit `budget_bytes` together (in their composition order) and the dropped
-    ones. `sizes` maps a name to its device bytes; a budget of 0 means the engine reported none."""
+    ones. `sizes` maps a name to its device bytes."""
     total = sum(sizes[e.name] for e in experts)
-    if budget_bytes <= 0 or total <= budget_bytes:
-        return list(experts), []
     kept, dropped = list(experts), []
     for expert in sorted(experts, key=lambda e: (e.forced, e.score, e.name)):
-        if total <= budget_bytes:
+        if fits(total, budget_bytes):
             break
         if expert.forced:
             forced = [e for e in kept if e.forced]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from libs.errors import failed_precondition, resource_exhausted, unavailable
 from libs.gen.expert.v1 import common_pb2
+from services.preparation.budget import fits
 from services.preparation.fleet import Engine, Fleet, kv_blocks_needed
 
 
@@ -42,7 +43,7 @@ def choose_engine(
             f"{largest}: lower max_tokens or shorten the prompt"
         )
     device_need = sum(sizes[x.name] for x in experts)
-    able = [e for e in able if _fits_experts(e, device_need)]
+    able = [e for e in able if fits(device_need, e.holdings.device_budget_bytes)]
     ready = [e for e in able if e.free_slots > 0 and e.available_blocks() >= needs[e.engine_id]]
     if not ready:
         raise resource_exhausted("every engine is busy; the job will be placed when one has room")
@@ -54,8 +55,3 @@ def choose_engine(
 
     engine = min(ready, key=preference)
     return engine, needs[engine.engine_id]
-
-
-def _fits_experts(engine: Engine, device_need: int) -> bool:
-    budget = engine.holdings.device_budget_bytes
-    return budget <= 0 or device_need <= budget

@@ -214,18 +214,9 @@ class ExpertIndex:
         )
         return [(IndexedExpert.from_payload(p.payload), float(p.score)) for p in found.points]
 
-    def tagged(self, task_types: list[str], capabilities: list[str]) -> list[IndexedExpert]:
-        """The experts whose manifest lists one of `task_types` or one of `capabilities`."""
-        names = self.routing_tags().tagged(task_types, capabilities)
-        return self._retrieve(sorted(names)) if names else []
-
-    def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
-        """Cosine similarity of `vector` (unit length) to each named expert, for candidates the
-        search did not return."""
-        return self.routing_tags().similarity(vector, names)
-
     def routing_tags(self) -> RoutingTags:
-        """The snapshot of vectors and tags, rebuilt when the registry's revision moved."""
+        """The snapshot of vectors and tags, rebuilt when the registry's revision moved (one read of
+        the revision: take it once per selection)."""
         points = self.client.retrieve(REVISIONS, ids=[_REVISION_POINT], with_payload=True)
         revision = points[0].payload["revision"] if points else ""
         if self._tags is None or self._tags.revision != revision:
@@ -264,7 +255,11 @@ class ExpertIndex:
             ],
         )
 
-    def _retrieve(self, names: list[str]) -> list[IndexedExpert]:
+    def experts(self, names: list[str]) -> list[IndexedExpert]:
+        """The named experts as registered now (fresh success rates and uses); unknown names are
+        left out."""
+        if not names:
+            return []
         points = self.client.retrieve(COLLECTION, ids=[point_id(n) for n in names], with_payload=True)
         return [IndexedExpert.from_payload(p.payload) for p in points]
 

@@ -117,7 +117,8 @@ def select_experts(
         raise invalid_arguments(problems)
 
     task_types, capabilities = heuristic_tags(features)
-    for expert in index.tagged(task_types, capabilities):
+    snapshot = index.routing_tags()
+    for expert in index.experts(sorted(snapshot.tagged(task_types, capabilities))):
         experts[expert.name] = expert
         tags = [f"task {t}" for t in task_types if t in expert.task_types]
         tags += [f"capability {c}" for c in capabilities if c in expert.capabilities]
@@ -130,7 +131,7 @@ def select_experts(
         experts.setdefault(name, forced_experts[name])
         reasons.setdefault(name, []).append("forced")
     unknown_similarity = [name for name in experts if name not in similarities]
-    similarities.update(index.similarity(embedding, unknown_similarity) if unknown_similarity else {})
+    similarities.update(snapshot.similarity(embedding, unknown_similarity))
 
     for name, expert in experts.items():
         similarity = similarities.get(name, 0.0)
