@@ -56,3 +56,15 @@ def clean_redis_url(redis_url: str) -> str:
 
     flush(redis_url)
     return redis_url
+
+
+@pytest.fixture
+def expert_stats(clean_redis_url: str):
+    """The router's feedback statistics on an emptied real Redis, prior 0.5."""
+    import redis
+
+    from services.router.stats import ExpertStats
+
+    client = redis.Redis.from_url(clean_redis_url)
+    yield ExpertStats(client, prior=0.5)
+    client.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 import grpc
+import redis
 import torch
 from redis.asyncio import Redis
 
@@ -20,6 +21,7 @@ from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
 from services.router.registry import Registry
 from services.router.server import RouterServicer
+from services.router.stats import ExpertStats
 
 SERVICE = "expert.v1.RouterService"
 
@@ -35,10 +37,13 @@ async def main() -> None:
     # The expert index: the sentence encoder and Qdrant (embedded under the data directory, or a
     # server), opened before serving so that a broken index stops start-up with its reason.
     client = ExpertIndex.connect(data_dir=config.data_dir, url=config.qdrant_url or None)
-    index = ExpertIndex(client, SentenceEncoder.from_package(), config.prior_success_rate)
+    # The feedback statistics: a synchronous client, used on the executor threads that select.
+    stats_redis = redis.Redis.from_url(config.redis_url)
+    stats = ExpertStats(stats_redis, config.prior_success_rate)
+    index = ExpertIndex(client, SentenceEncoder.from_package(), stats, config.floor)
     servicer = RouterServicer(Planner(index), RouterMetrics(), Registry(index))
-    redis = Redis.from_url(config.redis_url)
-    learner = FeedbackLearner(redis, index, config.feedback_alpha)
+    feedback_redis = Redis.from_url(config.redis_url)
+    learner = FeedbackLearner(feedback_redis, index, config.feedback_alpha)
     learning: asyncio.Task | None = None
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -47,10 +52,13 @@ async def main() -> None:
 
     async def on_start() -> None:
         nonlocal learning
-        # Loads langdetect's profiles and runs the encoder once before the first job.
+        # Loads langdetect's profiles, runs the encoder once and encodes the floors' background
+        # corpus before the first job.
         await servicer.planner.plan(_warm_up_request())
         index.encoder.encode(["Warm up the router."])
-        await redis.ping()  # feedback comes from Redis: not ready without it
+        if index.floor.fixed is None:
+            await asyncio.to_thread(lambda: index.background.vectors)
+        await feedback_redis.ping()  # feedback comes from Redis: not ready without it
         learning = asyncio.create_task(learner.run())
         await health.set_serving(True)
 
@@ -59,7 +67,8 @@ async def main() -> None:
             learning.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await learning
-        await redis.aclose()
+        await feedback_redis.aclose()
+        stats_redis.close()
         client.close()
 
     await serve("router", config.server, register, health=health, on_start=on_start, on_stop=on_stop)

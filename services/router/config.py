@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from libs.config import EnvReader, ServerConfig
+from libs.config import ConfigError, EnvReader, ServerConfig
+from services.router.calibration import CALIBRATED, FloorRule
 
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9152
@@ -20,6 +22,7 @@ class RouterConfig:
     redis_url: str  # the feedback stream
     feedback_alpha: float  # weight of one job's outcome in an expert's success rate
     encoder_threads: int  # torch threads of the sentence encoder
+    floor: FloorRule  # the similarity retrieval needs (calibrated per expert, or fixed)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -34,4 +37,29 @@ class RouterConfig:
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
             feedback_alpha=reader.number("EXPERT_ROUTER_FEEDBACK_ALPHA", 0.1, minimum=0.001, maximum=1.0),
             encoder_threads=reader.integer("EXPERT_ROUTER_ENCODER_THREADS", 1, minimum=1, maximum=256),
+            floor=FloorRule(
+                fixed=_fixed_floor(reader.text("EXPERT_ROUTER_SIMILARITY_FLOOR", CALIBRATED)),
+                quantile=reader.number(
+                    "EXPERT_ROUTER_FLOOR_QUANTILE", FloorRule.quantile, minimum=0.5, maximum=1.0
+                ),
+                margin=reader.number(
+                    "EXPERT_ROUTER_FLOOR_MARGIN", FloorRule.margin, minimum=-1.0, maximum=1.0
+                ),
+            ),
         )
+
+
+def _fixed_floor(value: str) -> float | None:
+    """`calibrated` -> None; a number in [-1, 1] -> that fixed floor."""
+    if value.lower() == CALIBRATED:
+        return None
+    try:
+        floor = float(value)
+    except ValueError:
+        floor = math.nan
+    if not -1.0 <= floor <= 1.0:
+        raise ConfigError(
+            f"EXPERT_ROUTER_SIMILARITY_FLOOR: expected {CALIBRATED!r} or a cosine similarity in [-1, 1], "
+            f"got {value!r}"
+        )
+    return floor

@@ -4,7 +4,9 @@ success rate and use count in the index, so the next Plan scores with what the l
 The routers read `expert:feedback` as one consumer group, so each record counts once however many
 routers run; a record is acknowledged after it was applied, and the records of a router that died
 are taken over by another (at least once: a record applied just before a crash may count twice).
-A job succeeded for an expert when it completed and its output passed validation.
+A job succeeded for an expert when it completed and its output passed validation. The update of an
+expert's statistics is atomic in Redis (`stats.py`), so routers applying records for the same expert
+at the same moment never lose one.
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ class FeedbackLearner:
             log.warning("feedback record without a list of experts: skipped", entry=entry.id)
         else:
             success = entry.fields.get("success") == b"1" and entry.fields.get("validation_passed") == b"1"
-            for name in experts:
-                if isinstance(name, str):
-                    self.index.record_outcome(name, success, self.alpha)
+            names = [name for name in experts if isinstance(name, str)]
+            # Qdrant and Redis calls: on a thread, off the event loop.
+            await asyncio.to_thread(self._record, names, success)
             self.applied += 1
         await ack(self.redis, FEEDBACK_STREAM, GROUP, entry.id)
+
+    def _record(self, names: list[str], success: bool) -> None:
+        for name in names:
+            self.index.record_outcome(name, success, self.alpha)

@@ -3,22 +3,26 @@
 Each expert that can be selected has one point: its vector is the mean of the sentence embeddings of
 its description, its keywords and each of its example prompts, scaled to unit length (seed 000's
 `expert.embedding`, so cosine similarity to a prompt's embedding is a dot product). The payload
-holds the manifest's routing facts, the package's content hash and size, and what feedback taught:
-the success rate (an exponential moving average starting from a prior) and the use count.
+holds the manifest's routing facts and the package's content hash and size. What feedback taught (the
+success rate and use count) lives in Redis (`stats.py`), where every router can update it atomically;
+the index attaches it to every expert it returns.
 
 One point per expert name: the version installed last is the one selected; registering the same
 version again keeps what feedback taught, a new version starts again from the prior.
+
+Retrieval takes an expert only when the prompt's similarity reaches that expert's floor
+(`calibration.py`): calibrated per expert against generic prompts by default, or one fixed floor.
 
 Qdrant runs embedded (qdrant-client's local mode, on disk under the data directory) or as a server
 (a URL); the code path is the same.
 
 Selection's heuristic candidates (experts tagged with a task type or capability) and their
 similarities come from `RoutingTags`, a snapshot of the parts of the registry that change only when
-an expert is registered or removed: each expert's vector and tags. Every registration and removal
+an expert is registered or removed: each expert's vector, tags and floor. Every registration and removal
 writes a new revision token to a one-point collection beside the experts, and the snapshot is rebuilt
 when the token differs from the one it was built at, so each router (sharing a Qdrant server or not)
 sees every registration at its next plan. What feedback changes (success rate, uses) is always read
-from Qdrant. A payload-filtered scroll would do the same work, but embedded Qdrant evaluates filters
+from Redis. A payload-filtered scroll would do the same work, but embedded Qdrant evaluates filters
 point by point in Python: 26 ms at 1,000 experts, more than the router's whole budget.
 """
 
@@ -26,19 +30,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from qdrant_client import QdrantClient, models
 
 from libs.experts.manifest import Manifest
+from services.router.calibration import DEFAULT_FLOOR, Background, FloorRule
 from services.router.embedding import SentenceEncoder
+from services.router.stats import ExpertStats, Stats
 
 COLLECTION = "experts"
 REVISIONS = "experts_revision"  # one point: a token that changes with every registration or removal
 _NAMESPACE = uuid.UUID("5b1f0c8e-4d0a-4a53-9c1e-6f2b7f1d9a40")  # point ids: uuid5(namespace, name)
 _REVISION_POINT = str(uuid.uuid5(_NAMESPACE, "revision"))
+_STATS_FIELDS = ("success_rate", "uses")
 
 
 @dataclass(frozen=True)
@@ -56,19 +63,24 @@ class IndexedExpert:
     priority: int
     content_hash: str
     weight_bytes: int
-    success_rate: float
-    uses: int
     registered_at: float
+    success_rate: float  # from the feedback statistics, not the payload
+    uses: int
 
     @classmethod
-    def from_payload(cls, payload: dict) -> IndexedExpert:
-        fields = dict(payload)
+    def from_payload(cls, payload: dict, stats: Stats) -> IndexedExpert:
+        # Registries written before the statistics moved to Redis still carry them: left out.
+        fields = {k: v for k, v in payload.items() if k not in _STATS_FIELDS}
         for name in ("keywords", "task_types", "capabilities", "incompatible_with"):
             fields[name] = tuple(fields[name])
-        return cls(**fields)
+        return cls(**fields, success_rate=stats.success_rate, uses=stats.uses)
 
     def payload(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self).items()
+            if k not in _STATS_FIELDS
+        }
 
 
 def expert_text(manifest: Manifest) -> list[str]:
@@ -86,12 +98,17 @@ def point_id(name: str) -> str:
 
 @dataclass(frozen=True)
 class RoutingTags:
-    """The registry's vectors and tags at one revision."""
+    """The registry's vectors, tags and similarity floors at one revision."""
 
     revision: str
     names: tuple[str, ...]
     vectors: torch.Tensor  # [len(names), dim], unit rows
     by_tag: dict[str, frozenset[str]]  # "task:<type>" or "capability:<name>" -> expert names
+    floors: dict[str, float]  # name -> the similarity retrieval needs to take the expert
+
+    @property
+    def lowest_floor(self) -> float:
+        return min(self.floors.values(), default=1.0)
 
     def tagged(self, task_types: list[str], capabilities: list[str]) -> set[str]:
         keys = [f"task:{t}" for t in task_types] + [f"capability:{c}" for c in capabilities]
@@ -106,13 +123,18 @@ class RoutingTags:
 
 class ExpertIndex:
     def __init__(
-        self, client: QdrantClient, encoder: SentenceEncoder, prior_success_rate: float = 0.5
+        self,
+        client: QdrantClient,
+        encoder: SentenceEncoder,
+        stats: ExpertStats,
+        floor: FloorRule = DEFAULT_FLOOR,
+        background: Background | None = None,
     ) -> None:
-        if not 0.0 <= prior_success_rate <= 1.0:
-            raise ValueError(f"prior_success_rate must be in [0, 1], got {prior_success_rate}")
         self.client = client
         self.encoder = encoder
-        self.prior_success_rate = prior_success_rate
+        self.stats = stats
+        self.floor = floor
+        self.background = background or Background(encoder)
         if not client.collection_exists(COLLECTION):
             client.create_collection(
                 COLLECTION,
@@ -139,8 +161,6 @@ class ExpertIndex:
 
     def register(self, manifest: Manifest, content_hash: str, weight_bytes: int) -> IndexedExpert:
         """Make this version of the expert the selectable one (see the module's notes on stats)."""
-        previous = self.find(manifest.name)
-        same_version = previous is not None and previous.version == manifest.version
         expert = IndexedExpert(
             name=manifest.name,
             version=manifest.version,
@@ -153,9 +173,9 @@ class ExpertIndex:
             priority=manifest.priority,
             content_hash=content_hash,
             weight_bytes=weight_bytes,
-            success_rate=previous.success_rate if same_version else self.prior_success_rate,
-            uses=previous.uses if same_version else 0,
             registered_at=time.time(),
+            # The statistics are kept per version: the same version keeps them, a new one starts anew.
+            **vars(self.stats.read([(manifest.name, manifest.version)])[0]),
         )
         vector = self.embed_expert(manifest)
         self.client.upsert(
@@ -174,6 +194,7 @@ class ExpertIndex:
     def remove(self, name: str) -> IndexedExpert:
         expert = self.get(name)
         self.client.delete(COLLECTION, points_selector=models.PointIdsList(points=[point_id(name)]))
+        self.stats.forget(name)
         self._new_revision()
         return expert
 
@@ -184,35 +205,38 @@ class ExpertIndex:
         return expert
 
     def find(self, name: str) -> IndexedExpert | None:
-        points = self.client.retrieve(COLLECTION, ids=[point_id(name)], with_payload=True)
-        return IndexedExpert.from_payload(points[0].payload) if points else None
+        found = self.experts([name])
+        return found[0] if found else None
 
     def count(self) -> int:
         return self.client.count(COLLECTION, exact=True).count
 
     def list(self) -> list[IndexedExpert]:
-        return sorted(self._scroll(None), key=lambda e: e.name)
-
-    def _scroll(self, where: models.Filter | None) -> list[IndexedExpert]:
-        experts, offset = [], None
+        payloads, offset = [], None
         while True:
-            points, offset = self.client.scroll(
-                COLLECTION, scroll_filter=where, limit=256, offset=offset, with_payload=True
-            )
-            experts.extend(IndexedExpert.from_payload(p.payload) for p in points)
+            points, offset = self.client.scroll(COLLECTION, limit=256, offset=offset, with_payload=True)
+            payloads.extend(p.payload for p in points)
             if offset is None:
-                return experts
+                return sorted(self._with_stats(payloads), key=lambda e: e.name)
+
+    def _with_stats(self, payloads: list[dict]) -> list[IndexedExpert]:
+        """The experts of these payloads, with their feedback statistics (one Redis round trip)."""
+        stats = self.stats.read([(p["name"], p["version"]) for p in payloads])
+        return [IndexedExpert.from_payload(p, s) for p, s in zip(payloads, stats, strict=True)]
 
     # -- selection and feedback -----------------------------------------------------------------------
 
     def search(
-        self, vector: torch.Tensor, k: int = 30, threshold: float = 0.6
+        self, vector: torch.Tensor, tags: RoutingTags, k: int = 30
     ) -> list[tuple[IndexedExpert, float]]:
-        """Up to `k` experts whose cosine similarity to `vector` is at least `threshold`, best first."""
+        """Up to `k` experts nearest `vector`, best first, each with its cosine similarity, keeping those
+        whose similarity reaches their floor in `tags` (the snapshot this selection reads)."""
         found = self.client.query_points(
-            COLLECTION, query=vector.tolist(), limit=k, score_threshold=threshold, with_payload=True
+            COLLECTION, query=vector.tolist(), limit=k, score_threshold=tags.lowest_floor, with_payload=True
         )
-        return [(IndexedExpert.from_payload(p.payload), float(p.score)) for p in found.points]
+        passed = [p for p in found.points if p.score >= tags.floors.get(p.payload["name"], 1.0)]
+        experts = self._with_stats([p.payload for p in passed])
+        return [(e, float(p.score)) for e, p in zip(experts, passed, strict=True)]
 
     def routing_tags(self) -> RoutingTags:
         """The snapshot of vectors and tags, rebuilt when the registry's revision moved (one read of
@@ -245,7 +269,8 @@ class ExpertIndex:
                 break
         matrix = torch.tensor(vectors, dtype=torch.float32) if vectors else torch.empty(0, self.encoder.dim)
         frozen = {k: frozenset(v) for k, v in by_tag.items()}
-        return RoutingTags(revision, tuple(names), matrix, frozen)
+        floors = dict(zip(names, self.background.floors(matrix, self.floor).tolist(), strict=True))
+        return RoutingTags(revision, tuple(names), matrix, frozen, floors)
 
     def _new_revision(self) -> None:
         self.client.upsert(
@@ -256,22 +281,18 @@ class ExpertIndex:
         )
 
     def experts(self, names: list[str]) -> list[IndexedExpert]:
-        """The named experts as registered now (fresh success rates and uses); unknown names are
-        left out."""
+        """The named experts as registered now, with fresh statistics; unknown names are left out."""
         if not names:
             return []
         points = self.client.retrieve(COLLECTION, ids=[point_id(n) for n in names], with_payload=True)
-        return [IndexedExpert.from_payload(p.payload) for p in points]
+        return self._with_stats([p.payload for p in points])
 
     def record_outcome(self, name: str, success: bool, alpha: float) -> IndexedExpert | None:
-        """Fold one job's outcome into the expert's success rate (an exponential moving average with
-        weight `alpha`) and count the use; None when the expert is no longer registered. A read and
-        a write: the feedback consumer that calls it must be the only writer of an expert's stats."""
+        """Fold one job's outcome into the registered version's success rate (an exponential moving
+        average with weight `alpha`) and count the use, atomically across routers; None when the
+        expert is no longer registered."""
         expert = self.find(name)
         if expert is None:
             return None
-        rate = expert.success_rate + alpha * ((1.0 if success else 0.0) - expert.success_rate)
-        self.client.set_payload(
-            COLLECTION, payload={"success_rate": rate, "uses": expert.uses + 1}, points=[point_id(name)]
-        )
-        return IndexedExpert.from_payload({**expert.payload(), "success_rate": rate, "uses": expert.uses + 1})
+        stats = self.stats.record(name, expert.version, success, alpha)
+        return replace(expert, success_rate=stats.success_rate, uses=stats.uses)

@@ -68,14 +68,15 @@ class Planner:
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
         body = request.body if request.HasField("body") else None
         if self._can_select(request):
-            # Both are CPU work (langdetect in Python, the encoder in torch): off the event loop, in
-            # one executor call, since overlapping them only makes them contend for the GIL.
-            features, vector = await asyncio.get_running_loop().run_in_executor(
-                None, self._analyse, text_for_features, body
+            # CPU work (langdetect in Python, the encoder in torch) and the index's Qdrant and Redis
+            # reads: off the event loop, in one executor call, since splitting the CPU work only makes
+            # its parts contend for the GIL.
+            features, selection = await asyncio.get_running_loop().run_in_executor(
+                None, self._analyse_and_select, request, text_for_features, body
             )
         else:
-            features, vector = extract_features(text_for_features, body), None
-        selection = self._select(request, features, vector)
+            features = extract_features(text_for_features, body)
+            selection = self._select(request, features, None)
         params, tuning_trace = tune_parameters(features, request, max_model_len)
         model_in, text = model_input(request)
         trace = [
@@ -128,8 +129,11 @@ class Planner:
     def _can_select(self, request: common_pb2.InferenceRequest) -> bool:
         return self.index is not None and (bool(request.force_experts) or self.index.count() > 0)
 
-    def _analyse(self, text: str, body: str | None) -> tuple[Features, torch.Tensor]:
-        return extract_features(text, body), self.index.encoder.encode([text])[0]
+    def _analyse_and_select(
+        self, request: common_pb2.InferenceRequest, text: str, body: str | None
+    ) -> tuple[Features, Selection | None]:
+        features = extract_features(text, body)
+        return features, self._select(request, features, self.index.encoder.encode([text])[0])
 
     def _select(
         self, request: common_pb2.InferenceRequest, features: Features, embedding: torch.Tensor | None

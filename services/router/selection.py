@@ -3,7 +3,8 @@
 1. Heuristic candidates from the features: experts whose manifest lists the request's task type, or
    the capability its features call for (`json` for JSON in the prompt, `code` for code, and
    `language:<iso 639-1>` for a language other than English).
-2. Embedding retrieval: the experts nearest the prompt's embedding, k = 30, similarity >= 0.6.
+2. Embedding retrieval: the experts nearest the prompt's embedding, k = 30, each taken when the
+   similarity reaches its floor (calibrated per expert, or one fixed floor: `calibration.py`).
 3. Every candidate is scored 0.50 x similarity + 0.30 x success rate + 0.20 x (1 - vram_mb / 100),
    where vram_mb is the size of its weights in MiB (seed 000's penalty for large experts).
 4. Best first, a candidate incompatible with one already chosen (either side's
@@ -28,7 +29,6 @@ from services.router.features import Features
 from services.router.index import ExpertIndex, IndexedExpert
 
 RETRIEVE_K = 30
-SIMILARITY_THRESHOLD = 0.6
 MAX_EXPERTS = 10
 W_SIMILARITY, W_SUCCESS, W_VRAM = 0.50, 0.30, 0.20
 MIB = 1 << 20
@@ -123,10 +123,10 @@ def select_experts(
         tags = [f"task {t}" for t in task_types if t in expert.task_types]
         tags += [f"capability {c}" for c in capabilities if c in expert.capabilities]
         reasons.setdefault(expert.name, []).extend(tags)
-    for expert, similarity in index.search(embedding, k=RETRIEVE_K, threshold=SIMILARITY_THRESHOLD):
+    for expert, similarity in index.search(embedding, snapshot, k=RETRIEVE_K):
         experts[expert.name] = expert
         similarities[expert.name] = similarity
-        reasons.setdefault(expert.name, []).append("embedding")
+        reasons.setdefault(expert.name, []).append(f"embedding, floor {snapshot.floors[expert.name]:.3f}")
     for name in force:
         experts.setdefault(name, forced_experts[name])
         reasons.setdefault(name, []).append("forced")
@@ -143,7 +143,7 @@ def select_experts(
     selection.trace.append(
         f"features ask for task types {task_types or ['-']} and capabilities {capabilities or ['-']}; "
         f"{len(selection.considered)} candidate(s) "
-        f"(retrieval k={RETRIEVE_K}, similarity >= {SIMILARITY_THRESHOLD})"
+        f"(retrieval k={RETRIEVE_K}, {index.floor.describe()})"
     )
     selection.trace.extend(f"candidate {c.explain()}" for c in selection.considered)
 

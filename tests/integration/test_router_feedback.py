@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from libs.experts.manifest import BaseModelIdentity
@@ -16,6 +17,7 @@ from libs.feedback import FEEDBACK_STREAM
 from services.router.embedding import SentenceEncoder
 from services.router.feedback import GROUP, FeedbackLearner
 from services.router.index import ExpertIndex
+from services.router.stats import ExpertStats
 from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
 
@@ -39,7 +41,8 @@ def test_feedback_moves_the_success_rate_once_per_record(clean_redis_url, tmp_pa
     async def main():
         redis = Redis.from_url(clean_redis_url)
         client = ExpertIndex.connect(data_dir=tmp_path)
-        index = ExpertIndex(client, SentenceEncoder.from_package(), prior_success_rate=0.5)
+        stats_client = SyncRedis.from_url(clean_redis_url)
+        index = ExpertIndex(client, SentenceEncoder.from_package(), ExpertStats(stats_client, prior=0.5))
         index.register(manifest, content_hash="a" * 64, weight_bytes=10)
         learners = [FeedbackLearner(redis, index, alpha=0.5) for _ in range(2)]
         tasks = [asyncio.create_task(learner.run()) for learner in learners]
@@ -68,6 +71,7 @@ def test_feedback_moves_the_success_rate_once_per_record(clean_redis_url, tmp_pa
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await redis.aclose()
+            stats_client.close()
             client.close()
 
     asyncio.run(main())

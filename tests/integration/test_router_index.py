@@ -1,6 +1,7 @@
 """The router's expert index on embedded Qdrant (qdrant-client local mode, on disk) with the real
-sentence encoder: registration, retrieval by meaning with seed 000's k and threshold, feedback as
-an exponential moving average from a prior, and a registry that survives reopening."""
+sentence encoder and a real Redis for the feedback statistics: registration, retrieval by meaning
+with seed 000's k and each expert's floor, feedback as an exponential moving average from a prior,
+and a registry that survives reopening."""
 
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ def manifests(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture
-def index(tmp_path, encoder):
+def index(tmp_path, encoder, expert_stats):
     client = ExpertIndex.connect(data_dir=tmp_path)
-    yield ExpertIndex(client, encoder, prior_success_rate=0.5)
+    yield ExpertIndex(client, encoder, expert_stats)
     client.close()
 
 
@@ -74,15 +75,16 @@ def test_a_prompt_finds_the_expert_whose_skill_it_asks_for(index, manifests, enc
         ("Write a SQL query listing customers with more than three orders.", "sql-writer"),
         ("Translate 'good morning, my friend' into French.", "french"),
     ]:
-        found = index.search(encoder.encode([prompt])[0], k=30, threshold=0.6)
+        tags = index.routing_tags()
+        found = index.search(encoder.encode([prompt])[0], tags, k=30)
         assert found and found[0][0].name == expected, (prompt, [(e.name, round(s, 3)) for e, s in found])
-        assert all(score >= 0.6 for _, score in found)
+        assert all(score >= tags.floors[e.name] for e, score in found)
 
 
-def test_an_unrelated_prompt_finds_nothing_above_the_threshold(index, manifests, encoder):
+def test_an_unrelated_prompt_finds_nothing_above_the_floors(index, manifests, encoder):
     for name in SKILLS:
         index.register(manifests(name), content_hash=name[0] * 64, weight_bytes=1000)
-    assert index.search(encoder.encode(["What colour are flamingos?"])[0], k=30, threshold=0.6) == []
+    assert index.search(encoder.encode(["What colour are flamingos?"])[0], index.routing_tags(), k=30) == []
 
 
 def test_registration_keeps_the_routing_facts(index, manifests):
@@ -116,13 +118,15 @@ def test_the_same_version_again_keeps_its_stats_and_a_new_version_starts_from_th
     assert (renewed.version, renewed.success_rate, renewed.uses) == ("2.0.0", 0.5, 0)
 
 
-def test_the_registry_survives_reopening(tmp_path, encoder, manifests):
+def test_the_registry_survives_reopening(tmp_path, encoder, manifests, expert_stats):
     client = ExpertIndex.connect(data_dir=tmp_path)
-    ExpertIndex(client, encoder).register(manifests("json-parser"), content_hash="a" * 64, weight_bytes=1)
+    ExpertIndex(client, encoder, expert_stats).register(
+        manifests("json-parser"), content_hash="a" * 64, weight_bytes=1
+    )
     client.close()
     client = ExpertIndex.connect(data_dir=tmp_path)
     try:
-        assert [e.name for e in ExpertIndex(client, encoder).list()] == ["json-parser"]
+        assert [e.name for e in ExpertIndex(client, encoder, expert_stats).list()] == ["json-parser"]
     finally:
         client.close()
 
@@ -131,7 +135,7 @@ def test_every_router_sees_the_tags_another_registers_or_removes(index, manifest
     """Two routers on one Qdrant (two indexes on one client): each keeps its own snapshot of the
     experts' vectors and tags, and a registration or removal through either moves the revision
     that makes the other rebuild its snapshot at its next lookup."""
-    other = ExpertIndex(index.client, encoder, prior_success_rate=0.5)
+    other = ExpertIndex(index.client, encoder, index.stats)
     index.register(manifests("sql-writer", task_types=("code_generation",)), "b" * 64, weight_bytes=10)
     assert other.routing_tags().tagged(["code_generation"], []) == {"sql-writer"}
     assert other.routing_tags().tagged([], ["json"]) == set()
@@ -149,3 +153,38 @@ def test_every_router_sees_the_tags_another_registers_or_removes(index, manifest
     index.remove("sql-writer")
     assert other.routing_tags().tagged(["code_generation"], []) == set()
     assert other.routing_tags().similarity(prompt, ["sql-writer"]) == {}
+
+
+def test_two_routers_applying_200_outcomes_at_once_lose_none(index, manifests, encoder, clean_redis_url):
+    """The statistics update is one Redis script: two routers (two indexes, each with its own Redis
+    connection) folding 100 outcomes each into one expert at the same moment count all 200. (A read
+    then a write, as before, loses updates here: both read the same count.)"""
+    import threading
+
+    import redis
+
+    from services.router.stats import ExpertStats
+
+    index.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
+    clients = [redis.Redis.from_url(clean_redis_url) for _ in range(2)]
+    routers = [ExpertIndex(index.client, encoder, ExpertStats(c, prior=0.5)) for c in clients]
+    start = threading.Barrier(2)
+
+    def apply(router: ExpertIndex, success: bool) -> None:
+        start.wait()
+        for _ in range(100):
+            router.record_outcome("sql-writer", success, alpha=0.01)
+
+    threads = [threading.Thread(target=apply, args=pair) for pair in zip(routers, (True, False), strict=True)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        expert = index.get("sql-writer")
+        assert expert.uses == 200
+        # Every outcome moved the rate by 1 % of its distance to 0 or 1: it stays near the prior.
+        assert 0.3 < expert.success_rate < 0.7
+    finally:
+        for c in clients:
+            c.close()

@@ -19,6 +19,7 @@ from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
 from services.router.registry import Registry
 from services.router.server import RouterServicer
+from services.router.stats import ExpertStats
 from tests.helpers.in_process import serving, shared_metrics
 from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
@@ -35,10 +36,10 @@ def manifest_json(tiny_llama, tmp_path_factory) -> bytes:
     return manifest.to_json_bytes()
 
 
-def _scenario(tmp_path, check, *, with_index: bool = True) -> None:
+def _scenario(tmp_path, check, stats: ExpertStats | None) -> None:
     async def main():
-        client = ExpertIndex.connect(data_dir=tmp_path) if with_index else None
-        index = ExpertIndex(client, SentenceEncoder.from_package()) if client else None
+        client = ExpertIndex.connect(data_dir=tmp_path) if stats else None
+        index = ExpertIndex(client, SentenceEncoder.from_package(), stats) if client else None
         registry = Registry(index) if index else None
         servicer = RouterServicer(Planner(index), shared_metrics(RouterMetrics), registry)
 
@@ -56,7 +57,7 @@ def _scenario(tmp_path, check, *, with_index: bool = True) -> None:
     asyncio.run(main())
 
 
-def test_register_get_list_and_unregister(tmp_path, manifest_json):
+def test_register_get_list_and_unregister(tmp_path, manifest_json, expert_stats):
     async def check(stub):
         request = router_pb2.RegisterExpertRequest(
             manifest_json=manifest_json, content_hash=HASH, weight_bytes=4096
@@ -77,10 +78,10 @@ def test_register_get_list_and_unregister(tmp_path, manifest_json):
             await stub.GetRegisteredExpert(router_pb2.GetRegisteredExpertRequest(name="json-parser"))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
-    _scenario(tmp_path, check)
+    _scenario(tmp_path, check, expert_stats)
 
 
-def test_plan_selects_a_registered_expert_and_names_its_package(tmp_path, manifest_json):
+def test_plan_selects_a_registered_expert_and_names_its_package(tmp_path, manifest_json, expert_stats):
     async def check(stub):
         plan_for = router_pb2.PlanRequest(
             job_id="j", request=common_pb2.InferenceRequest(prompt='Parse this JSON: {"a": 1}')
@@ -109,10 +110,10 @@ def test_plan_selects_a_registered_expert_and_names_its_package(tmp_path, manife
         forced = common_pb2.InferenceRequest(prompt="Hello", force_experts=["json-parser"])
         assert (await stub.Plan(router_pb2.PlanRequest(job_id="k", request=forced))).plan.experts[0].forced
 
-    _scenario(tmp_path, check)
+    _scenario(tmp_path, check, expert_stats)
 
 
-def test_bad_registrations_are_refused_naming_the_fields(tmp_path, manifest_json):
+def test_bad_registrations_are_refused_naming_the_fields(tmp_path, manifest_json, expert_stats):
     async def check(stub):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.RegisterExpert(
@@ -139,7 +140,7 @@ def test_bad_registrations_are_refused_naming_the_fields(tmp_path, manifest_json
             )
         assert [f for f, _ in field_violations(refused.value)] == ["manifest_json"]
 
-    _scenario(tmp_path, check)
+    _scenario(tmp_path, check, expert_stats)
 
 
 def test_a_router_without_an_index_refuses_registry_calls(tmp_path):
@@ -148,4 +149,4 @@ def test_a_router_without_an_index_refuses_registry_calls(tmp_path):
             await stub.ListRegisteredExperts(router_pb2.ListRegisteredExpertsRequest())
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-    _scenario(tmp_path, check, with_index=False)
+    _scenario(tmp_path, check, None)

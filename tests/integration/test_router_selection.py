@@ -77,14 +77,14 @@ def encoder() -> SentenceEncoder:
 
 
 @pytest.fixture
-def index(tiny_llama, tmp_path, encoder):
+def index(tiny_llama, tmp_path, encoder, expert_stats):
     adapters = {
         kind: read_peft_adapter(path)
         for kind, path in write_all_adapters(tiny_llama, tmp_path / "peft").items()
     }
     base = BaseModelIdentity.from_dir(tiny_llama)
     client = ExpertIndex.connect(data_dir=tmp_path)
-    index = ExpertIndex(client, encoder, prior_success_rate=0.5)
+    index = ExpertIndex(client, encoder, expert_stats)
     for name, (kind, description, keywords, examples, tasks, caps, incompatible, priority) in EXPERTS.items():
         manifest = manifest_for(
             adapters[kind],
