@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 GEN_STAMP := libs/gen/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench lint run chat kernels redis-server clean
+.PHONY: setup protos model test bench lint run chat experts kernels redis-server clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -68,6 +68,12 @@ lint: setup
 run: setup model $(if $(strip $(EXPERT_REDIS_URL)),,redis-server)
 	mkdir -p data/keys/trusted  # put publishers' *.pub here to trust their .expert packages
 	$(VENV)/bin/expertctl up --model $(MODEL_DIR)
+
+# The demo expert set (docs/experts.md#the-demo-expert-set): trained once with `expertctl expert
+# train` (cached under data/demo-experts/), signed with a local demo key that becomes trusted, and
+# installed into the stack `make run` runs (start it first, in another terminal).
+experts: setup model
+	$(PY) -m libs.experts.demo --base $(MODEL_DIR)
 
 # A chat with the default model on an in-process engine (no services).
 chat: setup model

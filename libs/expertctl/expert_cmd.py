@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from libs.expertctl import registry_cmd
+from libs.expertctl import registry_cmd, train_cmd
 from libs.expertctl.errors import UsageError
 from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
 from libs.experts.errors import ManifestError, PackageError
@@ -27,7 +27,7 @@ _TENSORS_SHOWN = 6
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `expert keygen|pack|verify|install|inspect` to the `expertctl` parser."""
+    """Add `expert keygen|pack|verify|install|inspect|train` to the `expertctl` parser."""
     parser = subparsers.add_parser(
         "expert", help="build, verify and inspect .expert packages", description=__doc__
     )
@@ -83,6 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(handler=_verify)
 
     registry_cmd.add_install(actions)
+    train_cmd.add_train(actions)
 
     inspect = actions.add_parser("inspect", help="show a package's manifest, files, tensors and memory")
     inspect.add_argument("file", metavar="FILE", type=Path, help="the .expert file")
@@ -111,53 +112,48 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _pack(args: argparse.Namespace) -> int:
-    from libs.experts.manifest import BaseModelIdentity, Manifest
-    from libs.experts.package import PACKAGE_SUFFIX, build_package, read_package, write_package
+    from libs.experts.package import PACKAGE_SUFFIX, write_package
+    from libs.experts.packing import ExpertMetadata, pack_adapter
     from libs.experts.peft_adapter import read_peft_adapter
-    from libs.experts.signing import Keyring, SigningError, load_private_key
+    from libs.experts.signing import SigningError, load_private_key
 
     if args.out.suffix != PACKAGE_SUFFIX:
         raise UsageError(f"--out: {args.out} does not end with {PACKAGE_SUFFIX}")
     if args.out.exists() and not args.force:
         raise UsageError(f"--out: {args.out} already exists (--force replaces it)")
     try:
-        adapter = read_peft_adapter(args.peft_dir)
-        base_dir = _base_model_dir(args.base_model, adapter.config.get("base_model_name_or_path"))
-        manifest = Manifest(
+        recorded = read_peft_adapter(args.peft_dir).config.get("base_model_name_or_path")
+        base_dir = _base_model_dir(args.base_model, recorded)
+        metadata = ExpertMetadata(
             name=args.name,
             version=args.version,
             description=args.description,
-            adapter_type=adapter.adapter_type,
-            base_model=BaseModelIdentity.from_dir(base_dir),
-            target_modules=adapter.target_modules,
-            rank=adapter.rank,
-            alpha=adapter.alpha,
-            use_rslora=adapter.use_rslora,
-            num_virtual_tokens=adapter.num_virtual_tokens,
-            feedforward_modules=adapter.feedforward_modules,
-            capabilities=_split(args.capabilities),
             keywords=_split(args.keywords),
             examples=_read_examples(args.examples) if args.examples else (),
+            capabilities=_split(args.capabilities),
             task_types=_split(args.task_types),
             priority=args.priority,
             incompatible_with=_split(args.incompatible_with),
             author=args.author,
         )
-        private_key = load_private_key(args.key)
-        data = build_package(manifest, adapter.config, adapter.weights, private_key)
+        data, package = pack_adapter(args.peft_dir, base_dir, metadata, load_private_key(args.key))
     except (PackageError, ManifestError, SigningError) as exc:
         raise UsageError(str(exc)) from None
-    # Read back what we built, as a server would: a package we cannot read must not be written.
-    package = read_package(data, Keyring.of(private_key.public_key()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_package(args.out, data)
-    print(f"wrote {args.out}")
+    print_packed(args.out, package, base_dir)
+    return 0
+
+
+def print_packed(path: Path, package, base_dir: Path) -> None:
+    """What `pack` (and `train --package`) report of the package written."""
+    manifest = package.manifest
+    print(f"wrote {path}")
     print(f"  expert:       {manifest.name} {manifest.version} ({_adapter_summary(manifest)})")
     print(f"  base model:   {base_dir} ({manifest.base_model.architecture})")
     print(f"  size:         {_size(package.size)}")
     print(f"  content hash: {package.content_hash}")
     print(f"  signed by:    key {package.key_id}")
-    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -1,0 +1,40 @@
+"""`python -m libs.experts.demo [--no-install] [--base DIR] [--router HOST:PORT]`: build the demo
+expert set (cached) and install it into the running stack (`make experts`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
+from libs.experts.demo.build import BuildError, build, install
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m libs.experts.demo", description=__doc__)
+    parser.add_argument("--base", type=Path, default=DEFAULT_MODEL_DIR, help="the base model")
+    parser.add_argument("--router", help="the router to register with (default: expertctl's)")
+    parser.add_argument("--no-install", action="store_true", help="build only")
+    args = parser.parse_args(argv)
+    if not (args.base / "config.json").is_file():
+        print(f"demo: {args.base} is not a checkpoint (make model makes the default one)", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        built = build(args.base)
+        trained = sum(b.seconds for b in built)
+        elapsed = time.perf_counter() - started
+        print(f"demo set: {len(built)} experts, {trained / 60:.1f} min of training, {elapsed:.0f} s in all")
+        if not args.no_install:
+            install([b.package for b in built], args.base, args.router)
+            print("installed: `expertctl experts list` shows them, `expertctl infer --trace` a choice")
+    except BuildError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
