@@ -57,6 +57,7 @@ bench: setup model
 	$(PY) bench/adapters.py --model $(MODEL_DIR)
 	$(PY) bench/pipeline.py --model $(MODEL_DIR)
 	$(PY) bench/routing.py --model $(MODEL_DIR)
+	$(PY) bench/experts.py --model $(MODEL_DIR)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -170,3 +170,63 @@ def test_failed_feedback_lets_a_competitor_overtake(index, encoder):
     for _ in range(10):
         index.record_outcome(leader, False, alpha=0.2)
     assert select(index, encoder, prompt).considered[0].expert.name == rival
+
+
+# Experts known only by a description and keywords, as `expertctl expert pack` makes them without
+# examples: the first scenario the calibrated floors were made for.
+DESCRIBED = {
+    "french-translate": ("Translates English text into French.", ("french", "translation")),
+    "regex-writer": (
+        "Writes regular expressions that match the patterns you describe.",
+        ("regex", "pattern"),
+    ),
+    "summarize": (
+        "Summarizes long articles, emails and documents into a few sentences.",
+        ("summary", "tl;dr"),
+    ),
+    "sql-helper": ("Writes SQL queries for a database schema you give.", ("sql", "query", "database")),
+}
+DESCRIBED_PROMPTS = {
+    "french-translate": "How do I say 'the train leaves at noon' in French?",
+    "regex-writer": "I need a regular expression that matches UK postcodes.",
+    "summarize": "Give me a two-sentence summary of this article: The council approved a new park.",
+    "sql-helper": "Write a SQL query that counts the orders per customer in orders(id, customer_id).",
+}
+UNRELATED = ("What colour are flamingos?", "Tell me a joke about cats.", "How long should I boil an egg?")
+
+
+@pytest.fixture
+def described(tiny_llama, tmp_path, encoder, expert_stats):
+    lora = read_peft_adapter(write_all_adapters(tiny_llama, tmp_path / "peft")["lora"])
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    index = ExpertIndex(client, encoder, expert_stats)
+    for name, (description, keywords) in DESCRIBED.items():
+        manifest = manifest_for(
+            lora,
+            BaseModelIdentity.from_dir(tiny_llama),
+            name=name,
+            description=description,
+            keywords=keywords,
+        )
+        index.register(manifest, content_hash=f"{len(name):064x}", weight_bytes=4 << 20)
+    yield index
+    client.close()
+
+
+@pytest.mark.parametrize("name", sorted(DESCRIBED_PROMPTS))
+def test_an_expert_known_only_by_its_description_is_found_first(described, encoder, name):
+    selection = select(described, encoder, DESCRIBED_PROMPTS[name])
+    assert selection.considered and selection.considered[0].expert.name == name, selection.trace
+
+
+@pytest.mark.parametrize("prompt", UNRELATED)
+def test_unrelated_prompts_get_no_described_expert(described, encoder, prompt):
+    assert select(described, encoder, prompt).fallback
+
+
+def test_the_seeds_fixed_floor_misses_what_the_calibrated_floors_find(described, encoder):
+    from services.router.calibration import FloorRule
+
+    fixed = ExpertIndex(described.client, encoder, described.stats, FloorRule(fixed=0.6))
+    found = {name: not select(fixed, encoder, prompt).fallback for name, prompt in DESCRIBED_PROMPTS.items()}
+    assert not all(found.values())  # why the floor is calibrated: 0.6 turns most of these away

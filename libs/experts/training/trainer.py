@@ -262,6 +262,9 @@ class Trainer:
     def _model(self):
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own bar is the one the user reads
 
         bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         with warnings.catch_warnings():
