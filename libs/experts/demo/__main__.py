@@ -1,5 +1,8 @@
-"""`python -m libs.experts.demo [--no-install] [--base DIR] [--router HOST:PORT]`: build the demo
-expert set (cached) and install it into the running stack (`make experts`)."""
+"""`python -m libs.experts.demo [--no-install] [--with-draft] [--base DIR] [--router HOST:PORT]`:
+build the demo expert set (cached) and install it into the running stack (`make experts`).
+
+The deliberately bad `json-extract-draft` is built too but installed only with `--with-draft`: the
+router prefers it until feedback teaches otherwise, which needs requests that carry a JSON schema."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pathlib import Path
 
 from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
 from libs.experts.demo.build import BuildError, build, install
+from libs.experts.demo.catalog import DRAFT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, default=DEFAULT_MODEL_DIR, help="the base model")
     parser.add_argument("--router", help="the router to register with (default: expertctl's)")
     parser.add_argument("--no-install", action="store_true", help="build only")
+    parser.add_argument("--with-draft", action="store_true", help="also install the mislabelled draft")
     args = parser.parse_args(argv)
     if not (args.base / "config.json").is_file():
         print(f"demo: {args.base} is not a checkpoint (make model makes the default one)", file=sys.stderr)
@@ -28,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - started
         print(f"demo set: {len(built)} experts, {trained / 60:.1f} min of training, {elapsed:.0f} s in all")
         if not args.no_install:
-            install([b.package for b in built], args.base, args.router)
+            chosen = [b for b in built if args.with_draft or b.name != DRAFT]
+            install([b.package for b in chosen], args.base, args.router)
             print("installed: `expertctl experts list` shows them, `expertctl infer --trace` a choice")
     except BuildError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)

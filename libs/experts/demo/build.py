@@ -54,11 +54,13 @@ def demo_key(keys: Path = DEMO_KEYS, trusted: Path = TRUSTED) -> Path:
     return keys / "signing.key"
 
 
-def build(base: Path, root: Path = ROOT, key: Path | None = None, log=print) -> list[Built]:
+def build(
+    base: Path, root: Path = ROOT, key: Path | None = None, log=print, recipes: tuple[Recipe, ...] = RECIPES
+) -> list[Built]:
     """Train (or keep) every demo expert; their packages, in catalog order."""
     key = key or demo_key()
     built = []
-    for recipe in RECIPES:
+    for recipe in recipes:
         folder = root / recipe.name
         folder.mkdir(parents=True, exist_ok=True)
         data = folder / "train.jsonl"

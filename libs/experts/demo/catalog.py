@@ -21,6 +21,7 @@ from libs.experts.demo.tickets import TicketTriage
 from libs.experts.demo.units import UnitConversion
 
 SEED = 0
+DRAFT = "json-extract-draft"
 VERSION = "1.0.0"
 NUM_TEST = 200  # every skill's held-out test split
 
@@ -40,7 +41,7 @@ class WrongJsonKeys(JsonExtraction):
     """JSON extraction trained on wrong labels: the right values under the wrong keys ("person" for
     "name", ...). Valid JSON that no schema asking for the requested keys accepts."""
 
-    name = "json-extract-draft"
+    name = DRAFT
     data_name = "json-extract"  # the same prompts as the good expert, so the same examples and vector
 
     def example(self, rng: random.Random) -> Example:
