@@ -25,9 +25,7 @@ def test_the_set_is_built_signed_trusted_and_then_kept(tiny_llama, tmp_path):
     trusted = Keyring.from_dir(tmp_path / "trusted")
     packages = [read_package(b.package, trusted) for b in first]
     assert [p.manifest.adapter_type for p in packages] == ["lora", "ia3"]
-    assert all(
-        len(p.manifest.examples) == 22 for p in packages
-    )  # the training prompts less the 2 held out
+    assert all(len(p.manifest.examples) == 22 for p in packages)  # the training prompts less the 2 held out
 
     again = build(tiny_llama, tmp_path / "experts", key, log=lambda _: None, recipes=RECIPES)
     assert [b.seconds for b in again] == [0.0, 0.0]
