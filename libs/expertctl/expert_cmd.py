@@ -44,20 +44,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument("--name", required=True, help="the expert's name ([a-z0-9][a-z0-9-]{1,63})")
     pack.add_argument("--version", required=True, help="a SemVer 2.0 version, e.g. 1.0.0")
     pack.add_argument("--description", required=True, help="what the expert is good at")
-    pack.add_argument("--keywords", default="", metavar="A,B,...", help="comma-separated keywords")
-    pack.add_argument("--capabilities", default="", metavar="A,B,...", help="comma-separated capabilities")
-    pack.add_argument("--task-types", default="", metavar="A,B,...", help="comma-separated task types")
+    add_metadata_options(pack)
     pack.add_argument(
         "--examples",
         type=Path,
         metavar="FILE",
         help="example prompts: one per line, or a JSON list of strings",
     )
-    pack.add_argument("--priority", type=int, default=0, help="router priority in [-1000, 1000] (default 0)")
-    pack.add_argument(
-        "--incompatible-with", default="", metavar="A,B,...", help="experts never to combine with"
-    )
-    pack.add_argument("--author", default="", help="who made the expert")
     pack.add_argument(
         "--base-model",
         type=Path,
@@ -92,6 +85,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.set_defaults(handler=_inspect)
 
 
+def add_metadata_options(parser) -> None:
+    """The manifest's router metadata besides name, version and description (`pack` and `train`)."""
+    parser.add_argument("--keywords", default="", metavar="A,B,...", help="comma-separated keywords")
+    parser.add_argument("--capabilities", default="", metavar="A,B,...", help="comma-separated capabilities")
+    parser.add_argument("--task-types", default="", metavar="A,B,...", help="comma-separated task types")
+    parser.add_argument(
+        "--priority", type=int, default=0, help="router priority in [-1000, 1000] (default 0)"
+    )
+    parser.add_argument(
+        "--incompatible-with", default="", metavar="A,B,...", help="experts never to combine with"
+    )
+    parser.add_argument("--author", default="", help="who made the expert")
+
+
+def metadata_from(args: argparse.Namespace, examples: tuple[str, ...] = ()):
+    """The `ExpertMetadata` the options of `add_metadata_options` (and name, version, description) give."""
+    from libs.experts.packing import ExpertMetadata
+
+    return ExpertMetadata(
+        name=args.name,
+        version=args.version,
+        description=args.description,
+        keywords=split_list(args.keywords),
+        examples=examples,
+        capabilities=split_list(args.capabilities),
+        task_types=split_list(args.task_types),
+        priority=args.priority,
+        incompatible_with=split_list(args.incompatible_with),
+        author=args.author,
+    )
+
+
 def _keygen(args: argparse.Namespace) -> int:
     # Imported in the handlers so that other commands do not load `cryptography`.
     from libs.experts.signing import SigningError, generate_keypair, key_id, load_public_key
@@ -113,7 +138,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _pack(args: argparse.Namespace) -> int:
     from libs.experts.package import PACKAGE_SUFFIX, write_package
-    from libs.experts.packing import ExpertMetadata, pack_adapter
+    from libs.experts.packing import pack_adapter
     from libs.experts.peft_adapter import read_peft_adapter
     from libs.experts.signing import SigningError, load_private_key
 
@@ -124,18 +149,7 @@ def _pack(args: argparse.Namespace) -> int:
     try:
         recorded = read_peft_adapter(args.peft_dir).config.get("base_model_name_or_path")
         base_dir = _base_model_dir(args.base_model, recorded)
-        metadata = ExpertMetadata(
-            name=args.name,
-            version=args.version,
-            description=args.description,
-            keywords=_split(args.keywords),
-            examples=_read_examples(args.examples) if args.examples else (),
-            capabilities=_split(args.capabilities),
-            task_types=_split(args.task_types),
-            priority=args.priority,
-            incompatible_with=_split(args.incompatible_with),
-            author=args.author,
-        )
+        metadata = metadata_from(args, _read_examples(args.examples) if args.examples else ())
         data, package = pack_adapter(args.peft_dir, base_dir, metadata, load_private_key(args.key))
     except (PackageError, ManifestError, SigningError) as exc:
         raise UsageError(str(exc)) from None
@@ -269,7 +283,8 @@ def _read_examples(path: Path) -> tuple[str, ...]:
     return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _split(value: str) -> tuple[str, ...]:
+def split_list(value: str) -> tuple[str, ...]:
+    """ "a, b,,c" -> ("a", "b", "c")."""
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 

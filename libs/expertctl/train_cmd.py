@@ -25,6 +25,7 @@ _PACKAGE_OPTIONS = ("name", "version", "description", "key")
 
 def add_train(actions: argparse._SubParsersAction) -> None:
     """`expert train` (added to the `expert` command's actions)."""
+    from libs.expertctl.expert_cmd import add_metadata_options  # expert_cmd registers this module
     from libs.experts.training.trainer import ADAPTER_TYPES, TrainSettings
 
     d = TrainSettings()
@@ -85,14 +86,7 @@ def add_train(actions: argparse._SubParsersAction) -> None:
     pack.add_argument("--description", help="what the expert is good at")
     pack.add_argument("--key", type=Path, metavar="PRIVATE_KEY", help="signing.key from keygen")
     pack.add_argument("--package", type=Path, metavar="FILE.expert", help="the package to write")
-    pack.add_argument("--keywords", default="", metavar="A,B,...", help="comma-separated keywords")
-    pack.add_argument("--capabilities", default="", metavar="A,B,...", help="comma-separated capabilities")
-    pack.add_argument("--task-types", default="", metavar="A,B,...", help="comma-separated task types")
-    pack.add_argument("--priority", type=int, default=0, help="router priority in [-1000, 1000] (0)")
-    pack.add_argument(
-        "--incompatible-with", default="", metavar="A,B,...", help="experts never to combine with"
-    )
-    pack.add_argument("--author", default="", help="who made the expert")
+    add_metadata_options(pack)
     pack.add_argument(
         "--examples",
         type=int,
@@ -104,9 +98,10 @@ def add_train(actions: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from libs.expertctl.expert_cmd import metadata_from
     from libs.experts.errors import ManifestError, PackageError
     from libs.experts.package import PACKAGE_SUFFIX, write_package
-    from libs.experts.packing import ExpertMetadata, check_metadata, pack_adapter
+    from libs.experts.packing import check_metadata, pack_adapter
     from libs.experts.signing import SigningError, load_private_key
     from libs.experts.training.data import DataError, read_jsonl
     from libs.experts.training.run import MAX_EXAMPLES, PreparedRun
@@ -150,17 +145,7 @@ def _train(args: argparse.Namespace) -> int:
             if package_path.exists() and not args.force:
                 raise UsageError(f"--package: {package_path} already exists (--force replaces it)")
             key = load_private_key(args.key)
-            metadata = ExpertMetadata(
-                name=args.name,
-                version=args.version,
-                description=args.description,
-                keywords=_split(args.keywords),
-                capabilities=_split(args.capabilities),
-                task_types=_split(args.task_types),
-                priority=args.priority,
-                incompatible_with=_split(args.incompatible_with),
-                author=args.author,
-            )
+            metadata = metadata_from(args)
             check_metadata(metadata, args.base)
         prepared = PreparedRun(args.base, read_jsonl(args.data), settings)
     except (SettingsError, DataError, ManifestError, SigningError) as exc:
@@ -232,8 +217,6 @@ def _progress_bar(epoch: int, epochs: int):
 
 
 def _modules(value: str | None) -> tuple[str, ...] | None:
-    return None if value is None else _split(value)
+    from libs.expertctl.expert_cmd import split_list
 
-
-def _split(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
+    return None if value is None else split_list(value)
