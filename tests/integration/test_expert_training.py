@@ -217,3 +217,19 @@ def _train_and_pack(base: Path, root: Path, publisher: Publisher, data: Path, *e
          "--name", "x-expert", "--version", "1.0.0", "--description", "d", "--key", str(publisher.key),
          "--package", str(root / "x.expert"), *extra]
     )  # fmt: skip
+
+
+def test_a_template_without_an_end_token_still_teaches_the_expert_to_stop(tiny_llama, tmp_path):
+    import shutil
+
+    base = tmp_path / "model"
+    shutil.copytree(tiny_llama, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(base)
+    encoded = SampleEncoder(tokenizer, 1024).encode(_sample("Shout apple", "APPLE!"))
+    assert encoded.input_ids[-1] == tokenizer.eos_token_id and encoded.labels[-1] == tokenizer.eos_token_id

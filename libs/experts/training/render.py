@@ -70,8 +70,9 @@ class SampleEncoder:
                 )
             context_ids = self.tokenizer.encode(context[len(rendered) :], add_special_tokens=False)
             answer_ids = self.tokenizer.encode(turn[len(context) :], add_special_tokens=False)
+            answer_labels = self._answer_labels(answer_ids)  # may append an end token to answer_ids
             ids += context_ids + answer_ids
-            labels += [IGNORE] * len(context_ids) + self._answer_labels(answer_ids)
+            labels += [IGNORE] * len(context_ids) + answer_labels
             rendered = turn
         return ids, labels
 
@@ -87,10 +88,14 @@ class SampleEncoder:
 
     def _answer_labels(self, answer_ids: list[int]) -> list[int]:
         """The answer's tokens are learned up to and including the first end token; what the template
-        writes after it (a newline) is never generated, so it carries no loss."""
+        writes after it (a newline) is never generated, so it carries no loss. A template that writes
+        no end token after an answer gets the eos token appended (`answer_ids` grows), so the expert
+        still learns to stop."""
         for end, token in enumerate(answer_ids):
             if token in self.stop_ids:
                 return answer_ids[: end + 1] + [IGNORE] * (len(answer_ids) - end - 1)
+        if self.tokenizer.eos_token_id is not None:
+            answer_ids.append(self.tokenizer.eos_token_id)
         return list(answer_ids)
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool, sample: Sample) -> str:
