@@ -1,6 +1,6 @@
 """The router's expert index on embedded Qdrant (qdrant-client local mode, on disk) with the real
 sentence encoder and a real Redis for the feedback statistics: registration, retrieval by meaning
-with seed 000's k and each expert's floor, feedback as an exponential moving average from a prior,
+with k = 30 and each expert's floor, feedback as an exponential moving average from a prior,
 and a registry that survives reopening."""
 
 from __future__ import annotations
