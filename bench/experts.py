@@ -124,7 +124,7 @@ def description_manifest(template, name: str, description: str, keywords: tuple[
     return replace(template, name=name, description=description, keywords=keywords, examples=(), author="")
 
 
-def feedback_loop(engine, index, encoder, recipe) -> tuple[list[str], int | None]:
+def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str], int | None]:
     """FEEDBACK_JOBS JSON jobs with a schema: the expert chosen for each, and the job after which the
     good expert was chosen every time (None if it never settled)."""
     from services.engine import SamplingParams
@@ -154,7 +154,7 @@ def feedback_loop(engine, index, encoder, recipe) -> tuple[list[str], int | None
         chosen_names.append(",".join(names) or "-")
     settled = None
     for i in range(len(chosen_names)):
-        if all(name == recipe.skill.name.removesuffix("-draft") for name in chosen_names[i:]):
+        if all(name == good for name in chosen_names[i:]):
             settled = i
             break
     return chosen_names, settled
@@ -229,13 +229,13 @@ def report_routing(client, root: Path, encoder, packages) -> None:
 
 
 def report_feedback(client, root: Path, encoder, packages, engine) -> None:
-    from libs.experts.demo.catalog import RECIPES
+    from libs.experts.demo.catalog import DRAFT, RECIPES
     from services.router.calibration import FloorRule
 
     print("\n3. Feedback: the mislabelled json-extract-draft against json-extract")
     index = index_of(client, root, "feedback", encoder, FloorRule(), packages, RECIPES, False)
-    draft = next(r for r in RECIPES if r.name == "json-extract-draft")
-    chosen, settled = feedback_loop(engine, index, encoder, draft)
+    draft = next(r for r in RECIPES if r.name == DRAFT)
+    chosen, settled = feedback_loop(engine, index, encoder, draft, good="json-extract")
     index.client.close()
     print("   chosen per job:", " ".join(chosen))
     if settled is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -151,9 +150,7 @@ def _train(args: argparse.Namespace) -> int:
     except (SettingsError, DataError, ManifestError, SigningError) as exc:
         raise UsageError(str(exc)) from None
 
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    report = prepared.train(args.out, _progress_bar)
+    report = prepared.train(args.out, _progress_bar)  # replaces --out only once training finished
     summary = {"adapter": report.to_dict()}
     if metadata is not None:
         metadata = metadata.with_examples(prepared.example_prompts(args.examples))

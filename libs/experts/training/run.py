@@ -9,8 +9,8 @@ import random
 from pathlib import Path
 
 from libs.experts.training.data import Sample
-from libs.experts.training.render import Encoded, SampleEncoder
-from libs.experts.training.trainer import Progress, Trainer, TrainReport, TrainSettings, split
+from libs.experts.training.render import SampleEncoder
+from libs.experts.training.trainer import Trainer, TrainReport, TrainSettings, split
 from services.engine.tokenizer import Tokenizer
 
 MAX_EXAMPLES = 50  # a manifest holds at most 50 example prompts
@@ -29,10 +29,6 @@ class PreparedRun:
         encoded = [encoder.encode(sample) for sample in samples]
         self.train_split, self.eval_split = split(encoded, settings.eval_fraction, settings.seed)
         self.samples = samples
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(e.input_ids) for e in self.train_split)
 
     def train(self, out_dir: Path, progress=None) -> TrainReport:
         pad = self.tokenizer.pad_token_id
@@ -58,6 +54,3 @@ def context_length(base_dir: Path) -> int:
     config = json.loads((base_dir / "config.json").read_text())
     text = config.get("text_config", config)
     return int(text.get("max_position_embeddings") or 2048)
-
-
-__all__ = ["Encoded", "PreparedRun", "Progress", "context_length"]

@@ -184,8 +184,9 @@ class Trainer:
         out_dir: Path,
         progress: Callable[[int, int], Progress] | None = None,
     ) -> TrainReport:
-        """Train, then save the best epoch's adapter to `out_dir` (which must not exist yet: it is
-        written whole or not at all). `progress(epoch, epochs)` gives a callback for that epoch's steps."""
+        """Train, then save the best epoch's adapter to `out_dir` (written whole or not at all; an
+        adapter already there is replaced). `progress(epoch, epochs)` gives a callback for that
+        epoch's steps."""
         started = time.perf_counter()
         s = self.settings
         torch.manual_seed(s.seed)
@@ -381,11 +382,14 @@ def _load_adapter_state(model, state: dict[str, torch.Tensor] | None) -> None:
 
 
 def _save(model, out_dir: Path) -> None:
-    """Write the adapter next to `out_dir` and rename it into place, so a failure leaves nothing."""
+    """Write the adapter next to `out_dir` and rename it into place (replacing an older one only
+    then), so a failure leaves nothing new and loses nothing old."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         model.save_pretrained(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
