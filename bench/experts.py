@@ -8,8 +8,9 @@
    should get no expert. The registry holds the six demo experts (known by their description,
    keywords and training prompts) and seven experts known only by a description and keywords. Top-1
    is the best-scored expert chosen; top-3 the three best. Targets: top-1 >= 95 %, unrelated prompts
-   to none >= 95 %, description-only top-1 >= 90 %. The same figures with the original fixed 0.6
-   floor are printed beside them.
+   to none >= 95 %, description-only top-1 >= 90 %. The same figures with calibrated floors alone
+   (no keyword boost, topic gate or companion ratio), and with the original fixed 0.6 floor, are
+   printed beside them (prompts are compared sentence by sentence in all three).
 3. Feedback. The deliberately bad `json-extract-draft` (trained on wrong labels) against the good
    `json-extract`, on JSON requests that carry a schema: each job is planned, generated with the chosen
    expert, validated by postproc's validator and fed back; the job after which the good expert is
@@ -85,13 +86,14 @@ def lift(engine, recipes) -> list[tuple]:
 def routing(index, encoder, prompts: dict[str, list[str]], description_only: set[str]) -> dict[str, float]:
     """The routing figures of `index` on the labelled set (percentages)."""
     from services.router.features import extract_features
+    from services.router.matching import PromptQuery
     from services.router.selection import select_experts
 
     top1 = top3 = labelled = desc_right = desc_total = none_right = routed_none = routed_none_right = 0
     chosen_total = 0
     for label, texts in prompts.items():
         for text in texts:
-            selection = select_experts(extract_features(text), encoder.encode([text])[0], index)
+            selection = select_experts(extract_features(text), PromptQuery.encode(encoder, text), index)
             chosen = {c.expert.name for c in selection.chosen}
             ranked = [c.expert.name for c in selection.considered if c.expert.name in chosen]
             if not ranked:
@@ -130,6 +132,7 @@ def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str],
     from services.engine import SamplingParams
     from services.postproc.validation import validate_output
     from services.router.features import extract_features
+    from services.router.matching import PromptQuery
     from services.router.selection import select_experts
 
     _, test = recipe.splits()
@@ -142,7 +145,7 @@ def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str],
             "properties": {k: {"type": "integer" if k == "age" else "string"} for k in example.reference},
         }
         selection = select_experts(
-            extract_features(example.prompt), encoder.encode([example.prompt])[0], index
+            extract_features(example.prompt), PromptQuery.encode(encoder, example.prompt), index
         )
         names = [c.expert.name for c in selection.chosen]
         (out,) = engine.generate(
@@ -167,7 +170,7 @@ def table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def index_of(client, root: Path, name: str, encoder, floor, packages, recipes, description_only: bool):
+def index_of(client, root: Path, name: str, encoder, rules, packages, recipes, description_only: bool):
     """A fresh registry (its own embedded Qdrant, emptied statistics) holding the recipes' experts and,
     asked for, the description-only ones."""
     from services.router.index import ExpertIndex
@@ -175,7 +178,8 @@ def index_of(client, root: Path, name: str, encoder, floor, packages, recipes, d
 
     client.flushall()
     qdrant = ExpertIndex.connect(data_dir=root / name)
-    index = ExpertIndex(qdrant, encoder, ExpertStats(client), floor)
+    floor, matching = rules
+    index = ExpertIndex(qdrant, encoder, ExpertStats(client), floor, matching=matching)
     for recipe in recipes:
         package = packages[recipe.name]
         index.register(package.manifest, package.content_hash, len(package.weights))
@@ -190,20 +194,27 @@ def index_of(client, root: Path, name: str, encoder, floor, packages, recipes, d
 def report_routing(client, root: Path, encoder, packages) -> None:
     from libs.experts.demo.catalog import GOOD
     from services.router.calibration import FloorRule
+    from services.router.matching import MatchRule
 
     prompts = json.loads(ROUTING_SET.read_text())
     labelled = sum(len(v) for k, v in prompts.items() if k != "none")
     unrelated = len(prompts["none"])
     print(f"\n2. Routing on the held-out routing set: {labelled} labelled prompts, {unrelated} unrelated")
     results = {}
-    for label, floor in (("calibrated (default)", FloorRule()), ("fixed 0.6", FloorRule(fixed=0.6))):
-        index = index_of(client, root, label.split()[0], encoder, floor, packages, GOOD, True)
+    plain = MatchRule(keyword_boost=0.0, topic_gate=False, companion_ratio=0.0)
+    variants = {
+        "default: calibrated, keywords, topic gate, companions": (FloorRule(), MatchRule()),
+        "calibrated only": (FloorRule(), plain),
+        "seed: fixed 0.6": (FloorRule(fixed=0.6), plain),
+    }
+    for i, (label, rules) in enumerate(variants.items()):
+        index = index_of(client, root, f"routing{i}", encoder, rules, packages, GOOD, True)
         results[label] = routing(index, encoder, prompts, set(DESCRIPTION_ONLY))
         index.client.close()
     keys = ("top1", "top3", "none_recall", "none_precision", "description_top1")
     table(
         [
-            "floor",
+            "router",
             "top-1",
             "top-3",
             "none recall",
@@ -216,7 +227,7 @@ def report_routing(client, root: Path, encoder, packages) -> None:
             for label, r in results.items()
         ],
     )
-    r = results["calibrated (default)"]
+    r = results["default: calibrated, keywords, topic gate, companions"]
     for what, value, target in (
         ("top-1", r["top1"], TOP1_TARGET),
         ("unrelated to none", r["none_recall"], NONE_TARGET),
@@ -231,9 +242,10 @@ def report_routing(client, root: Path, encoder, packages) -> None:
 def report_feedback(client, root: Path, encoder, packages, engine) -> None:
     from libs.experts.demo.catalog import DRAFT, RECIPES
     from services.router.calibration import FloorRule
+    from services.router.matching import MatchRule
 
     print("\n3. Feedback: the mislabelled json-extract-draft against json-extract")
-    index = index_of(client, root, "feedback", encoder, FloorRule(), packages, RECIPES, False)
+    index = index_of(client, root, "feedback", encoder, (FloorRule(), MatchRule()), packages, RECIPES, False)
     draft = next(r for r in RECIPES if r.name == DRAFT)
     chosen, settled = feedback_loop(engine, index, encoder, draft, good="json-extract")
     index.client.close()

@@ -40,7 +40,7 @@ async def main() -> None:
     # The feedback statistics: a synchronous client, used on the executor threads that select.
     stats_redis = redis.Redis.from_url(config.redis_url)
     stats = ExpertStats(stats_redis, config.prior_success_rate)
-    index = ExpertIndex(client, SentenceEncoder.from_package(), stats, config.floor)
+    index = ExpertIndex(client, SentenceEncoder.from_package(), stats, config.floor, matching=config.matching)
     servicer = RouterServicer(Planner(index), RouterMetrics(), Registry(index))
     feedback_redis = Redis.from_url(config.redis_url)
     learner = FeedbackLearner(feedback_redis, index, config.feedback_alpha)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from libs.config import ConfigError, EnvReader, ServerConfig
 from services.router.calibration import CALIBRATED, FloorRule
+from services.router.matching import MatchRule
 
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9152
@@ -23,6 +24,7 @@ class RouterConfig:
     feedback_alpha: float  # weight of one job's outcome in an expert's success rate
     encoder_threads: int  # torch threads of the sentence encoder
     floor: FloorRule  # the similarity retrieval needs (calibrated per expert, or fixed)
+    matching: MatchRule  # the keyword boost and the topic gate
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -44,6 +46,15 @@ class RouterConfig:
                 ),
                 margin=reader.number(
                     "EXPERT_ROUTER_FLOOR_MARGIN", FloorRule.margin, minimum=-1.0, maximum=1.0
+                ),
+            ),
+            matching=MatchRule(
+                keyword_boost=reader.number(
+                    "EXPERT_ROUTER_KEYWORD_BOOST", MatchRule.keyword_boost, minimum=0.0, maximum=1.0
+                ),
+                topic_gate=reader.boolean("EXPERT_ROUTER_TOPIC_GATE", MatchRule.topic_gate),
+                companion_ratio=reader.number(
+                    "EXPERT_ROUTER_COMPANION_RATIO", MatchRule.companion_ratio, minimum=0.0, maximum=1.0
                 ),
             ),
         )

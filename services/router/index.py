@@ -10,42 +10,58 @@ the index attaches it to every expert it returns.
 One point per expert name: the version installed last is the one selected; registering the same
 version again keeps what feedback taught, a new version starts again from the prior.
 
-Retrieval takes an expert only when the prompt's similarity reaches that expert's floor
-(`calibration.py`): calibrated per expert against generic prompts by default, or one fixed floor.
+Retrieval compares the prompt whole and sentence by sentence, adds a boost for the expert's keywords,
+and takes an expert only when that similarity reaches the expert's floor (`calibration.py`: calibrated
+per expert against generic prompts by default, or one fixed floor), unless the topic gate finds the
+prompt closer to the expert's topic probes than to the expert (`matching.py`). The gate's vectors
+(the probes, and each of the texts the expert is known by) live in a second collection.
 
 Qdrant runs embedded (qdrant-client's local mode, on disk under the data directory) or as a server
 (a URL); the code path is the same.
 
 Selection's heuristic candidates (experts tagged with a task type or capability) and their
 similarities come from `RoutingTags`, a snapshot of the parts of the registry that change only when
-an expert is registered or removed: each expert's vector, tags and floor. Every registration and removal
-writes a new revision token to a one-point collection beside the experts, and the snapshot is rebuilt
-when the token differs from the one it was built at, so each router (sharing a Qdrant server or not)
-sees every registration at its next plan. What feedback changes (success rate, uses) is always read
-from Redis. A payload-filtered scroll would do the same work, but embedded Qdrant evaluates filters
-point by point in Python: 26 ms at 1,000 experts, more than the router's whole budget.
+an expert is registered or removed: each expert's vector, tags, keywords and floor. Every
+registration and removal writes a new revision token to a one-point collection beside the experts,
+and the snapshot is rebuilt when the token differs from the one it was built at, so each router
+(sharing a Qdrant server or not) sees every registration at its next plan. What feedback changes
+(success rate, uses) is always read from Redis. A payload-filtered scroll would do the same work, but
+embedded Qdrant evaluates filters point by point in Python: 26 ms at 1,000 experts, more than the
+router's whole budget.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from qdrant_client import QdrantClient, models
 
 from libs.experts.manifest import Manifest
 from services.router.calibration import DEFAULT_FLOOR, Background, FloorRule
 from services.router.embedding import SentenceEncoder
+from services.router.matching import (
+    DEFAULT_MATCHING,
+    KeywordIndex,
+    MatchRule,
+    PromptQuery,
+    topic_probes,
+)
 from services.router.stats import ExpertStats, Stats
 
 COLLECTION = "experts"
+TOPICS = "expert_topics"  # per expert with keywords: its topic probes and its texts (two multivectors)
 REVISIONS = "experts_revision"  # one point: a token that changes with every registration or removal
 _NAMESPACE = uuid.UUID("5b1f0c8e-4d0a-4a53-9c1e-6f2b7f1d9a40")  # point ids: uuid5(namespace, name)
 _REVISION_POINT = str(uuid.uuid5(_NAMESPACE, "revision"))
 _STATS_FIELDS = ("success_rate", "uses")
+TOPIC_CACHE = 1024  # experts whose gate vectors a router keeps in memory (about 100 KB each)
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,7 @@ class RoutingTags:
     vectors: torch.Tensor  # [len(names), dim], unit rows
     by_tag: dict[str, frozenset[str]]  # "task:<type>" or "capability:<name>" -> expert names
     floors: dict[str, float]  # name -> the similarity retrieval needs to take the expert
+    keywords: KeywordIndex
 
     @property
     def lowest_floor(self) -> float:
@@ -114,11 +131,63 @@ class RoutingTags:
         keys = [f"task:{t}" for t in task_types] + [f"capability:{c}" for c in capabilities]
         return set().union(*(self.by_tag.get(k, frozenset()) for k in keys))
 
-    def similarity(self, vector: torch.Tensor, names: list[str]) -> dict[str, float]:
+    def similarity(self, query: PromptQuery, names: list[str], rule: MatchRule) -> dict[str, float]:
+        """The named experts' similarity to the query as retrieval measures it (best sentence, plus
+        the keyword boost), without floors or the topic gate: for candidates found another way."""
         row = {name: i for i, name in enumerate(self.names)}
         rows = [row[n] for n in names if n in row]
-        scores = (self.vectors[rows] @ vector).tolist() if rows else []
-        return {self.names[r]: s for r, s in zip(rows, scores, strict=True)}
+        if not rows:
+            return {}
+        best = query.best(self.vectors[rows]).values.tolist()
+        hits = self.keywords.matches(query.text)
+        return {
+            self.names[r]: s + (rule.keyword_boost if self.names[r] in hits else 0.0)
+            for r, s in zip(rows, best, strict=True)
+        }
+
+
+@dataclass(frozen=True)
+class Match:
+    """An expert retrieval found for a prompt, and how."""
+
+    expert: IndexedExpert
+    similarity: float  # what selection scores: `cosine`, less the row's margin, plus any keyword boost
+    cosine: float  # the cosine of the row that reached the expert best
+    row: int  # that row of the query (0: the whole prompt, else a sentence)
+    keyword: str | None  # the expert's keyword the prompt contains
+    floor: float
+    topic: Gate | None  # the topic gate's evidence (None: the expert has no probes, or no gate)
+
+    @property
+    def about_topic(self) -> bool:
+        """The prompt talks about the expert's subject rather than asking for its skill."""
+        return self.topic is not None and self.topic.probe >= max(self.similarity, self.topic.own_text)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The whole prompt's cosine to an expert's nearest topic probe and to its nearest own text (its
+    description, keywords or an example): the gate turns the expert away when the probe is at least as
+    close as both the expert's similarity and that text."""
+
+    probe: float
+    own_text: float
+
+
+@dataclass(frozen=True)
+class GateVectors:
+    probes: torch.Tensor  # [probes, dim]
+    texts: torch.Tensor  # [texts, dim]
+
+    @classmethod
+    def of(cls, vectors: dict) -> GateVectors:
+        return cls(*(torch.from_numpy(np.asarray(vectors[k], dtype=np.float32)) for k in ("probes", "texts")))
+
+    def nearest_probe(self, vector: torch.Tensor) -> float:
+        return float((self.probes @ vector).max())
+
+    def nearest_text(self, vector: torch.Tensor) -> float:
+        return float((self.texts @ vector).max())
 
 
 class ExpertIndex:
@@ -129,22 +198,34 @@ class ExpertIndex:
         stats: ExpertStats,
         floor: FloorRule = DEFAULT_FLOOR,
         background: Background | None = None,
+        matching: MatchRule = DEFAULT_MATCHING,
     ) -> None:
         self.client = client
         self.encoder = encoder
         self.stats = stats
         self.floor = floor
+        self.matching = matching
         self.background = background or Background(encoder)
         if not client.collection_exists(COLLECTION):
             client.create_collection(
                 COLLECTION,
                 vectors_config=models.VectorParams(size=encoder.dim, distance=models.Distance.COSINE),
             )
+        if not client.collection_exists(TOPICS):
+            multivector = models.VectorParams(
+                size=encoder.dim,
+                distance=models.Distance.COSINE,
+                multivector_config=models.MultiVectorConfig(comparator=models.MultiVectorComparator.MAX_SIM),
+            )
+            client.create_collection(TOPICS, vectors_config={"probes": multivector, "texts": multivector})
         if not client.collection_exists(REVISIONS):
             client.create_collection(
                 REVISIONS, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT)
             )
         self._tags: RoutingTags | None = None
+        # (name, registered_at) -> its gate vectors (None: it has none), least recently used first.
+        self._topics: OrderedDict[tuple[str, float], GateVectors | None] = OrderedDict()
+        self._topics_lock = threading.Lock()
 
     @staticmethod
     def connect(data_dir: str | Path | None = None, url: str | None = None) -> QdrantClient:
@@ -177,23 +258,27 @@ class ExpertIndex:
             # The statistics are kept per version: the same version keeps them, a new one starts anew.
             **vars(self.stats.read([(manifest.name, manifest.version)])[0]),
         )
-        vector = self.embed_expert(manifest)
+        texts = self.encoder.encode(expert_text(manifest))
+        vector = torch.nn.functional.normalize(texts.mean(dim=0), dim=0)
         self.client.upsert(
             COLLECTION,
             points=[
                 models.PointStruct(id=point_id(expert.name), vector=vector.tolist(), payload=expert.payload())
             ],
         )
+        probes = topic_probes(manifest.keywords)
+        if probes:
+            vectors = {"probes": self.encoder.encode(probes).tolist(), "texts": texts.tolist()}
+            self.client.upsert(TOPICS, points=[models.PointStruct(id=point_id(expert.name), vector=vectors)])
+        else:  # a version without keywords replaces one with them
+            self.client.delete(TOPICS, points_selector=models.PointIdsList(points=[point_id(expert.name)]))
         self._new_revision()
         return expert
 
-    def embed_expert(self, manifest: Manifest) -> torch.Tensor:
-        vectors = self.encoder.encode(expert_text(manifest))
-        return torch.nn.functional.normalize(vectors.mean(dim=0), dim=0)
-
     def remove(self, name: str) -> IndexedExpert:
         expert = self.get(name)
-        self.client.delete(COLLECTION, points_selector=models.PointIdsList(points=[point_id(name)]))
+        for collection in (COLLECTION, TOPICS):
+            self.client.delete(collection, points_selector=models.PointIdsList(points=[point_id(name)]))
         self.stats.forget(name)
         self._new_revision()
         return expert
@@ -226,17 +311,67 @@ class ExpertIndex:
 
     # -- selection and feedback -----------------------------------------------------------------------
 
-    def search(
-        self, vector: torch.Tensor, tags: RoutingTags, k: int = 30
-    ) -> list[tuple[IndexedExpert, float]]:
-        """Up to `k` experts nearest `vector`, best first, each with its cosine similarity, keeping those
-        whose similarity reaches their floor in `tags` (the snapshot this selection reads)."""
-        found = self.client.query_points(
-            COLLECTION, query=vector.tolist(), limit=k, score_threshold=tags.lowest_floor, with_payload=True
+    def search(self, query: PromptQuery, tags: RoutingTags, k: int = 30) -> list[Match]:
+        """Up to `k` experts nearest the query, best first, that reach their floor in `tags` (the
+        snapshot this selection reads), with how each matched (`matching.py`); the caller drops
+        those whose match is `about_topic`."""
+        boost = self.matching.keyword_boost
+        found = self.client.query_batch_points(
+            COLLECTION,
+            requests=[
+                # Lowered by the boost: a keyword can lift an expert over its floor.
+                models.QueryRequest(
+                    query=v.tolist(), limit=k, score_threshold=tags.lowest_floor - boost, with_payload=True
+                )
+                for v in query.vectors
+            ],
         )
-        passed = [p for p in found.points if p.score >= tags.floors.get(p.payload["name"], 1.0)]
-        experts = self._with_stats([p.payload for p in passed])
-        return [(e, float(p.score)) for e, p in zip(experts, passed, strict=True)]
+        best: dict[str, tuple[float, float, int, dict]] = {}  # name -> less its margin, cosine, row, payload
+        for row, response in enumerate(found):
+            for p in response.points:
+                name, reached = p.payload["name"], p.score - query.margin(row)
+                if name not in best or reached > best[name][0]:
+                    best[name] = (reached, float(p.score), row, p.payload)
+        hits = tags.keywords.matches(query.text) if boost else {}
+        passed = []
+        for name, (reached, cosine, row, payload) in best.items():
+            similarity = reached + (boost if name in hits else 0.0)
+            floor = tags.floors.get(name, 1.0)
+            if similarity >= floor:
+                passed.append((name, similarity, cosine, row, payload, floor))
+        passed.sort(key=lambda m: (-m[1], m[0]))
+        passed = passed[:k]
+        topics = self._topic_similarity(query, [m[4] for m in passed]) if self.matching.topic_gate else {}
+        experts = self._with_stats([m[4] for m in passed])
+        return [
+            Match(expert, similarity, cosine, row, hits.get(name), floor, topics.get(name))
+            for expert, (name, similarity, cosine, row, _, floor) in zip(experts, passed, strict=True)
+        ]
+
+    def _topic_similarity(self, query: PromptQuery, payloads: list[dict]) -> dict[str, Gate]:
+        """The topic gate's evidence for each expert (experts without probes are left out). The gate
+        vectors of one registration never change, so each router keeps those it used last in memory:
+        reading 60 vectors per expert from Qdrant for every plan would cost more than the rest of the
+        selection."""
+        keys = [(p["name"], p["registered_at"]) for p in payloads]
+        with self._topics_lock:
+            cached = {key: self._topics[key] for key in keys if key in self._topics}
+            for key in cached:
+                self._topics.move_to_end(key)
+        missing = [key for key in keys if key not in cached]
+        if missing:
+            points = self.client.retrieve(TOPICS, ids=[point_id(n) for n, _ in missing], with_vectors=True)
+            stored = {str(p.id): GateVectors.of(p.vector) for p in points}
+            with self._topics_lock:
+                for key in missing:
+                    cached[key] = self._topics[key] = stored.get(point_id(key[0]))
+                    while len(self._topics) > TOPIC_CACHE:
+                        self._topics.popitem(last=False)
+        return {
+            name: Gate(probe=gate.nearest_probe(query.whole), own_text=gate.nearest_text(query.whole))
+            for (name, _), gate in ((key, cached[key]) for key in keys)
+            if gate is not None
+        }
 
     def routing_tags(self) -> RoutingTags:
         """The snapshot of vectors and tags, rebuilt when the registry's revision moved (one read of
@@ -248,19 +383,20 @@ class ExpertIndex:
         return self._tags
 
     def _build_tags(self, revision: str) -> RoutingTags:
-        names, vectors, by_tag, offset = [], [], {}, None
+        names, vectors, by_tag, keywords, offset = [], [], {}, {}, None
         while True:
             points, offset = self.client.scroll(
                 COLLECTION,
                 limit=256,
                 offset=offset,
-                with_payload=["name", "task_types", "capabilities"],
+                with_payload=["name", "task_types", "capabilities", "keywords"],
                 with_vectors=True,
             )
             for p in points:
                 name = p.payload["name"]
                 names.append(name)
                 vectors.append(p.vector)
+                keywords[name] = p.payload["keywords"]
                 for key in [f"task:{t}" for t in p.payload["task_types"]] + [
                     f"capability:{c}" for c in p.payload["capabilities"]
                 ]:
@@ -270,7 +406,7 @@ class ExpertIndex:
         matrix = torch.tensor(vectors, dtype=torch.float32) if vectors else torch.empty(0, self.encoder.dim)
         frozen = {k: frozenset(v) for k, v in by_tag.items()}
         floors = dict(zip(names, self.background.floors(matrix, self.floor).tolist(), strict=True))
-        return RoutingTags(revision, tuple(names), matrix, frozen, floors)
+        return RoutingTags(revision, tuple(names), matrix, frozen, floors, KeywordIndex(keywords))
 
     def _new_revision(self) -> None:
         self.client.upsert(

@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
-
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
 from services.router.features import Features, extract_features
 from services.router.index import ExpertIndex
+from services.router.matching import PromptQuery
 from services.router.selection import MAX_EXPERTS, Selection, select_experts
 from services.router.tuning import tune_parameters
 
@@ -133,12 +132,12 @@ class Planner:
         self, request: common_pb2.InferenceRequest, text: str, body: str | None
     ) -> tuple[Features, Selection | None]:
         features = extract_features(text, body)
-        return features, self._select(request, features, self.index.encoder.encode([text])[0])
+        return features, self._select(request, features, PromptQuery.encode(self.index.encoder, text))
 
     def _select(
-        self, request: common_pb2.InferenceRequest, features: Features, embedding: torch.Tensor | None
+        self, request: common_pb2.InferenceRequest, features: Features, query: PromptQuery | None
     ) -> Selection | None:
-        if embedding is None:
+        if query is None:
             if request.force_experts:
                 name = request.force_experts[0]
                 raise invalid_argument(
@@ -147,7 +146,7 @@ class Planner:
             return None
         return select_experts(
             features,
-            embedding,
+            query,
             self.index,
             max_experts=request.max_experts if request.HasField("max_experts") else MAX_EXPERTS,
             force=list(request.force_experts),

@@ -4,11 +4,17 @@
    the capability its features call for (`json` for JSON in the prompt, `code` for code, and
    `language:<iso 639-1>` for a language other than English).
 2. Embedding retrieval: the experts nearest the prompt's embedding, k = 30, each taken when the
-   similarity reaches its floor (calibrated per expert, or one fixed floor: `calibration.py`).
+   similarity reaches its floor (calibrated per expert, or one fixed floor: `calibration.py`). The
+   similarity is the best over the prompt and its sentences (a sentence's less a margin), plus a
+   boost when the prompt contains one of the expert's keywords; an expert the prompt only talks
+   about (closer to one of its topic probes than to the expert and its texts) is not taken
+   (`matching.py`).
 3. Every candidate is scored 0.50 x similarity + 0.30 x success rate + 0.20 x (1 - vram_mb / 100),
    where vram_mb is the size of its weights in MiB (seed 000's penalty for large experts).
 4. Best first, a candidate incompatible with one already chosen (either side's
-   `incompatible_with`) is passed over.
+   `incompatible_with`) is passed over, and so is one whose similarity is under the companion ratio
+   (0.5) times the best chosen one's: floors calibrated to keep generic prompts out still let a
+   prompt's weaker neighbours in, and composing an unrelated adapter spoils the answer.
 5. The top K, K = `max_experts` (at most 10). `force_experts` are chosen first whatever their score,
    `exclude_experts` never. Refused, naming the field: an unknown forced name, more forced experts
    than K, two forced experts incompatible with each other, a name both forced and excluded.
@@ -22,11 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from libs.errors import invalid_arguments
 from services.router.features import Features
-from services.router.index import ExpertIndex, IndexedExpert
+from services.router.index import ExpertIndex, IndexedExpert, Match
+from services.router.matching import PromptQuery
 
 RETRIEVE_K = 30
 MAX_EXPERTS = 10
@@ -85,7 +90,7 @@ def heuristic_tags(features: Features) -> tuple[list[str], list[str]]:
 
 def select_experts(
     features: Features,
-    embedding: torch.Tensor,
+    query: PromptQuery,
     index: ExpertIndex,
     *,
     max_experts: int = MAX_EXPERTS,
@@ -123,15 +128,20 @@ def select_experts(
         tags = [f"task {t}" for t in task_types if t in expert.task_types]
         tags += [f"capability {c}" for c in capabilities if c in expert.capabilities]
         reasons.setdefault(expert.name, []).extend(tags)
-    for expert, similarity in index.search(embedding, snapshot, k=RETRIEVE_K):
-        experts[expert.name] = expert
-        similarities[expert.name] = similarity
-        reasons.setdefault(expert.name, []).append(f"embedding, floor {snapshot.floors[expert.name]:.3f}")
+    about_topic = []
+    for match in index.search(query, snapshot, k=RETRIEVE_K):
+        name = match.expert.name
+        if match.about_topic:
+            about_topic.append(match)
+            continue
+        experts[name] = match.expert
+        similarities[name] = match.similarity
+        reasons.setdefault(name, []).append(_retrieval_reason(query, match))
     for name in force:
         experts.setdefault(name, forced_experts[name])
         reasons.setdefault(name, []).append("forced")
     unknown_similarity = [name for name in experts if name not in similarities]
-    similarities.update(snapshot.similarity(embedding, unknown_similarity))
+    similarities.update(snapshot.similarity(query, unknown_similarity, index.matching))
 
     for name, expert in experts.items():
         similarity = similarities.get(name, 0.0)
@@ -143,7 +153,13 @@ def select_experts(
     selection.trace.append(
         f"features ask for task types {task_types or ['-']} and capabilities {capabilities or ['-']}; "
         f"{len(selection.considered)} candidate(s) "
-        f"(retrieval k={RETRIEVE_K}, {index.floor.describe()})"
+        f"(retrieval k={RETRIEVE_K}, {index.floor.describe()}, {index.matching.describe()})"
+    )
+    selection.trace.extend(
+        f"{m.expert.name}: not taken by retrieval, the prompt is about its topic rather than a task for "
+        f"it (nearest topic probe {m.topic.probe:.3f} >= similarity {m.similarity:.3f} and nearest "
+        f"own text {m.topic.own_text:.3f})"
+        for m in about_topic
     )
     selection.trace.extend(f"candidate {c.explain()}" for c in selection.considered)
 
@@ -152,6 +168,7 @@ def select_experts(
     forced = [by_name[name] for name in dict.fromkeys(force)]
     others = [c for c in selection.considered if c.expert.name not in force]
     chosen: list[Candidate] = []
+    ratio = index.matching.companion_ratio
     for candidate in forced + others:
         name = candidate.expert.name
         if name in exclude:
@@ -173,6 +190,13 @@ def select_experts(
         if len(chosen) >= limit:
             selection.trace.append(f"{name}: beyond max_experts {limit}")
             continue
+        leader = next((c for c in chosen if c.expert.name not in force), None)
+        if leader is not None and name not in force and candidate.similarity < ratio * leader.similarity:
+            selection.trace.append(
+                f"{name}: similarity {candidate.similarity:.3f} under {ratio:g} x the leader "
+                f"{leader.expert.name}'s {leader.similarity:.3f}; not composed with it"
+            )
+            continue
         chosen.append(candidate)
     selection.chosen = sorted(chosen, key=_composition_key)
     if selection.chosen:
@@ -183,6 +207,20 @@ def select_experts(
     else:
         selection.trace.append("no suitable expert: the base model answers (fallback)")
     return selection
+
+
+def _retrieval_reason(query: PromptQuery, match: Match) -> str:
+    """E.g. "embedding 0.412 (sentence 2) - 0.08 + keyword 'sql', floor 0.262, topic probe 0.180"."""
+    margin = query.margin(match.row)
+    parts = [f"embedding {match.cosine:.3f} ({query.source(match.row)})"]
+    if margin:
+        parts.append(f" - {margin:g}")
+    if match.keyword:
+        parts.append(f" + keyword {match.keyword!r}")
+    parts.append(f", floor {match.floor:.3f}")
+    if match.topic is not None:
+        parts.append(f", topic probe {match.topic.probe:.3f}, own text {match.topic.own_text:.3f}")
+    return "".join(parts)
 
 
 def _incompatible(a: IndexedExpert, b: IndexedExpert) -> bool:

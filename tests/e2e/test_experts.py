@@ -402,8 +402,10 @@ def test_a_second_job_with_the_same_experts_goes_where_they_are_hot_and_sends_no
 
 
 def test_an_over_budget_plan_is_degraded_and_says_so(client):
-    """Three summarization LoRAs are chosen; the engines' expert budget holds two."""
-    result = _infer(client, "Summarize the key points of this report in short: sales rose and costs fell.")
+    """Three summarization LoRAs are chosen (the prompt names each one's kind, so none falls under the
+    companion ratio); the engines' expert budget holds two."""
+    prompt = "Summarize the key points of this report as a one line TL;DR: sales rose and costs fell."
+    result = _infer(client, prompt)
     chosen = {"summarizer", "bullet-points", "tldr"}
     order = next(line for line in result.reasoning_trace.splitlines() if line.startswith("composition order"))
     assert chosen <= set(order.split(": ", 1)[1].split(", "))  # the router's plan named all three

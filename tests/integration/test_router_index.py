@@ -1,7 +1,7 @@
 """The router's expert index on embedded Qdrant (qdrant-client local mode, on disk) with the real
 sentence encoder and a real Redis for the feedback statistics: registration, retrieval by meaning
-with k = 30 and each expert's floor, feedback as an exponential moving average from a prior,
-and a registry that survives reopening."""
+with k = 30 and each expert's floor (by sentence, keywords and topic probes), feedback as an
+exponential moving average from a prior, and a registry that survives reopening."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.peft_adapter import read_peft_adapter
 from services.router.embedding import SentenceEncoder
-from services.router.index import ExpertIndex, point_id
+from services.router.index import TOPICS, ExpertIndex, expert_text, point_id
+from services.router.matching import SENTENCE_MARGIN, MatchRule, PromptQuery, topic_probes
 from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
 
@@ -46,16 +47,8 @@ def manifests(tiny_llama, tmp_path_factory):
 
     def make(name: str, version: str = "1.0.0", **extra):
         description, keywords, examples = SKILLS[name]
-        return manifest_for(
-            lora,
-            base,
-            name=name,
-            version=version,
-            description=description,
-            keywords=keywords,
-            examples=examples,
-            **extra,
-        )
+        fields = {"description": description, "keywords": keywords, "examples": examples, **extra}
+        return manifest_for(lora, base, name=name, version=version, **fields)
 
     return make
 
@@ -76,15 +69,79 @@ def test_a_prompt_finds_the_expert_whose_skill_it_asks_for(index, manifests, enc
         ("Translate 'good morning, my friend' into French.", "french"),
     ]:
         tags = index.routing_tags()
-        found = index.search(encoder.encode([prompt])[0], tags, k=30)
-        assert found and found[0][0].name == expected, (prompt, [(e.name, round(s, 3)) for e, s in found])
-        assert all(score >= tags.floors[e.name] for e, score in found)
+        found = index.search(PromptQuery.encode(encoder, prompt), tags, k=30)
+        summary = [(m.expert.name, round(m.similarity, 3)) for m in found]
+        assert found and found[0].expert.name == expected, (prompt, summary)
+        assert all(m.similarity >= tags.floors[m.expert.name] for m in found)
+        assert not found[0].about_topic
 
 
 def test_an_unrelated_prompt_finds_nothing_above_the_floors(index, manifests, encoder):
     for name in SKILLS:
         index.register(manifests(name), content_hash=name[0] * 64, weight_bytes=1000)
-    assert index.search(encoder.encode(["What colour are flamingos?"])[0], index.routing_tags(), k=30) == []
+    query = PromptQuery.encode(encoder, "What colour are flamingos?")
+    assert index.search(query, index.routing_tags(), k=30) == []
+
+
+def test_the_best_sentence_counts_when_context_dilutes_the_task(index, manifests, encoder):
+    """The task in the last sentence: its own embedding reaches the expert better than the whole
+    prompt's, even after the sentence margin, and the match says which row it came from."""
+    index.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
+    prompt = (
+        "We moved the shop to a new building last spring and hired two more people. "
+        "Business is good and the team is happy. Write a SQL query that counts orders per customer."
+    )
+    query = PromptQuery.encode(encoder, prompt)
+    assert query.vectors.shape[0] == 4  # the whole prompt and its three sentences
+    (match,) = index.search(query, index.routing_tags(), k=30)
+    whole = float(index.routing_tags().vectors[0] @ query.whole)
+    assert match.row == 3 and match.cosine - SENTENCE_MARGIN > whole
+    assert match.similarity == pytest.approx(match.cosine - SENTENCE_MARGIN + index.matching.keyword_boost)
+
+
+def test_a_keyword_lifts_the_similarity_by_the_boost(tmp_path, manifests, encoder, expert_stats):
+    client = ExpertIndex.connect(data_dir=tmp_path)
+    try:
+        boosted = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(keyword_boost=0.2))
+        plain = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(keyword_boost=0.0))
+        boosted.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
+        query = PromptQuery.encode(encoder, "Count the rows per customer with an SQL statement.")
+        (with_keyword,) = boosted.search(query, boosted.routing_tags(), k=30)
+        (without,) = plain.search(query, plain.routing_tags(), k=30)
+        assert with_keyword.keyword == "sql" and without.keyword is None
+        assert with_keyword.similarity == pytest.approx(without.similarity + 0.2)
+        assert with_keyword.cosine == pytest.approx(without.cosine)
+    finally:
+        client.close()
+
+
+def test_a_question_about_the_topic_is_gated_and_a_task_is_not(index, manifests, encoder):
+    """Topic probes and the expert's own texts are stored at registration; a question about French
+    is closer to a probe than to the expert and to its texts, a translation task is not."""
+    index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
+    (stored,) = index.client.retrieve(TOPICS, ids=[point_id("french")], with_vectors=True)
+    assert len(stored.vector["probes"]) == len(topic_probes(SKILLS["french"][1]))
+    assert len(stored.vector["texts"]) == len(expert_text(manifests("french")))
+    tags = index.routing_tags()
+    (about,) = index.search(PromptQuery.encode(encoder, "Is French a hard language to learn?"), tags, k=30)
+    assert about.about_topic and about.topic.probe >= max(about.similarity, about.topic.own_text)
+    (task,) = index.search(PromptQuery.encode(encoder, "Translate 'the cat sleeps' into French."), tags, k=30)
+    assert not task.about_topic and task.topic.probe < max(task.similarity, task.topic.own_text)
+    index.remove("french")
+    assert index.client.retrieve(TOPICS, ids=[point_id("french")]) == []
+
+
+def test_a_version_without_keywords_drops_the_topic_gate(index, manifests, encoder):
+    """The router keeps the probes it read; a new registration is a new key, so it never uses the
+    previous version's."""
+    query = PromptQuery.encode(encoder, "Translate 'the cat sleeps' into French.")
+    index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
+    (match,) = index.search(query, index.routing_tags(), k=30)
+    assert match.topic is not None
+    index.register(manifests("french", "2.0.0", keywords=()), content_hash="d" * 64, weight_bytes=10)
+    assert index.client.retrieve(TOPICS, ids=[point_id("french")]) == []
+    (match,) = index.search(query, index.routing_tags(), k=30)
+    assert match.expert.version == "2.0.0" and match.topic is None and not match.about_topic
 
 
 def test_registration_keeps_the_routing_facts(index, manifests):
@@ -144,15 +201,18 @@ def test_every_router_sees_the_tags_another_registers_or_removes(index, manifest
     index.record_outcome("json-parser", False, alpha=0.5)  # stats are read fresh, not from the snapshot
     (json_parser,) = other.experts(sorted(other.routing_tags().tagged(["summarization"], ["json"])))
     assert (json_parser.name, json_parser.success_rate) == ("json-parser", 0.25)
-    prompt = encoder.encode(["Extract the email field from this JSON."])[0]
+    prompt = PromptQuery.encode(encoder, "Extract the email field from this JSON. Then list the keys.")
     (stored,) = index.client.retrieve("experts", ids=[point_id("json-parser")], with_vectors=True)
-    expected = float(torch.tensor(stored.vector) @ prompt)
-    similarity = other.routing_tags().similarity(prompt, ["json-parser", "nobody"])
+    # The best of the prompt and its sentences (less their margin), plus the boost for "json".
+    cosines = prompt.vectors @ torch.tensor(stored.vector)
+    reached = max(float(cosines[0]), float(cosines[1:].max()) - SENTENCE_MARGIN)
+    expected = reached + index.matching.keyword_boost
+    similarity = other.routing_tags().similarity(prompt, ["json-parser", "nobody"], index.matching)
     assert similarity == {"json-parser": pytest.approx(expected)}
 
     index.remove("sql-writer")
     assert other.routing_tags().tagged(["code_generation"], []) == set()
-    assert other.routing_tags().similarity(prompt, ["sql-writer"]) == {}
+    assert other.routing_tags().similarity(prompt, ["sql-writer"], index.matching) == {}
 
 
 def test_two_routers_applying_200_outcomes_at_once_lose_none(index, manifests, encoder, clean_redis_url):

@@ -12,6 +12,7 @@ from libs.experts.peft_adapter import read_peft_adapter
 from services.router.embedding import SentenceEncoder
 from services.router.features import extract_features
 from services.router.index import ExpertIndex
+from services.router.matching import MatchRule, PromptQuery
 from services.router.selection import score, select_experts, vram_mb
 from tests.helpers.manifests import manifest_for
 from tests.helpers.peft_adapters import write_all_adapters
@@ -104,7 +105,7 @@ def index(tiny_llama, tmp_path, encoder, expert_stats):
 
 
 def select(index, encoder, prompt, **kwargs):
-    return select_experts(extract_features(prompt), encoder.encode([prompt])[0], index, **kwargs)
+    return select_experts(extract_features(prompt), PromptQuery.encode(encoder, prompt), index, **kwargs)
 
 
 def test_a_json_prompt_selects_a_json_expert_with_the_seeds_score(index, encoder):
@@ -141,6 +142,20 @@ def test_force_exclude_and_max_experts(index, encoder):
     excluded = select(index, encoder, prompt, exclude=["json-parser", "json-pro"])
     assert not {"json-parser", "json-pro"} & {c.expert.name for c in excluded.chosen}
     assert len(select(index, encoder, prompt, max_experts=1).chosen) == 1
+
+
+def test_a_weak_neighbour_is_not_composed_with_the_leader(index, encoder):
+    """Both JSON experts pass their floors; a companion ratio of 1 keeps only the leader, naming why,
+    and 0 composes both (the original design)."""
+    prompt = "Parse this JSON and extract the email field."
+    every = ExpertIndex(index.client, encoder, index.stats, matching=MatchRule(companion_ratio=0.0))
+    assert {"json-parser", "json-pro"} <= {c.expert.name for c in select(every, encoder, prompt).chosen}
+    alone = ExpertIndex(index.client, encoder, index.stats, matching=MatchRule(companion_ratio=1.0))
+    selection = select(alone, encoder, prompt)
+    (leader,) = selection.chosen
+    runner_up = next(c for c in selection.considered if c.expert.name != leader.expert.name)
+    assert runner_up.similarity < leader.similarity
+    assert any(line.startswith(f"{runner_up.expert.name}: similarity ") for line in selection.trace)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +208,11 @@ DESCRIBED_PROMPTS = {
     "sql-helper": "Write a SQL query that counts the orders per customer in orders(id, customer_id).",
 }
 UNRELATED = ("What colour are flamingos?", "Tell me a joke about cats.", "How long should I boil an egg?")
+# About an expert's subject, not a task for it: the topic gate's case.
+ABOUT_THE_TOPIC = {
+    "french-translate": "Is French a hard language for English speakers to learn?",
+    "regex-writer": "Who invented regular expressions?",
+}
 
 
 @pytest.fixture
@@ -222,6 +242,16 @@ def test_an_expert_known_only_by_its_description_is_found_first(described, encod
 @pytest.mark.parametrize("prompt", UNRELATED)
 def test_unrelated_prompts_get_no_described_expert(described, encoder, prompt):
     assert select(described, encoder, prompt).fallback
+
+
+@pytest.mark.parametrize("name", sorted(ABOUT_THE_TOPIC))
+def test_a_question_about_an_experts_topic_gets_no_expert_and_the_trace_says_why(described, encoder, name):
+    selection = select(described, encoder, ABOUT_THE_TOPIC[name])
+    assert selection.fallback, selection.trace
+    reason = f"{name}: not taken by retrieval, the prompt is about its topic"
+    assert any(line.startswith(reason) for line in selection.trace)
+    ungated = ExpertIndex(described.client, encoder, described.stats, matching=MatchRule(topic_gate=False))
+    assert [c.expert.name for c in select(ungated, encoder, ABOUT_THE_TOPIC[name]).chosen][:1] == [name]
 
 
 def test_the_seeds_fixed_floor_misses_what_the_calibrated_floors_find(described, encoder):
