@@ -1,13 +1,13 @@
 """The pipeline's own cost on the default model, measured in one run: per-stage latency at 1 and 16
-concurrent clients against seed 000's stage budgets, and the end-to-end overhead against calling
-`LLMEngine` directly with the same final input.
+concurrent clients against the stage budgets (docs/design.md#stage-budgets), and the end-to-end
+overhead against calling `LLMEngine` directly with the same final input.
 
 The same prompts run twice: first on an in-process `LLMEngine` (the peer), then through the whole
 stack (a redis-server and the five services as processes, libs.stack) with `ExpertClient.infer`.
 Greedy decoding makes both produce the same tokens, so the difference in wall time per request is
 what reception, the router, preparation, postproc, Redis and the gRPC hops add.
 
-The stages are the job's InferenceMetrics: reception is seed 000's stage 1 (validation,
+The stages are the job's InferenceMetrics: reception is the reception stage (validation,
 normalization, the job id); the enqueue that follows counts in the queue wait; router, preparation
 and postproc are measured inside those services. A stage passes when its p99 is within the budget.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-# Seed 000's stage budgets (ms): a stage passes when its p50 and p99 are at most the upper bound.
+# The stage budgets (ms, docs/design.md#stage-budgets): a stage passes when its p50 and p99 are at
+# most the upper bound.
 BUDGETS_MS = {
     "reception": (0.0, 1.0),
     "router": (10.0, 50.0),

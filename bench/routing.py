@@ -1,7 +1,7 @@
 """Routing and staging on the default model, measured in one run.
 
 Router: the latency of `Plan` over gRPC with 10, 100 and 1,000 registered experts, p50 and p99,
-against the target (p50 <= 25 ms at 1,000 experts, inside seed 000's 10-50 ms router budget). The
+against the target (p50 <= 25 ms at 1,000 experts, inside the router's 10-50 ms stage budget). The
 experts are synthetic manifests (40 domains x 25 skills, each with a description, keywords and an
 example prompt) registered through `RegisterExpert`, so the router embeds them itself. The peer is
 the floor of any embedding router: one all-MiniLM-L6-v2 encode of the prompt in this process.
@@ -31,7 +31,7 @@ from adapters import make_adapters, make_packages
 from pipeline import percentile, stack_env
 
 PLAN_TARGET_P50_MS = 25.0  # at 1,000 experts
-ROUTER_BUDGET_MS = (10.0, 50.0)  # seed 000's stage 2
+ROUTER_BUDGET_MS = (10.0, 50.0)  # the router's stage budget (docs/design.md#stage-budgets)
 SIZES = (10, 100, 1000)
 
 DOMAINS = [

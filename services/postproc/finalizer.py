@@ -1,5 +1,5 @@
-"""Seed 000 post-processing of one job: validate the output, record the metrics, release the engine,
-send feedback to the router."""
+"""Post-processing of one job (docs/design.md#post-processing): validate the output, record the
+metrics, release the engine, send feedback to the router."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed 000's InferenceMetrics, exported as Prometheus metrics by postproc."""
+"""The job metrics (docs/design.md#post-processing), exported as Prometheus metrics by postproc."""
 
 from __future__ import annotations
 

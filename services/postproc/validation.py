@@ -1,5 +1,5 @@
-"""Seed 000's validate_output: JSON for JSON tasks (and a JSON schema when the request carries one),
-Python syntax for code tasks, non-empty text otherwise."""
+"""Output validation (docs/design.md#post-processing): JSON for JSON tasks (and a JSON schema when
+the request carries one), Python syntax for code tasks, non-empty text otherwise."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Seed 000's `check_vram_budget` for a fleet whose engines pre-allocate the base model and the KV pool,
-and its degradation rule ("VRAM overflow -> reduce expert count").
+"""The budget check (docs/design.md#budget-check) for a fleet whose engines pre-allocate the base
+model and the KV pool, and its degradation rule ("VRAM overflow -> reduce expert count").
 
 On an engine, the base model's weights and the KV block pool are allocated once at start, so what a
 job adds is its KV blocks (checked against the free blocks the engine reports, see `fleet`) and its
@@ -7,7 +7,7 @@ experts' device footprint, which must fit the engine's expert budget (`EXPERT_AD
 Experts that do not fit together are dropped lowest score first until the rest fit; forced experts
 go last, and a plan whose forced experts alone do not fit is refused rather than silently changed.
 Experts that fit alone but not next to the ones running jobs pin wait in the engine's scheduler
-(seed 000's other remedy, "queue job").
+(the other remedy, "queue the job").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class PreparationConfig:
     heartbeat_interval_s: float  # what engines are told to use
     engine_timeout_s: float  # an engine silent this long is dropped
     store_dir: str  # the expert store packages are staged from
-    max_hot_experts: int  # experts an engine keeps hot at most (seed 000's ExpertCache.max_hot)
+    max_hot_experts: int  # experts an engine keeps hot at most (docs/design.md#budget-check)
     stage_chunk_bytes: int  # LoadExpert message size
     stage_timeout_s: float  # longest one LoadExpert may take
 

@@ -9,7 +9,7 @@ Each engine also reports the experts it holds (with every heartbeat, and in the 
 or unload preparation makes). A report carries the engine's change counter, so one taken before a
 change preparation already knows of is ignored. A placed job counts as a reference to each of its
 experts on its engine; an expert no job references may be unloaded to make room, least recently
-used first (seed 000's ExpertCache).
+used first.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class PreparationMetrics:
         )
         self.prepare_latency = Histogram(
             "expert_preparation_prepare_latency_seconds",
-            "Time to place a job (seed 000 budget: 1-200 ms)",
+            "Time to place a job (stage budget: 1-200 ms, docs/design.md#stage-budgets)",
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0),
         )
 

@@ -1,10 +1,11 @@
-"""Seed 000 stage 3 for one job outside the accelerator: fit the plan's experts to the budget, choose
+"""Preparation for one job, outside the accelerator: fit the plan's experts to the budget, choose
 the engine, reserve its slot and KV, stage the experts it lacks, and say what happened.
 
 The budget is checked twice. Before staging, with the best size known for each expert: the exact
 device footprint an engine reported for it if one holds it, else its tensors as float32 from the
-store (what seed 000 calls vram_mb). After staging, with the exact footprints the chosen engine
-reports. Each check drops the lowest-scored experts until the rest fit (see `budget`).
+store (the score's vram_mb, docs/design.md#selection-and-score). After staging, with the exact
+footprints the chosen engine reports. Each check drops the lowest-scored experts until the rest fit
+(see `budget`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ version, after unloading the least recently used experts no job references if ro
 Preparation is the only one that loads experts on engines in normal operation, so it keeps each
 engine's host tier from overflowing itself: the engine would otherwise evict an expert on its own,
 possibly one a placed job is about to use. Loads and unloads on one engine run one at a time, and an
-expert a concurrent job staged meanwhile is found hot and not sent twice (seed 000 "Expert Sharing").
+expert a concurrent job staged meanwhile is found hot and not sent twice.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Stager:
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.max_hot = max_hot  # experts an engine keeps hot at most (seed 000's ExpertCache.max_hot)
+        self.max_hot = max_hot  # experts an engine keeps hot at most
         self._locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []  # replaced after a failure, closed on close()

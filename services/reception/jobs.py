@@ -163,7 +163,7 @@ class JobRecord:
     error: str
     result: common_pb2.InferenceResult | None
     cancel_requested: bool = False
-    reception_ms: float = 0.0  # seed 000 stage 1 (parse, validate, normalize, job id) for this job
+    reception_ms: float = 0.0  # reception's stage (parse, validate, normalize, job id) for this job
     streaming: bool = False  # a client shows its tokens as they come (InferStream)
     deliveries: int = 0  # times a dispatcher took the job from the queue (a reclaim is another)
 

@@ -1,4 +1,4 @@
-"""InferenceService: reception's public API (seed 000 stage 1).
+"""InferenceService: reception's public API (the reception stage).
 
 Admission — validation, normalization, the job record and the enqueue — happens in the call; the
 rest of the pipeline runs in a dispatcher, and Infer / InferStream follow the job's event stream in
@@ -88,7 +88,7 @@ class ReceptionServicer:
             raise
         priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
         job_id = uuid.uuid4().hex
-        # Seed 000's stage 1 ends here (validated, normalized, a job id): its time goes into the
+        # The reception stage ends here (validated, normalized, a job id): its time goes into the
         # job's metrics. The enqueue that follows is the queue's, and counts in its wait.
         reception_ms = (time.perf_counter() - started_work) * 1000
         submitted_at = await self.jobs.create(

@@ -1,4 +1,5 @@
-"""Seed 000's validate_request, the bounds of every other field, and normalization.
+"""The validation rules (docs/design.md#validation-rules): the original ones, the bounds of every
+other field, and normalization.
 
 Every problem is reported, each naming its field as the proto does ("request.temperature"), so one
 INVALID_ARGUMENT lists all that is wrong with a request.
@@ -15,7 +16,7 @@ import jsonschema
 from libs.errors import invalid_arguments
 from libs.gen.expert.v1 import common_pb2
 
-MAX_PROMPT_CHARS = 500_000  # seed 000: ~100k tokens
+MAX_PROMPT_CHARS = 500_000  # ~100k tokens
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "user", "assistant", "tool")
 TEXT_FIELDS = ("prompt", "template", "body", "user_id", "json_schema")
@@ -64,7 +65,7 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     max_model_len is the fleet's context window (0 when no engine is known yet: the engine checks then).
     """
     problems = normalize(request)
-    # seed 000 validate_request
+    # the original rules
     if not request.prompt and not request.messages:
         problems.append(("request.prompt", "Prompt cannot be empty"))
     if len(request.prompt) > MAX_PROMPT_CHARS:

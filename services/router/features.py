@@ -1,4 +1,5 @@
-"""Seed 000's fast prompt features: language, JSON and code hints, task type by patterns."""
+"""The fast prompt features (docs/design.md#prompt-features): language, JSON and code hints, task
+type by patterns."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def classify_task(prompt: str) -> str:
 
 
 def extract_features(prompt: str, body: str | None = None) -> Features:
-    """Seed 000's extract_features (without the embedding, which comes with the expert index)."""
+    """The features of a prompt (its embedding comes with the expert index)."""
     lowered = prompt.lower()
     return Features(
         language=detect_language(prompt),

@@ -1,8 +1,8 @@
 """The expert index: one vector per expert in a Qdrant collection, with the facts selection needs.
 
 Each expert that can be selected has one point: its vector is the mean of the sentence embeddings of
-its description, its keywords and each of its example prompts, scaled to unit length (seed 000's
-`expert.embedding`, so cosine similarity to a prompt's embedding is a dot product). The payload
+its description, its keywords and each of its example prompts, scaled to unit length (the expert's
+embedding, so cosine similarity to a prompt's embedding is a dot product). The payload
 holds the manifest's routing facts and the package's content hash and size. What feedback taught (the
 success rate and use count) lives in Redis (`stats.py`), where every router can update it atomically;
 the index attaches it to every expert it returns.

@@ -1,6 +1,6 @@
 """How a prompt is compared with an expert, beyond one cosine of two embeddings.
 
-Retrieval (seed 000: the experts nearest the prompt's embedding, k = 30, each above a floor) is kept;
+Retrieval (the experts nearest the prompt's embedding, k = 30, each above a floor) is kept;
 three rules decide what "nearest" means, each measured on the routing benchmark (`docs/experts.md`):
 
 - **Sentences.** A request often wraps its task in context ("We moved offices last week. Convert
@@ -53,7 +53,8 @@ TOPIC_TEMPLATES = (
 class MatchRule:
     """The tunable parts: the keyword boost (0 turns it off), whether the topic gate applies, and the
     companion ratio: selection composes a non-forced expert with the leading one only when its
-    similarity is at least this share of the leader's (0 composes every candidate, as seed 000 did)."""
+    similarity is at least this share of the leader's (0 composes every candidate, as the original
+    design did)."""
 
     keyword_boost: float = 0.15
     topic_gate: bool = True

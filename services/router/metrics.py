@@ -12,7 +12,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.plan_latency = Histogram(
             "expert_router_plan_latency_seconds",
-            "Time to plan a request (seed 000 budget: 10-50 ms)",
+            "Time to plan a request (stage budget: 10-50 ms, docs/design.md#stage-budgets)",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
         )
         self.plans = Counter("expert_router_plans_total", "Requests planned", ["task_type"])

@@ -1,5 +1,5 @@
-"""Seed 000 stage 2 for one request: features, the expert choice (seed 000's select_experts over the
-expert index, or the base-model fallback), tuned parameters, the final model input, and a reasoning
+"""The reasoning stage for one request: features, the expert choice (selection over the expert
+index, or the base-model fallback), tuned parameters, the final model input, and a reasoning
 trace."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def input_bytes(model_input: common_pb2.ModelInput) -> int:
 
 
 class Planner:
-    """Builds ExpertPlans: seed 000's stage 2 over the expert index (without an index, or with
+    """Builds ExpertPlans: the reasoning stage over the expert index (without an index, or with
     nothing registered, every plan is the base-model fallback)."""
 
     def __init__(self, index: ExpertIndex | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Seed 000's `select_experts`: which experts answer a request, scored, filtered and ordered.
+"""Selection and score (docs/design.md#selection-and-score): which experts answer a request,
+scored, filtered and ordered.
 
 1. Heuristic candidates from the features: experts whose manifest lists the request's task type, or
    the capability its features call for (`json` for JSON in the prompt, `code` for code, and
@@ -10,7 +11,7 @@
    about (closer to one of its topic probes than to the expert and its texts) is not taken
    (`matching.py`).
 3. Every candidate is scored 0.50 x similarity + 0.30 x success rate + 0.20 x (1 - vram_mb / 100),
-   where vram_mb is the size of its weights in MiB (seed 000's penalty for large experts).
+   where vram_mb is the size of its weights in MiB (the penalty for large experts).
 4. Best first, a candidate incompatible with one already chosen (either side's
    `incompatible_with`) is passed over, and so is one whose similarity is under the companion ratio
    (0.5) times the best chosen one's: floors calibrated to keep generic prompts out still let a
@@ -44,7 +45,7 @@ def vram_mb(expert: IndexedExpert) -> float:
 
 
 def score(similarity: float, success_rate: float, size_mb: float) -> float:
-    """Seed 000's compute_score."""
+    """The score of a candidate (docs/design.md#selection-and-score)."""
     return W_SIMILARITY * similarity + W_SUCCESS * success_rate + W_VRAM * (1.0 - size_mb / 100.0)
 
 

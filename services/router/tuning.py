@@ -1,4 +1,5 @@
-"""Seed 000's tune_parameters: defaults by task type, then the user's explicit values win."""
+"""Parameter tuning (docs/design.md#parameter-tuning): defaults by task type, then the user's
+explicit values win."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class Tuning:
     repetition_penalty: float
 
 
-# Seed 000's table; every other task type gets the default row.
+# The defaults by task type; every other task type gets the default row.
 TASK_DEFAULTS = {
     "json_parsing": Tuning(temperature=0.2, max_tokens=2048, top_p=0.95, repetition_penalty=1.0),
     "creative_writing": Tuning(temperature=0.8, max_tokens=4096, top_p=0.95, repetition_penalty=1.1),
