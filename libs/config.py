@@ -49,9 +49,10 @@ class EnvReader:
         return default if raw is None else raw
 
     def integer(
-        self, name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
-    ) -> int:
-        """The value of `name` as an integer within [minimum, maximum] (bounds are inclusive)."""
+        self, name: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        """The value of `name` as an integer within [minimum, maximum] (bounds are inclusive); `default`
+        (None: unset) when it is unset or blank."""
         raw = self._raw(name)
         if raw is None:
             return default

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from libs.config import ConfigError, EnvReader
+
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the variable or field."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class EngineConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineConfig:
         """Read EXPERT_* variables (see docs/configuration.md); unset ones keep their defaults."""
         try:
-            return cls._from_env(_EnvReader(os.environ if env is None else env))
+            return cls._from_env(EnvReader(env))
         except ConfigError as exc:
             field_name, _, message = str(exc).partition(": ")
             variable = ENV_VARIABLES.get(field_name)
@@ -148,7 +145,7 @@ class EngineConfig:
             raise ConfigError(f"{variable}: {message}") from None
 
     @classmethod
-    def _from_env(cls, reader: _EnvReader) -> EngineConfig:
+    def _from_env(cls, reader: EnvReader) -> EngineConfig:
         return cls(
             model=reader.text("EXPERT_MODEL_PATH", DEFAULT_MODEL),
             device=reader.text("EXPERT_DEVICE", "auto"),
@@ -200,43 +197,3 @@ ENV_VARIABLES = {
     "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
     "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",
 }
-
-
-class _EnvReader:
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def _raw(self, name: str) -> str | None:
-        value = self.env.get(name)
-        return value.strip() if value is not None and value.strip() != "" else None
-
-    def text(self, name: str, default: str) -> str:
-        return self._raw(name) or default
-
-    def integer(self, name: str, default: int | None = None) -> int | None:
-        raw = self._raw(name)
-        if raw is None:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
-
-    def number(self, name: str, default: float) -> float:
-        raw = self._raw(name)
-        if raw is None:
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
-
-    def boolean(self, name: str, default: bool) -> bool:
-        raw = self._raw(name)
-        if raw is None:
-            return default
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: expected true or false, got {raw!r}")

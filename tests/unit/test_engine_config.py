@@ -207,3 +207,16 @@ def test_the_config_is_frozen():
         config.model = "elsewhere"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.cache.num_blocks = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf"])
+def test_a_non_finite_number_is_refused_naming_the_variable(raw):
+    with pytest.raises(ConfigError, match="EXPERT_KV_CACHE_MEMORY_FRACTION"):
+        EngineConfig.from_env({"EXPERT_KV_CACHE_MEMORY_FRACTION": raw})
+
+
+def test_the_engine_raises_the_config_error_every_service_reports_at_start_up():
+    """One ConfigError: `libs.grpc_server` logs it as one line (no traceback) for every service."""
+    from libs.config import ConfigError as SharedConfigError
+
+    assert ConfigError is SharedConfigError
