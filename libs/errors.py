@@ -3,7 +3,7 @@
 
 Servers raise `ServiceError` (built by `invalid_argument`, `not_found`, ...) from a servicer; the
 interceptor of `libs.grpc_server` turns it into the status with `to_status`. Clients read a
-received error with `field_violations` and `describe`, or relay it with `from_rpc_error`.
+received error with `field_violations` and `describe`.
 """
 
 from __future__ import annotations
@@ -72,11 +72,6 @@ def failed_precondition(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
-def deadline_exceeded(message: str) -> ServiceError:
-    """DEADLINE_EXCEEDED: the work did not finish in the time the caller gave."""
-    return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-
-
 def to_status(error: ServiceError) -> grpc.Status:
     """The `grpc.Status` to abort with (`context.abort_with_status`): the code, the message, and a
     google.rpc.Status in the trailing metadata with a BadRequest detail when there are violations."""
@@ -143,12 +138,3 @@ def describe(error: BaseException) -> str:
     if code is None:
         return f"{type(error).__name__}: {message}" if message else type(error).__name__
     return f"{code.name}: {message}" if message else code.name
-
-
-def from_rpc_error(error: grpc.RpcError) -> ServiceError:
-    """A received error as a ServiceError with the same code, message and violations, so a service
-    can relay a peer's answer (e.g. the router's INVALID_ARGUMENT) to its own client unchanged."""
-    code, message = _code_and_message(error)
-    if code is None or code is grpc.StatusCode.OK:
-        code = grpc.StatusCode.UNKNOWN
-    return ServiceError(code, message, field_violations(error))

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A ping every 30 s finds a dead peer (or a NAT that dropped the connection) between calls; the
@@ -50,16 +49,6 @@ def insecure_channel(target: str, *, balanced: bool = True) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=options)
 
 
-def remaining_timeout(context: grpc.aio.ServicerContext | None, default: float | None) -> float | None:
-    """The timeout for a call made while serving `context`: the time left on the incoming call, so
-    the whole chain gives up together, or `default` when the incoming call has no deadline (or
-    there is none). Never negative."""
-    remaining = context.time_remaining() if context is not None else None
-    if remaining is None:
-        return default
-    return max(0.0, remaining)
-
-
 async def call(
     method: grpc.aio.UnaryUnaryMultiCallable,
     request: Any,
@@ -89,34 +78,3 @@ async def call(
             if deadline is not None and time.monotonic() + delay >= deadline:
                 raise
             await asyncio.sleep(delay)
-
-
-async def wait_for_serving(target: str, service: str = "", timeout: float = 30.0) -> None:
-    """Polls grpc.health.v1 Check on `target` until `service` ("" for the whole server) reports
-    SERVING; raises TimeoutError naming the target and the last answer after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    delay = 0.05
-    channel = insecure_channel(target)
-    try:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                response = await stub.Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 1.0)
-                )
-            except grpc.aio.AioRpcError as error:
-                last = error.code().name
-            else:
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.5)
-    finally:
-        await channel.close()
-    what = f"service {service!r}" if service else "the server"
-    raise TimeoutError(f"{target}: {what} not SERVING after {timeout:g} s (last answer: {last})")

@@ -25,7 +25,7 @@ from libs.gen.expert.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from libs.grpc_client import call, insecure_channel, remaining_timeout
+from libs.grpc_client import call, insecure_channel
 from libs.grpc_server import Health, serve
 from libs.logging import get_logger
 from tests.helpers.ports import free_port
@@ -38,6 +38,16 @@ INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_n
 PLAN_METHOD = f"{ROUTER}/Plan"
 
 _log = get_logger(__name__)
+
+
+def remaining_timeout(context: grpc.aio.ServicerContext | None, default: float | None) -> float | None:
+    """The timeout for a call made while serving `context`: the time left on the incoming call, so
+    the whole chain gives up together, or `default` when the incoming call has no deadline (or
+    there is none). Never negative."""
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is None:
+        return default
+    return max(0.0, remaining)
 
 
 class DomainLookupError(Exception):

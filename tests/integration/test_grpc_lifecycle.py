@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from libs.gen.expert.v1 import router_pb2_grpc
-from libs.grpc_client import insecure_channel, wait_for_serving
+from libs.grpc_client import insecure_channel
+from tests.helpers.grpc_health import wait_for_serving
 from tests.helpers.grpc_services import REPO, json_lines, plan_request
 from tests.helpers.ports import free_port
 

@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from libs import errors
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
-from libs.grpc_client import wait_for_serving
 from libs.logging import configure_logging
+from tests.helpers.grpc_health import wait_for_serving
 from tests.helpers.grpc_services import (
     ENGINE,
     INFERENCE,
