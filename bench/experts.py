@@ -205,7 +205,7 @@ def report_routing(client, root: Path, encoder, packages) -> None:
     variants = {
         "default: calibrated, keywords, topic gate, companions": (FloorRule(), MatchRule()),
         "calibrated only": (FloorRule(), plain),
-        "seed: fixed 0.6": (FloorRule(fixed=0.6), plain),
+        "original design: fixed 0.6": (FloorRule(fixed=0.6), plain),
     }
     for i, (label, rules) in enumerate(variants.items()):
         index = index_of(client, root, f"routing{i}", encoder, rules, packages, GOOD, True)

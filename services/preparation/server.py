@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from libs.errors import invalid_argument, invalid_arguments
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
 from libs.logging import bind_context, get_logger
+from libs.timestamps import timestamp
 from services.preparation.fleet import Engine, Fleet
 from services.preparation.metrics import PreparationMetrics
 from services.preparation.preparer import Preparer
@@ -106,12 +106,6 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
         info.active_jobs = len(engine.jobs)
         # monotonic clock -> wall clock for the two timestamps
         offset = time.time() - self.fleet.clock()
-        info.registered_at.CopyFrom(_stamp(engine.registered_at + offset))
-        info.last_heartbeat.CopyFrom(_stamp(engine.last_heartbeat + offset))
+        info.registered_at.CopyFrom(timestamp(engine.registered_at + offset))
+        info.last_heartbeat.CopyFrom(timestamp(engine.last_heartbeat + offset))
         return info
-
-
-def _stamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp

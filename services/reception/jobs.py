@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
+from libs.timestamps import timestamp
 
 PREFIX = "expert:job:"
 CANCEL_CHANNEL = "expert:cancel"
@@ -142,12 +142,6 @@ def job_deadline(
     if request.HasField("timeout_ms"):
         return submitted_at + request.timeout_ms / 1000
     return None if default_timeout_s is None else submitted_at + default_timeout_s
-
-
-def timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 @dataclass

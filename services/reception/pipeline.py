@@ -30,7 +30,8 @@ from libs.gen.expert.v1 import (
 )
 from libs.grpc_client import call
 from libs.logging import get_logger
-from services.reception.jobs import JobRecord, JobStore, job_deadline, timestamp
+from libs.timestamps import timestamp
+from services.reception.jobs import JobRecord, JobStore, job_deadline
 from services.reception.peers import Peers
 
 log = get_logger(__name__)

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import re
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from libs.errors import invalid_argument, invalid_arguments, not_found
 from libs.experts.errors import ManifestError
 from libs.experts.manifest import Manifest
 from libs.gen.expert.v1 import router_pb2
+from libs.timestamps import timestamp
 from services.router.index import ExpertIndex, IndexedExpert
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 
 
 def registered(expert: IndexedExpert) -> router_pb2.RegisteredExpert:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(expert.registered_at * 1e9))
     return router_pb2.RegisteredExpert(
         name=expert.name,
         version=expert.version,
@@ -32,7 +29,7 @@ def registered(expert: IndexedExpert) -> router_pb2.RegisteredExpert:
         weight_bytes=expert.weight_bytes,
         success_rate=expert.success_rate,
         uses=expert.uses,
-        registered_at=stamp,
+        registered_at=timestamp(expert.registered_at),
     )
 
 

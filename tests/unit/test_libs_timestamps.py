@@ -1,0 +1,7 @@
+from libs.timestamps import timestamp
+
+
+def test_seconds_since_the_epoch_become_a_timestamp_to_the_nanosecond():
+    stamp = timestamp(1_700_000_000.25)
+    assert (stamp.seconds, stamp.nanos) == (1_700_000_000, 250_000_000)
+    assert stamp.ToDatetime().timestamp() == 1_700_000_000.25
