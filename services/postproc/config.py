@@ -15,7 +15,6 @@ DEFAULT_METRICS_PORT = 9155
 class PostprocConfig:
     server: ServerConfig
     redis_url: str
-    preparation_target: str
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PostprocConfig:
@@ -23,5 +22,4 @@ class PostprocConfig:
         return cls(
             server=ServerConfig.from_env("postproc", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
-            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),
         )

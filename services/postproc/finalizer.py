@@ -1,9 +1,9 @@
 """Post-processing of one job (docs/design.md#post-processing): validate the output, record the
-metrics, release the engine, send feedback to the router."""
+metrics, send feedback to the router. It holds no resource of the job: reception gives the engine
+slot back when the generation ends."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -17,13 +17,11 @@ from services.postproc.validation import validate_output
 log = get_logger(__name__)
 
 
-Release = Callable[[str], Awaitable[None]]
 Publish = Callable[[str, dict[str, bytes]], Awaitable[None]]
 
 
 class Finalizer:
-    def __init__(self, release: Release, publish: Publish, metrics: PostprocMetrics) -> None:
-        self.release = release  # tells preparation the job is done with its engine
+    def __init__(self, publish: Publish, metrics: PostprocMetrics) -> None:
         self.publish = publish  # XADDs to a Redis stream
         self.metrics = metrics
 
@@ -79,7 +77,7 @@ class Finalizer:
             ttft_ms=usage.ttft_ms,
             reception_latency_ms=request.reception_latency_ms,
         )
-        feedback = self.publish(
+        await self.publish(
             FEEDBACK_STREAM,
             {
                 "job_id": request.job_id.encode(),
@@ -92,10 +90,6 @@ class Finalizer:
                 "timestamp": f"{time.time():.3f}".encode(),
             },
         )
-        if request.placement.engine_id:  # the release and the feedback go out together
-            await asyncio.gather(self.release(request.job_id), feedback)
-        else:
-            await feedback
         metrics.postproc_latency_ms = (time.perf_counter() - started) * 1000
         self.metrics.observe(metrics, status, validation.validator)
         log.info(

@@ -15,6 +15,7 @@ from services.reception.peers import Peers
 from services.reception.pipeline import Pipeline
 from services.reception.queue import JobQueue
 from services.reception.server import ReceptionServicer, add_to_server
+from services.reception.stages import GrpcStages
 
 
 async def main() -> None:
@@ -29,7 +30,7 @@ async def main() -> None:
     servicer = ReceptionServicer(redis, jobs, queue, capacity, metrics)
     pipeline = Pipeline(
         jobs,
-        peers,
+        GrpcStages(peers),
         config.engine_retries,
         lambda: capacity.last.max_model_len,
         stream_interval=config.stream_interval,

@@ -1,11 +1,17 @@
-"""One job through the pipeline: router.Plan -> preparation.Prepare -> engine.Generate -> postproc.Finalize.
+"""One job through the pipeline, a saga over the other stages (`stages.py`): plan, place, generate,
+finalize.
 
 Every stage runs against the job's deadline (submitted_at + timeout_ms) and its cancellation; either
 stops the stage at once (an engine stream is cancelled, which aborts the engine request and frees
 its KV) and the job is finalized with what it has: partial text and a timeout flag, or a cancelled
 status. An engine that fails mid-stream is excluded and the job is placed again, with a restart
-event telling readers to discard the text so far. Whatever happens, postproc finalizes the job
-(metrics, release, feedback) and exactly one final result is recorded.
+event telling readers to discard the text so far.
+
+The job owns an engine slot only inside `_placement`: the scope's exit is the one place the slot is
+given back, whatever ended it (the generation's end, a lost engine, a cancel or timeout at any stage,
+the dispatcher shutting down), so each successful placement is released exactly once. Whatever
+happens, postproc finalizes the job (validation, metrics, feedback) and exactly one final result is
+recorded.
 """
 
 from __future__ import annotations
@@ -20,19 +26,11 @@ from typing import Any, TypeVar
 import grpc
 
 from libs.errors import field_violations
-from libs.gen.expert.v1 import (
-    common_pb2,
-    engine_pb2,
-    engine_pb2_grpc,
-    postproc_pb2,
-    preparation_pb2,
-    router_pb2,
-)
-from libs.grpc_client import call
+from libs.gen.expert.v1 import common_pb2, engine_pb2, postproc_pb2, preparation_pb2, router_pb2
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.jobs import JobRecord, JobStore, job_deadline
-from services.reception.peers import Peers
+from services.reception.stages import Stages
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -45,6 +43,8 @@ _REQUEST_ERRORS = (
     grpc.StatusCode.OUT_OF_RANGE,
 )
 _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# A Prepare that ended with these may have reserved a slot before the answer was lost.
+_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 DEFAULT_STREAM_INTERVAL = 16
 # The engine ends a request at the job's deadline (or when asked to Abort it) and sends the text it
 # has not sent yet; the call is given this long for that last message before it is cancelled
@@ -85,6 +85,7 @@ class JobRun:
     completion_tokens: int = 0
     plan: common_pb2.ExpertPlan = field(default_factory=common_pb2.ExpertPlan)
     placement: common_pb2.Placement = field(default_factory=common_pb2.Placement)
+    preparing: asyncio.Future | None = None  # the Prepare call in flight, if any
     started: float = field(default_factory=time.time)
     inference_started: float | None = None
 
@@ -104,7 +105,7 @@ class Pipeline:
     def __init__(
         self,
         jobs: JobStore,
-        peers: Peers,
+        stages: Stages,
         engine_retries: int,
         max_model_len: Callable[[], int],
         place_retry_s: float = 0.05,
@@ -114,7 +115,7 @@ class Pipeline:
         # Tokens per engine message for a job no client streams (a streamed job gets every token).
         self.stream_interval = stream_interval
         self.max_model_len = max_model_len  # the fleet's context window, as preparation last reported it
-        self.peers = peers
+        self.stages = stages
         self.engine_retries = engine_retries
         self.place_retry_s = place_retry_s
 
@@ -200,19 +201,17 @@ class Pipeline:
         plan_request = router_pb2.PlanRequest(
             job_id=run.job_id, request=run.record.request, max_model_len=self.max_model_len()
         )
-        response = await self._stage(run, self.peers.router.Plan, plan_request, "router")
-        run.plan = response.plan
+        run.plan = await self._stage(run, lambda timeout: self.stages.plan(plan_request, timeout), "router")
         excluded: list[str] = []
         for attempt in range(self.engine_retries + 1):
-            async with self._status(run, common_pb2.JOB_STATUS_PREPARING):
-                run.placement = await self._place(run, excluded)
-            run.placed.set()
             try:
-                async with self._status(run, common_pb2.JOB_STATUS_RUNNING):
+                async with (
+                    self._placement(run, excluded),
+                    self._status(run, common_pb2.JOB_STATUS_RUNNING),
+                ):
                     return await self._generate(run, attempt)
             except EngineLost as lost:
                 excluded.append(run.placement.engine_id)
-                await self._release(run)
                 if attempt == self.engine_retries:
                     raise JobFailed(
                         f"engine {run.placement.engine_id} failed: {lost}", "UNAVAILABLE"
@@ -228,13 +227,13 @@ class Pipeline:
                 await self.jobs.begin(run.job_id)  # another attempt: readers discard the text so far
         raise AssertionError("unreachable")
 
-    async def _stage(self, run: JobRun, method: Any, request: Any, name: str) -> Any:
+    async def _stage(self, run: JobRun, step: Callable[[float | None], Awaitable[T]], name: str) -> T:
         # A stage that is down (a restart, a rollout) is waited for, up to PEER_WAIT_S within the
         # job's deadline: the job should not fail for a gap its peer's replacement closes.
         waited_since, delay = time.monotonic(), self.place_retry_s
         while True:
             try:
-                return await self._until(run, call(method, request, timeout=run.remaining(), idempotent=True))
+                return await self._until(run, step(run.remaining()))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - waited_since > PEER_WAIT_S:
                     raise JobFailed(
@@ -243,24 +242,61 @@ class Pipeline:
             await self._until(run, asyncio.sleep(delay))
             delay = min(delay * 2, 1.0)
 
+    @contextlib.asynccontextmanager
+    async def _placement(self, run: JobRun, excluded: list[str]) -> AsyncIterator[common_pb2.Placement]:
+        """Place the job on an engine and hold the slot for the scope; its exit gives the slot back,
+        and nothing else does."""
+        placed = False
+        try:
+            async with self._status(run, common_pb2.JOB_STATUS_PREPARING):
+                run.placement = await self._place(run, excluded)
+                placed = True
+        except BaseException:  # a stop, a failure or a shutdown while the job was being placed
+            # Placed, then stopped as the status was written (a CancelJob); or a Prepare that
+            # reserved a slot all the same: either way the slot is the job's to give back.
+            if placed or await self._landing(run):
+                await self._give_back(run)
+            raise
+        run.placed.set()
+        try:
+            yield run.placement
+        finally:
+            await self._give_back(run)
+
+    async def _landing(self, run: JobRun) -> bool:
+        """Whether the Prepare still in flight when placing stopped may have reserved a slot, once
+        it lands (it takes a millisecond; at most 5 s are given). A placement sets
+        `run.placement`; a call that ran out of time or was cut off may have reserved one at
+        preparation all the same."""
+        prepare, run.preparing = run.preparing, None
+        if prepare is None:
+            return False
+        try:
+            run.placement = await asyncio.wait_for(asyncio.shield(prepare), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() in _OUTCOME_UNKNOWN
+        except BaseException:  # no answer in time, or cancelled: preparation may hold the slot
+            return True
+        return True
+
+    async def _give_back(self, run: JobRun) -> None:
+        # Shielded: a dispatcher shutting down cancels the job's task, and the slot must still go back.
+        await asyncio.shield(self.stages.release(run.job_id))
+
     async def _place(self, run: JobRun, excluded: list[str]) -> common_pb2.Placement:
         request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, exclude_engines=excluded)
         delay = self.place_retry_s
         while True:
-            prepare = asyncio.ensure_future(
-                call(self.peers.preparation.Prepare, request, timeout=run.remaining(), idempotent=False)
-            )
+            # Shielded and kept on the run: if the job is stopped while the call is in flight,
+            # preparation may have reserved a slot already, and `_placement` waits for its answer.
+            run.preparing = asyncio.ensure_future(self.stages.prepare(request, run.remaining()))
             try:
-                response = await self._until(run, asyncio.shield(prepare))
-                return response.placement
-            except JobStopped:
-                # Preparation may have reserved an engine slot for the job already: let the call
-                # land (it takes a millisecond) and give the reservation back, or the slot leaks.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(prepare, timeout=5.0)
-                await self._release(run)
-                raise
+                placement = await self._until(run, asyncio.shield(run.preparing))
+                run.preparing = None
+                return placement
             except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _OUTCOME_UNKNOWN:  # else `_placement` gives the slot back
+                    run.preparing = None
                 if exc.code() not in _PLACE_LATER:
                     raise JobFailed(
                         f"preparation: {exc.details()}", exc.code().name, field_violations(exc)
@@ -293,16 +329,13 @@ class Pipeline:
         remaining = run.remaining()
         if run.deadline is not None:
             request.deadline.CopyFrom(timestamp(run.deadline))
-        stub = engine_pb2_grpc.EngineServiceStub(await self.peers.engine_channel(placement.address))
-        stream = stub.Generate(
-            request, timeout=None if remaining is None else remaining + ENGINE_STOP_GRACE_S
+        stream = await self.stages.generate(
+            placement.address, request, None if remaining is None else remaining + ENGINE_STOP_GRACE_S
         )
 
-        def abort() -> Awaitable[engine_pb2.AbortResponse]:
+        def abort() -> Awaitable[None]:
             # The engine stops the request and its stream ends with the text not yet sent.
-            return stub.Abort(
-                engine_pb2.AbortRequest(request_id=request.request_id), timeout=ENGINE_STOP_GRACE_S
-            )
+            return self.stages.abort(placement.address, request.request_id, ENGINE_STOP_GRACE_S)
 
         run.inference_started = time.time()
         final = engine_pb2.GenerateResponse()
@@ -346,20 +379,11 @@ class Pipeline:
     def _partial(self, run: JobRun) -> common_pb2.GenerationOutcome:
         return common_pb2.GenerationOutcome(text="".join(run.text), completion_tokens=run.completion_tokens)
 
-    async def _release(self, run: JobRun) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await call(
-                self.peers.preparation.Release,
-                preparation_pb2.ReleaseRequest(job_ids=[run.job_id]),
-                timeout=5.0,
-                idempotent=True,
-            )
-
     async def _finalize(
         self, run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool
     ) -> common_pb2.InferenceResult:
-        # Announced alongside the call: whatever the status write says, postproc runs (it releases
-        # the engine and records the outcome), and finish() never overwrites a final status.
+        # Announced alongside the call: whatever the status write says, postproc runs (it records
+        # the outcome), and finish() never overwrites a final status.
         announce = asyncio.ensure_future(
             self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
         )
@@ -378,14 +402,12 @@ class Pipeline:
             cancelled=cancelled,
         )
         try:
-            response = await call(self.peers.postproc.Finalize, request, timeout=30.0, idempotent=True)
-            return response.result
+            return await self.stages.finalize(request, timeout=30.0)
         except grpc.aio.AioRpcError as exc:
             # The output must not be lost because postproc is down: record it unvalidated.
             log.error(
                 "postproc failed; recording the result unvalidated", job_id=run.job_id, error=exc.details()
             )
-            await self._release(run)
             return _fallback_result(run, outcome, timed_out, cancelled, f"postproc: {exc.details()}")
         finally:
             with contextlib.suppress(Exception):

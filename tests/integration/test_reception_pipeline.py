@@ -23,6 +23,7 @@ from services.preparation.server import PreparationServicer
 from services.reception.jobs import JobStore
 from services.reception.peers import Peers
 from services.reception.pipeline import JobRun, Pipeline
+from services.reception.stages import GrpcStages
 from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
 from services.router.server import RouterServicer
@@ -61,9 +62,6 @@ async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | Non
         )
     )
 
-    async def release(job_id: str) -> None:
-        preparation.fleet.release(job_id)
-
     async def publish(stream: str, fields: dict[str, bytes]) -> None:
         await redis.xadd(stream, fields)
 
@@ -73,14 +71,14 @@ async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | Non
         )
         preparation_pb2_grpc.add_PreparationServiceServicer_to_server(preparation, server)
         postproc_pb2_grpc.add_PostprocServiceServicer_to_server(
-            PostprocServicer(Finalizer(release, publish, shared_metrics(PostprocMetrics))), server
+            PostprocServicer(Finalizer(publish, shared_metrics(PostprocMetrics))), server
         )
         return ["expert.v1.RouterService", "expert.v1.PreparationService", "expert.v1.PostprocService"]
 
     async with serving(register) as target:
         jobs = JobStore(redis, ttl_s=60)
         peers = Peers(target, target, target)
-        pipeline = Pipeline(jobs, peers, engine_retries=0, max_model_len=lambda: 1024)
+        pipeline = Pipeline(jobs, GrpcStages(peers), engine_retries=0, max_model_len=lambda: 1024)
         request = common_pb2.InferenceRequest(prompt="What is the capital of France?", max_tokens=8)
         if timeout_ms is not None:
             request.timeout_ms = timeout_ms

@@ -1,0 +1,286 @@
+"""The job saga (`services/reception/pipeline.py`) against stages in memory: no gRPC server, a real
+Redis for the job records. Whatever ends a job (a stage down or refusing, an engine dying, a cancel
+or a timeout at any stage, the dispatcher shutting down), every successful placement is released
+exactly once, and a job never placed is never released."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+import pytest
+from redis.asyncio import Redis
+
+from libs.gen.expert.v1 import common_pb2, engine_pb2
+from services.reception import pipeline as pipeline_module
+from services.reception.jobs import JobStore
+from services.reception.pipeline import JobRun, Pipeline
+
+STAGES = ("plan", "prepare", "generate", "finalize")
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class FakeStream:
+    """An engine's Generate stream: `script` is "complete", "die" (UNAVAILABLE after one chunk) or
+    "hang" (one chunk, then nothing until it is aborted or cancelled)."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.aborted = asyncio.Event()
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self.aborted.set()
+        return True
+
+    async def __aiter__(self):
+        yield engine_pb2.GenerateResponse(text="Par", token_ids=[1])
+        if self.script == "die":
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "engine gone")
+        if self.script == "hang":
+            await self.aborted.wait()
+            if self.cancelled:
+                raise asyncio.CancelledError
+            yield engine_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_ABORT)
+            return
+        yield engine_pb2.GenerateResponse(
+            text="is", token_ids=[2], finish_reason=common_pb2.FINISH_REASON_STOP
+        )
+
+
+class FakeStages:
+    """The other stages in memory. `hang` names a stage that waits until `unblock` is set; `errors`
+    maps a stage to the error it raises; `engines` is the script of each placement's stream, in
+    order. Counts every placement and release per job."""
+
+    def __init__(
+        self,
+        *,
+        hang: str | None = None,
+        errors: dict[str, grpc.aio.AioRpcError] | None = None,
+        engines: tuple[str, ...] = ("complete",),
+    ) -> None:
+        self.hang = hang
+        self.errors = errors or {}
+        self.engines = list(engines)
+        self.reached = {stage: asyncio.Event() for stage in STAGES}
+        self.unblock = asyncio.Event()
+        self.placements: Counter[str] = Counter()
+        self.releases: Counter[str] = Counter()
+        self.streams: list[FakeStream] = []
+
+    async def _enter(self, stage: str) -> None:
+        self.reached[stage].set()
+        if self.hang == stage:
+            await self.unblock.wait()
+        if stage in self.errors:
+            raise self.errors[stage]
+
+    async def plan(self, request, timeout):
+        await self._enter("plan")
+        return common_pb2.ExpertPlan(model_input=common_pb2.ModelInput(text=request.request.prompt))
+
+    async def prepare(self, request, timeout):
+        await self._enter("prepare")
+        self.placements[request.job_id] += 1
+        n = self.placements[request.job_id]
+        return common_pb2.Placement(engine_id=f"engine-{n}", address=f"engine-{n}:1")
+
+    async def release(self, job_id):
+        self.releases[job_id] += 1
+
+    async def generate(self, address, request, timeout):
+        await self._enter("generate")
+        stream = FakeStream(self.engines.pop(0) if self.engines else "complete")
+        self.streams.append(stream)
+        return stream
+
+    async def abort(self, address, request_id, timeout):
+        self.streams[-1].aborted.set()
+
+    async def finalize(self, request, timeout):
+        await self._enter("finalize")
+        status = (
+            common_pb2.JOB_STATUS_CANCELLED
+            if request.cancelled
+            else common_pb2.JOB_STATUS_TIMED_OUT
+            if request.timed_out
+            else common_pb2.JOB_STATUS_FAILED
+            if request.outcome.error
+            else common_pb2.JOB_STATUS_COMPLETED
+        )
+        return common_pb2.InferenceResult(
+            job_id=request.job_id, status=status, text=request.outcome.text, error=request.outcome.error
+        )
+
+
+@pytest.fixture(autouse=True)
+def short_waits(monkeypatch):
+    monkeypatch.setattr(pipeline_module, "PEER_WAIT_S", 0.2)
+
+
+async def start(redis_url: str, stages: FakeStages, *, timeout_ms: int | None = None, retries: int = 0):
+    redis = Redis.from_url(redis_url)
+    jobs = JobStore(redis, ttl_s=60)
+    request = common_pb2.InferenceRequest(prompt="What is the capital of France?", max_tokens=8)
+    if timeout_ms is not None:
+        request.timeout_ms = timeout_ms
+    await jobs.create("job-1", request, 5)
+    run = JobRun(await jobs.get("job-1"))
+    saga = Pipeline(jobs, stages, engine_retries=retries, max_model_len=lambda: 1024, place_retry_s=0.01)
+    return redis, run, asyncio.create_task(saga.run(run))
+
+
+def run_saga(redis_url: str, stages: FakeStages, act=None, **options) -> common_pb2.InferenceResult | str:
+    """Run job-1 through the saga; `act(run, task)` intervenes while it runs. The result, or
+    "cancelled" when the task itself was cancelled (a dispatcher shutting down)."""
+
+    async def main():
+        redis, run, task = await start(redis_url, stages, **options)
+        try:
+            if act is not None:
+                await act(run, task)
+            try:
+                return await asyncio.wait_for(task, 10)
+            except asyncio.CancelledError:
+                return "cancelled"
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(main())
+
+
+def assert_one_release_per_placement(stages: FakeStages, placements: int) -> None:
+    assert stages.placements["job-1"] == placements
+    assert stages.releases["job-1"] == placements
+
+
+def test_a_completed_job_releases_its_one_placement(clean_redis_url):
+    stages = FakeStages()
+    result = run_saga(clean_redis_url, stages)
+    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")
+    assert_one_release_per_placement(stages, 1)
+
+
+def test_router_down_fails_the_job_and_releases_nothing(clean_redis_url):
+    stages = FakeStages(errors={"plan": rpc_error(grpc.StatusCode.UNAVAILABLE, "router down")})
+    result = run_saga(clean_redis_url, stages)
+    assert result.status == common_pb2.JOB_STATUS_FAILED and "router down" in result.error
+    assert_one_release_per_placement(stages, 0)
+
+
+def test_preparation_refusing_fails_the_job_and_releases_nothing(clean_redis_url):
+    stages = FakeStages(errors={"prepare": rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "too big")})
+    result = run_saga(clean_redis_url, stages)
+    assert result.status == common_pb2.JOB_STATUS_FAILED and "too big" in result.error
+    assert_one_release_per_placement(stages, 0)
+
+
+def test_an_engine_dying_mid_stream_releases_it_before_the_job_is_placed_again(clean_redis_url):
+    stages = FakeStages(engines=("die", "complete"))
+    result = run_saga(clean_redis_url, stages, retries=1)
+    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")
+    assert_one_release_per_placement(stages, 2)
+
+
+def test_an_engine_dying_with_no_retry_left_fails_the_job_and_releases_it(clean_redis_url):
+    stages = FakeStages(engines=("die",))
+    result = run_saga(clean_redis_url, stages, retries=0)
+    assert result.status == common_pb2.JOB_STATUS_FAILED and "engine-1" in result.error
+    assert_one_release_per_placement(stages, 1)
+
+
+def test_postproc_down_records_the_output_unvalidated_and_releases_once(clean_redis_url):
+    stages = FakeStages(errors={"finalize": rpc_error(grpc.StatusCode.UNAVAILABLE, "postproc down")})
+    result = run_saga(clean_redis_url, stages)
+    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")
+    assert "postproc" in result.error and not result.HasField("validation")
+    assert_one_release_per_placement(stages, 1)
+
+
+# The placements a job holds when a cancel, a timeout or a shutdown lands while it is in `stage`.
+HELD = {"plan": 0, "prepare": 1, "generate": 1, "finalize": 1}
+
+
+def hang_in(stage: str) -> FakeStages:
+    # An engine that streams until stopped stands for a generation still running.
+    if stage == "generate":
+        return FakeStages(engines=("hang",))
+    return FakeStages(hang=stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_cancel_at_each_stage_releases_what_was_placed(clean_redis_url, stage):
+    stages = hang_in(stage)
+
+    async def cancel(run, task):
+        await stages.reached[stage].wait()
+        run.cancel.set()
+        await asyncio.sleep(0.05)
+        # A Prepare in flight lands after the stop (its slot is the job's all the same); Finalize
+        # is not raced against a cancel.
+        stages.unblock.set()
+
+    result = run_saga(clean_redis_url, stages, cancel)
+    if stage != "finalize":  # a cancel during finalization comes after the job's final outcome
+        assert result.status == common_pb2.JOB_STATUS_CANCELLED
+    assert_one_release_per_placement(stages, HELD[stage])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_timeout_at_each_stage_releases_what_was_placed(clean_redis_url, stage):
+    stages = hang_in(stage)
+
+    async def land_late(run, task):
+        await stages.reached[stage].wait()
+        await asyncio.sleep(0.4)  # past the deadline
+        stages.unblock.set()
+
+    result = run_saga(clean_redis_url, stages, land_late, timeout_ms=200)
+    if stage != "finalize":
+        assert result.status == common_pb2.JOB_STATUS_TIMED_OUT
+    assert_one_release_per_placement(stages, HELD[stage])
+
+
+@pytest.mark.parametrize("stage", ["plan", "prepare", "generate"])
+def test_a_dispatcher_shutting_down_releases_what_was_placed(clean_redis_url, stage):
+    stages = hang_in(stage)
+
+    async def shut_down(run, task):
+        await stages.reached[stage].wait()
+        task.cancel()
+        await asyncio.sleep(0.05)
+        stages.unblock.set()  # a Prepare in flight lands during the shutdown
+
+    assert run_saga(clean_redis_url, stages, shut_down) == "cancelled"
+    assert_one_release_per_placement(stages, HELD[stage])
+
+
+def test_a_prepare_whose_answer_was_lost_is_released_since_preparation_may_hold_the_slot(clean_redis_url):
+    stages = FakeStages(errors={"prepare": rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")})
+    result = run_saga(clean_redis_url, stages)
+    assert result.status == common_pb2.JOB_STATUS_FAILED
+    assert (stages.placements["job-1"], stages.releases["job-1"]) == (0, 1)
+
+
+def test_a_job_cancelled_just_before_it_is_placed_gives_the_placement_back(clean_redis_url):
+    """CancelJob ends the record while the job is planned; the placement that follows is noticed as
+    the PREPARING status is refused, and given back."""
+    stages = FakeStages(hang="plan")
+
+    async def cancel_job(run, task):
+        await stages.reached["plan"].wait()
+        redis = Redis.from_url(clean_redis_url)
+        cancelled = common_pb2.InferenceResult(job_id="job-1", status=common_pb2.JOB_STATUS_CANCELLED)
+        assert await JobStore(redis, ttl_s=60).finish("job-1", cancelled)
+        await redis.aclose()
+        stages.unblock.set()
+
+    result = run_saga(clean_redis_url, stages, cancel_job)
+    assert result.status == common_pb2.JOB_STATUS_CANCELLED
+    assert_one_release_per_placement(stages, 1)
