@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from libs.feedback import FEEDBACK_STREAM
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
+from libs.job_results import job_result, job_status, reasoning_trace
 from libs.logging import get_logger
 from services.postproc.metrics import PostprocMetrics
 from services.postproc.validation import validate_output
@@ -28,27 +29,10 @@ class Finalizer:
     async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
         started = time.perf_counter()
         outcome, plan = request.outcome, request.plan
-        failed = bool(outcome.error) and not request.timed_out and not request.cancelled
+        stopped = {"timed_out": request.timed_out, "cancelled": request.cancelled}
         schema = request.request.json_schema if request.request.HasField("json_schema") else None
         validation = validate_output(outcome.text, plan.features.task_type or "general", schema)
-        status = (
-            common_pb2.JOB_STATUS_CANCELLED
-            if request.cancelled
-            else common_pb2.JOB_STATUS_TIMED_OUT
-            if request.timed_out
-            else common_pb2.JOB_STATUS_FAILED
-            if failed
-            else common_pb2.JOB_STATUS_COMPLETED
-        )
-        finish = (
-            common_pb2.FINISH_REASON_TIMEOUT
-            if request.timed_out
-            else common_pb2.FINISH_REASON_ABORT
-            if request.cancelled
-            else common_pb2.FINISH_REASON_ERROR
-            if failed
-            else outcome.finish_reason
-        )
+        status = job_status(outcome, **stopped)
         experts = [e.name for e in outcome.experts]
         total_ms = (
             (time.time() - request.submitted_at.ToDatetime().timestamp()) * 1000
@@ -100,22 +84,18 @@ class Finalizer:
             tokens=outcome.completion_tokens,
             total_ms=round(total_ms, 1),
         )
-        return common_pb2.InferenceResult(
-            job_id=request.job_id,
-            status=status,
-            text=outcome.text,
-            tokens_generated=outcome.completion_tokens,
-            experts_used=experts,
+        result = job_result(
+            request.job_id,
+            outcome,
+            **stopped,
             latency_ms=total_ms,
-            finish_reason=finish,
-            timed_out=request.timed_out,
-            validation=common_pb2.ValidationResult(
-                valid=validation.valid, validator=validation.validator, error=validation.error
-            ),
-            metrics=metrics,
-            # The router's reasons, then preparation's: where the job ran, what was staged or dropped.
-            reasoning_trace="\n".join(filter(None, [plan.reasoning_trace, *request.placement.trace])),
-            error=outcome.error,
-            experts=outcome.experts,
+            trace=reasoning_trace(plan, request.placement),
             dropped_experts=request.placement.dropped_experts,
         )
+        result.validation.CopyFrom(
+            common_pb2.ValidationResult(
+                valid=validation.valid, validator=validation.validator, error=validation.error
+            )
+        )
+        result.metrics.CopyFrom(metrics)
+        return result

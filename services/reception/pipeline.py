@@ -27,6 +27,7 @@ import grpc
 
 from libs.errors import field_violations
 from libs.gen.expert.v1 import common_pb2, engine_pb2, postproc_pb2, preparation_pb2, router_pb2
+from libs.job_results import job_result, reasoning_trace
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.jobs import JobRecord, JobStore, job_deadline
@@ -408,34 +409,17 @@ class Pipeline:
             log.error(
                 "postproc failed; recording the result unvalidated", job_id=run.job_id, error=exc.details()
             )
-            return _fallback_result(run, outcome, timed_out, cancelled, f"postproc: {exc.details()}")
+            # Built by the same rules as postproc's results, without validation or metrics.
+            return job_result(
+                run.job_id,
+                outcome,
+                timed_out=timed_out,
+                cancelled=cancelled,
+                latency_ms=(time.time() - run.record.submitted_at) * 1000,
+                trace=reasoning_trace(run.plan, run.placement),
+                dropped_experts=run.placement.dropped_experts,
+                error=outcome.error or f"postproc: {exc.details()} (the output is not validated)",
+            )
         finally:
             with contextlib.suppress(Exception):
                 await announce  # before finish(), so the final status is the last one written
-
-
-def _fallback_result(
-    run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool, note: str
-) -> common_pb2.InferenceResult:
-    status = (
-        common_pb2.JOB_STATUS_CANCELLED
-        if cancelled
-        else common_pb2.JOB_STATUS_TIMED_OUT
-        if timed_out
-        else common_pb2.JOB_STATUS_FAILED
-        if outcome.error
-        else common_pb2.JOB_STATUS_COMPLETED
-    )
-    return common_pb2.InferenceResult(
-        job_id=run.job_id,
-        status=status,
-        text=outcome.text,
-        tokens_generated=outcome.completion_tokens,
-        experts_used=[e.name for e in outcome.experts],
-        latency_ms=(time.time() - run.record.submitted_at) * 1000,
-        finish_reason=outcome.finish_reason,
-        timed_out=timed_out,
-        reasoning_trace=run.plan.reasoning_trace,
-        error=outcome.error or note,
-        experts=outcome.experts,
-    )

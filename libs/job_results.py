@@ -1,0 +1,67 @@
+"""How a job's outcome becomes its result: the status rules and the result's fields. Postproc builds
+every result with them (and adds the validation and the metrics); reception builds with the same
+code the result it records unvalidated when postproc cannot be reached."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from libs.gen.expert.v1 import common_pb2
+
+
+def failed(outcome: common_pb2.GenerationOutcome, *, timed_out: bool, cancelled: bool) -> bool:
+    """An error ends the job FAILED unless the job was stopped first (its error is the stop's)."""
+    return bool(outcome.error) and not timed_out and not cancelled
+
+
+def job_status(outcome: common_pb2.GenerationOutcome, *, timed_out: bool, cancelled: bool) -> int:
+    if cancelled:
+        return common_pb2.JOB_STATUS_CANCELLED
+    if timed_out:
+        return common_pb2.JOB_STATUS_TIMED_OUT
+    if failed(outcome, timed_out=timed_out, cancelled=cancelled):
+        return common_pb2.JOB_STATUS_FAILED
+    return common_pb2.JOB_STATUS_COMPLETED
+
+
+def finish_reason(outcome: common_pb2.GenerationOutcome, *, timed_out: bool, cancelled: bool) -> int:
+    if timed_out:
+        return common_pb2.FINISH_REASON_TIMEOUT
+    if cancelled:
+        return common_pb2.FINISH_REASON_ABORT
+    if failed(outcome, timed_out=timed_out, cancelled=cancelled):
+        return common_pb2.FINISH_REASON_ERROR
+    return outcome.finish_reason
+
+
+def reasoning_trace(plan: common_pb2.ExpertPlan, placement: common_pb2.Placement) -> str:
+    """The router's reasons, then preparation's: where the job ran, what was staged or dropped."""
+    return "\n".join(filter(None, [plan.reasoning_trace, *placement.trace]))
+
+
+def job_result(
+    job_id: str,
+    outcome: common_pb2.GenerationOutcome,
+    *,
+    timed_out: bool,
+    cancelled: bool,
+    latency_ms: float,
+    trace: str,
+    dropped_experts: Sequence[str] = (),
+    error: str | None = None,
+) -> common_pb2.InferenceResult:
+    """The result without validation or metrics; `error` defaults to the outcome's."""
+    return common_pb2.InferenceResult(
+        job_id=job_id,
+        status=job_status(outcome, timed_out=timed_out, cancelled=cancelled),
+        text=outcome.text,
+        tokens_generated=outcome.completion_tokens,
+        experts_used=[e.name for e in outcome.experts],
+        latency_ms=latency_ms,
+        finish_reason=finish_reason(outcome, timed_out=timed_out, cancelled=cancelled),
+        timed_out=timed_out,
+        reasoning_trace=trace,
+        error=outcome.error if error is None else error,
+        experts=outcome.experts,
+        dropped_experts=dropped_experts,
+    )
