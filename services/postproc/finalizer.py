@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from libs.feedback import FEEDBACK_STREAM
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
-from libs.job_results import job_result, job_status, reasoning_trace
+from libs.job_results import job_result, job_status
 from libs.logging import get_logger
 from services.postproc.metrics import PostprocMetrics
 from services.postproc.validation import validate_output
@@ -28,10 +28,11 @@ class Finalizer:
 
     async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
         started = time.perf_counter()
-        outcome, plan = request.outcome, request.plan
+        outcome = request.outcome
         stopped = {"timed_out": request.timed_out, "cancelled": request.cancelled}
-        schema = request.request.json_schema if request.request.HasField("json_schema") else None
-        validation = validate_output(outcome.text, plan.features.task_type or "general", schema)
+        schema = request.json_schema if request.HasField("json_schema") else None
+        task_type = request.task_type or "general"
+        validation = validate_output(outcome.text, task_type, schema)
         status = job_status(outcome, **stopped)
         experts = [e.name for e in outcome.experts]
         total_ms = (
@@ -44,13 +45,13 @@ class Finalizer:
         metrics = common_pb2.InferenceMetrics(
             job_id=request.job_id,
             submitted_at=request.submitted_at,
-            router_latency_ms=plan.router_latency_ms,
-            expert_load_latency_ms=request.placement.preparation_latency_ms,
+            router_latency_ms=request.router_latency_ms,
+            expert_load_latency_ms=request.preparation_latency_ms,
             inference_latency_ms=request.inference_latency_ms,
             total_latency_ms=total_ms,
             experts_used=experts,
             num_experts=len(experts),
-            vram_peak_mb=request.placement.kv_bytes_needed // (1 << 20),
+            vram_peak_mb=request.kv_bytes_needed // (1 << 20),
             input_tokens=usage.prompt_tokens,
             output_tokens=outcome.completion_tokens,
             tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
@@ -66,7 +67,7 @@ class Finalizer:
             {
                 "job_id": request.job_id.encode(),
                 "experts": json.dumps(experts).encode(),
-                "task_type": (plan.features.task_type or "general").encode(),
+                "task_type": task_type.encode(),
                 "success": b"1" if metrics.success else b"0",
                 "validation_passed": b"1" if validation.valid else b"0",
                 "validator": validation.validator.encode(),
@@ -89,8 +90,8 @@ class Finalizer:
             outcome,
             **stopped,
             latency_ms=total_ms,
-            trace=reasoning_trace(plan, request.placement),
-            dropped_experts=request.placement.dropped_experts,
+            trace=request.reasoning_trace,
+            dropped_experts=request.dropped_experts,
         )
         result.validation.CopyFrom(
             common_pb2.ValidationResult(

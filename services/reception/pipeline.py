@@ -389,11 +389,9 @@ class Pipeline:
             self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
         )
         inference_ms = (time.time() - run.inference_started) * 1000 if run.inference_started else 0.0
+        job = run.record.request
         request = postproc_pb2.FinalizeRequest(
             job_id=run.job_id,
-            request=run.record.request,
-            plan=run.plan,
-            placement=run.placement,
             outcome=outcome,
             submitted_at=timestamp(run.record.submitted_at),
             queue_latency_ms=(run.started - run.record.submitted_at) * 1000,
@@ -401,6 +399,13 @@ class Pipeline:
             inference_latency_ms=inference_ms,
             timed_out=timed_out,
             cancelled=cancelled,
+            task_type=run.plan.features.task_type or "general",
+            json_schema=job.json_schema if job.HasField("json_schema") else None,
+            reasoning_trace=reasoning_trace(run.plan, run.placement),
+            router_latency_ms=run.plan.router_latency_ms,
+            preparation_latency_ms=run.placement.preparation_latency_ms,
+            kv_bytes_needed=run.placement.kv_bytes_needed,
+            dropped_experts=run.placement.dropped_experts,
         )
         try:
             return await self.stages.finalize(request, timeout=30.0)
