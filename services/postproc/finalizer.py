@@ -4,14 +4,14 @@ slot back when the generation ends."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 
-from libs.feedback import FEEDBACK_STREAM
+from libs.feedback import FEEDBACK_STREAM, entry_fields
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
 from libs.job_results import job_result, job_status
 from libs.logging import get_logger
+from libs.timestamps import timestamp
 from services.postproc.metrics import PostprocMetrics
 from services.postproc.validation import validate_output
 
@@ -62,19 +62,17 @@ class Finalizer:
             ttft_ms=usage.ttft_ms,
             reception_latency_ms=request.reception_latency_ms,
         )
-        await self.publish(
-            FEEDBACK_STREAM,
-            {
-                "job_id": request.job_id.encode(),
-                "experts": json.dumps(experts).encode(),
-                "task_type": task_type.encode(),
-                "success": b"1" if metrics.success else b"0",
-                "validation_passed": b"1" if validation.valid else b"0",
-                "validator": validation.validator.encode(),
-                "latency_ms": f"{total_ms:.3f}".encode(),
-                "timestamp": f"{time.time():.3f}".encode(),
-            },
+        record = common_pb2.FeedbackRecord(
+            job_id=request.job_id,
+            experts=experts,
+            task_type=task_type,
+            success=metrics.success,
+            validation_passed=validation.valid,
+            validator=validation.validator,
+            latency_ms=total_ms,
+            finished_at=timestamp(time.time()),
         )
+        await self.publish(FEEDBACK_STREAM, entry_fields(record))
         metrics.postproc_latency_ms = (time.perf_counter() - started) * 1000
         self.metrics.observe(metrics, status, validation.validator)
         log.info(

@@ -26,6 +26,12 @@ def expert_key(name: str, version: str) -> str:
     return f"{name}@{version}"
 
 
+@dataclass(frozen=True)
+class FleetCapacity:
+    free_slots: int  # sequences the engines can still take
+    kv_blocks_free: int
+
+
 @dataclass
 class PlacedJob:
     job_id: str
@@ -161,10 +167,10 @@ class Fleet:
             engine.last_used.update(dict.fromkeys(job.experts, self.clock()))
         return True
 
-    def capacity(self) -> common_pb2.EngineLoad:
-        """The fleet's free sequence slots (as max_num_seqs) and free KV blocks, summed."""
-        return common_pb2.EngineLoad(
-            max_num_seqs=sum(e.free_slots for e in self.engines.values()),
+    def capacity(self) -> FleetCapacity:
+        """The fleet's free sequence slots and free KV blocks, summed over its engines."""
+        return FleetCapacity(
+            free_slots=sum(e.free_slots for e in self.engines.values()),
             kv_blocks_free=sum(max(0, e.available_blocks()) for e in self.engines.values()),
         )
 

@@ -66,7 +66,7 @@ class PreparationMetrics:
         capacity = fleet.capacity()
         self.engines.set(len(fleet.engines))
         self.active_jobs.set(len(fleet.jobs))
-        self.free_slots.set(capacity.max_num_seqs)
+        self.free_slots.set(capacity.free_slots)
         self.kv_blocks_free.set(capacity.kv_blocks_free)
         now = time.time()
         for engine_id, engine in fleet.engines.items():

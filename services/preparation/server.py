@@ -86,9 +86,9 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
     ) -> preparation_pb2.GetCapacityResponse:
         capacity = self.fleet.capacity()
         return preparation_pb2.GetCapacityResponse(
-            accepting=capacity.max_num_seqs > 0,
+            accepting=capacity.free_slots > 0,
             engines=len(self.fleet.engines),
-            free_slots=capacity.max_num_seqs,
+            free_slots=capacity.free_slots,
             kv_blocks_free=capacity.kv_blocks_free,
             max_model_len=self.fleet.max_model_len(),
         )

@@ -7,8 +7,9 @@ from redis.asyncio import Redis
 
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
-from services.reception.dispatcher import Capacity, Dispatcher
+from services.reception.dispatcher import Dispatcher
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers

@@ -19,13 +19,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 from redis.asyncio import Redis
 
-from libs.gen.expert.v1 import common_pb2, preparation_pb2
-from libs.grpc_client import call
+from libs.gen.expert.v1 import common_pb2
 from libs.logging import bind_context, get_logger
 from libs.redis_streams import Entry, read_next, reclaim
+from services.reception.capacity import Capacity
 from services.reception.jobs import CANCEL_CHANNEL, JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.pipeline import JobRun, Pipeline
@@ -40,41 +39,6 @@ class DispatchSettings:
     reclaim_idle_ms: int
     max_deliveries: int
     default_timeout_s: float | None
-
-
-class Capacity:
-    """Preparation's GetCapacity, cached briefly so that idle workers do not hammer it."""
-
-    def __init__(self, preparation, ttl_s: float = 0.05) -> None:
-        self.preparation = preparation
-        self.ttl_s = ttl_s
-        self._value = preparation_pb2.GetCapacityResponse()
-        self._at = 0.0
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> preparation_pb2.GetCapacityResponse:
-        async with self._lock:
-            if time.monotonic() - self._at > self.ttl_s:
-                try:
-                    self._value = await call(
-                        self.preparation.GetCapacity,
-                        preparation_pb2.GetCapacityRequest(),
-                        timeout=2.0,
-                        idempotent=True,
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("preparation unreachable", error=exc.details())
-                    self._value = preparation_pb2.GetCapacityResponse()
-                self._at = time.monotonic()
-            return self._value
-
-    def invalidate(self) -> None:
-        self._at = 0.0
-
-    @property
-    def last(self) -> preparation_pb2.GetCapacityResponse:
-        """The latest answer, without asking again."""
-        return self._value
 
 
 class Dispatcher:

@@ -22,7 +22,7 @@ from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_f
 from libs.gen.expert.v1 import common_pb2, inference_pb2
 from libs.logging import bind_context, get_logger
 from libs.timestamps import timestamp
-from services.reception.dispatcher import Capacity
+from services.reception.capacity import Capacity
 from services.reception.jobs import JobStore, events_key, job_key, result_key
 from services.reception.metrics import ReceptionMetrics
 from services.reception.queue import JobQueue, stream

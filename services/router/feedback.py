@@ -12,14 +12,13 @@ at the same moment never lose one.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import uuid
 
 from redis.asyncio import Redis
 
-from libs.feedback import FEEDBACK_STREAM
+from libs.feedback import FEEDBACK_STREAM, read_record
 from libs.logging import get_logger
 from libs.redis_streams import Entry, ack, ensure_group, read_next, reclaim
 from services.router.index import ExpertIndex
@@ -66,17 +65,13 @@ class FeedbackLearner:
                 await asyncio.sleep(1.0)
 
     async def _apply(self, entry: Entry) -> None:
-        try:
-            experts = json.loads(entry.fields.get("experts", b"[]"))
-        except ValueError:
-            experts = None
-        if not isinstance(experts, list):
-            log.warning("feedback record without a list of experts: skipped", entry=entry.id)
+        record = read_record(entry.fields)
+        if record is None:
+            log.warning("feedback entry without a record: skipped", entry=entry.id)
         else:
-            success = entry.fields.get("success") == b"1" and entry.fields.get("validation_passed") == b"1"
-            names = [name for name in experts if isinstance(name, str)]
+            success = record.success and record.validation_passed
             # Qdrant and Redis calls: on a thread, off the event loop.
-            await asyncio.to_thread(self._record, names, success)
+            await asyncio.to_thread(self._record, list(record.experts), success)
             self.applied += 1
         await ack(self.redis, FEEDBACK_STREAM, GROUP, entry.id)
 

@@ -5,7 +5,6 @@ once across routers sharing the consumer group, and a malformed record is skippe
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from redis import Redis as SyncRedis
@@ -13,7 +12,8 @@ from redis.asyncio import Redis
 
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.peft_adapter import read_peft_adapter
-from libs.feedback import FEEDBACK_STREAM
+from libs.feedback import FEEDBACK_STREAM, entry_fields
+from libs.gen.expert.v1 import common_pb2
 from services.router.embedding import SentenceEncoder
 from services.router.feedback import GROUP, FeedbackLearner
 from services.router.index import ExpertIndex
@@ -29,12 +29,9 @@ def manifest(tiny_llama, tmp_path_factory):
 
 
 def record(experts, success: bool, valid: bool) -> dict:
-    return {
-        "job_id": "j",
-        "experts": json.dumps(experts),
-        "success": "1" if success else "0",
-        "validation_passed": "1" if valid else "0",
-    }
+    return entry_fields(
+        common_pb2.FeedbackRecord(job_id="j", experts=experts, success=success, validation_passed=valid)
+    )
 
 
 def test_feedback_moves_the_success_rate_once_per_record(clean_redis_url, tmp_path, manifest):
@@ -50,7 +47,7 @@ def test_feedback_moves_the_success_rate_once_per_record(clean_redis_url, tmp_pa
             await asyncio.sleep(0.3)  # the group exists before the records come
             for fields in (
                 record(["json-parser"], True, False),  # completed but invalid output: a failure
-                {"job_id": "bad", "experts": "not json"},
+                {"record": b"\xff not a record"},
                 record(["json-parser", "nobody"], True, True),
                 record([], True, True),
             ):
