@@ -85,7 +85,11 @@ async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | Non
         await jobs.create("job-1", request, 5)
         run = JobRun(await jobs.get("job-1"))
         task = asyncio.create_task(pipeline.run(run))
-        await preparation.preparing.wait()
+        # A cold process can spend the 200 ms deadline before the Prepare is sent: then the job
+        # ends without reaching preparation, and nothing waits for a Prepare that never comes.
+        preparing = asyncio.create_task(preparation.preparing.wait())
+        await asyncio.wait({task, preparing}, return_when=asyncio.FIRST_COMPLETED)
+        preparing.cancel()
         if cancel:
             run.cancel.set()
         result = await task
