@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from libs.feedback import FEEDBACK_STREAM, entry_fields
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
-from libs.job_results import job_result, job_status
+from libs.job_results import job_result
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.postproc.metrics import PostprocMetrics
@@ -29,17 +29,24 @@ class Finalizer:
     async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
         started = time.perf_counter()
         outcome = request.outcome
-        stopped = {"timed_out": request.timed_out, "cancelled": request.cancelled}
         schema = request.json_schema if request.HasField("json_schema") else None
         task_type = request.task_type or "general"
         validation = validate_output(outcome.text, task_type, schema)
-        status = job_status(outcome, **stopped)
-        experts = [e.name for e in outcome.experts]
         total_ms = (
             (time.time() - request.submitted_at.ToDatetime().timestamp()) * 1000
             if request.HasField("submitted_at")
             else 0.0
         )
+        result = job_result(
+            request.job_id,
+            outcome,
+            timed_out=request.timed_out,
+            cancelled=request.cancelled,
+            latency_ms=total_ms,
+            trace=request.reasoning_trace,
+            dropped_experts=request.dropped_experts,
+        )
+        status, experts = result.status, list(result.experts_used)
         usage = outcome.usage
         decode_s = usage.decode_ms / 1000
         metrics = common_pb2.InferenceMetrics(
@@ -82,14 +89,6 @@ class Finalizer:
             validation=validation.valid,
             tokens=outcome.completion_tokens,
             total_ms=round(total_ms, 1),
-        )
-        result = job_result(
-            request.job_id,
-            outcome,
-            **stopped,
-            latency_ms=total_ms,
-            trace=request.reasoning_trace,
-            dropped_experts=request.dropped_experts,
         )
         result.validation.CopyFrom(
             common_pb2.ValidationResult(

@@ -341,14 +341,14 @@ class ExpertIndex:
                 passed.append((name, similarity, cosine, row, payload, floor))
         passed.sort(key=lambda m: (-m[1], m[0]))
         passed = passed[:k]
-        topics = self._topic_similarity(query, [m[4] for m in passed]) if self.matching.topic_gate else {}
+        topics = self._gates(query, [m[4] for m in passed]) if self.matching.topic_gate else {}
         experts = self._with_stats([m[4] for m in passed])
         return [
             Match(expert, similarity, cosine, row, hits.get(name), floor, topics.get(name))
             for expert, (name, similarity, cosine, row, _, floor) in zip(experts, passed, strict=True)
         ]
 
-    def _topic_similarity(self, query: PromptQuery, payloads: list[dict]) -> dict[str, Gate]:
+    def _gates(self, query: PromptQuery, payloads: list[dict]) -> dict[str, Gate]:
         """The topic gate's evidence for each expert (experts without probes are left out). The gate
         vectors of one registration never change, so each router keeps those it used last in memory:
         reading 60 vectors per expert from Qdrant for every plan would cost more than the rest of the
