@@ -40,7 +40,7 @@ RUN useradd --create-home --uid 10001 expert \
 USER expert
 ENV PYTHONPATH=/app \
     EXPERT_KERNELS_DIR=/opt/expert/kernels
-RUN python -m services.engine.kernels build
+RUN python -m libs.engine.kernels build
 
 # gRPC: reception 50051, router 50052, preparation 50053, engine 50054, postproc 50055;
 # Prometheus metrics on 9151-9155 in the same order.

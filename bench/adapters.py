@@ -98,7 +98,7 @@ def ours(
     new_tokens: int,
     repeats: int,
 ) -> dict[str, float]:
-    from services.engine import LLMEngine, SamplingParams
+    from libs.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(
         model_dir,

@@ -54,7 +54,7 @@ def prompts_of(vocab: int, count: int, length: int) -> list[list[int]]:
 
 
 def ours(model_dir: str, new_tokens: int, batch: list[list[int]], repeats: int) -> dict[str, float]:
-    from services.engine import LLMEngine, SamplingParams
+    from libs.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(
         model_dir, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=len(batch)

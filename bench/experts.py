@@ -65,7 +65,7 @@ DESCRIPTION_ONLY = {
 
 
 def lift(engine, recipes) -> list[tuple]:
-    from services.engine import SamplingParams
+    from libs.engine import SamplingParams
 
     rows = []
     for recipe in recipes:
@@ -129,7 +129,7 @@ def description_manifest(template, name: str, description: str, keywords: tuple[
 def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str], int | None]:
     """FEEDBACK_JOBS JSON jobs with a schema: the expert chosen for each, and the job after which the
     good expert was chosen every time (None if it never settled)."""
-    from services.engine import SamplingParams
+    from libs.engine import SamplingParams
     from services.postproc.validation import validate_output
     from services.router.features import extract_features
     from services.router.matching import PromptQuery
@@ -267,12 +267,12 @@ def main() -> None:
     import redis
     import torch
 
+    from libs.engine import LLMEngine
     from libs.experts.demo.build import TRUSTED, build
     from libs.experts.demo.catalog import GOOD
     from libs.experts.package import read_package
     from libs.experts.signing import Keyring
     from libs.stack import LocalStack
-    from services.engine import LLMEngine
     from services.router.embedding import SentenceEncoder
 
     torch.set_num_threads(args.threads)

@@ -67,7 +67,7 @@ class Direct:
     """The peer: an in-process LLMEngine with the engine service's settings."""
 
     def __init__(self, model: str, max_num_seqs: int, max_tokens: int) -> None:
-        from services.engine import LLMEngine, SamplingParams
+        from libs.engine import LLMEngine, SamplingParams
 
         self.engine = LLMEngine.from_pretrained(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=1.0)

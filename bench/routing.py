@@ -194,9 +194,9 @@ def staging(stack, names: list[str]) -> tuple[list[float], list[float]]:
 
 def local_loads(model: str, packages: list[Path], trusted: Path) -> list[float]:
     """The peer: milliseconds for the engine's expert manager to load each package from a file."""
-    from services.engine.adapters.manager import ExpertManager
-    from services.engine.config import AdapterConfig
-    from services.engine.models.config import ModelConfig
+    from libs.engine.adapters.manager import ExpertManager
+    from libs.engine.config import AdapterConfig
+    from libs.engine.models.config import ModelConfig
 
     manager = ExpertManager(
         ModelConfig.from_dir(model), AdapterConfig(trusted_keys_dir=str(trusted)), torch.device("cpu")

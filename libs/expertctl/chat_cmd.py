@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.engine import ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-    from services.engine.models.errors import CheckpointError
+    from libs.engine import ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+    from libs.engine.models.errors import CheckpointError
 
     try:
         params = SamplingParams(
@@ -64,7 +64,7 @@ class Chat:
     """The read-eval-print loop, separated from argument parsing so that tests can drive it."""
 
     def __init__(self, engine, params, system: str | None = None) -> None:
-        from services.engine import OutputKind
+        from libs.engine import OutputKind
 
         self.engine = engine
         self.params = params
@@ -99,7 +99,7 @@ class Chat:
 
     def reply(self, stdout: TextIO) -> str:
         """Stream one assistant reply to `stdout` and return its text."""
-        from services.engine import InvalidRequestError
+        from libs.engine import InvalidRequestError
 
         request_id = f"chat-{next(self._ids)}"
         try:

@@ -84,7 +84,7 @@ def _import_default(args: argparse.Namespace) -> int:
 
 def _convert(gguf_path: Path, out_dir: Path, *, force: bool) -> int:
     # Imported here so that `expertctl --help` and other commands do not load numpy, gguf and tokenizers.
-    from services.engine.models.gguf import GGUFImportError, import_gguf
+    from libs.engine.models.gguf import GGUFImportError, import_gguf
 
     started = time.perf_counter()
     try:

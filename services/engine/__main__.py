@@ -7,6 +7,15 @@ import contextlib
 
 import grpc
 
+from libs.engine.adapters.registry import (
+    ExpertCapacityError,
+    ExpertInUseError,
+    ExpertNotFoundError,
+    ExpertRefusedError,
+)
+from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from libs.engine.errors import InvalidRequestError
+from libs.engine.sampling_params import SamplingParams
 from libs.errors import (
     ServiceError,
     failed_precondition,
@@ -19,19 +28,10 @@ from libs.gen.expert.v1 import engine_pb2_grpc, preparation_pb2_grpc
 from libs.grpc_client import insecure_channel
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging, get_logger
-from services.engine.adapters.registry import (
-    ExpertCapacityError,
-    ExpertInUseError,
-    ExpertNotFoundError,
-    ExpertRefusedError,
-)
-from services.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from services.engine.errors import InvalidRequestError
+from services.engine.config import EngineServiceConfig
+from services.engine.metrics import EngineMetrics
 from services.engine.registration import Membership
-from services.engine.sampling_params import SamplingParams
 from services.engine.server import EngineServicer
-from services.engine.service_config import EngineServiceConfig
-from services.engine.service_metrics import EngineMetrics
 
 SERVICE = "expert.v1.EngineService"
 log = get_logger(__name__)

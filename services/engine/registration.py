@@ -11,9 +11,9 @@ import asyncio
 
 import grpc
 
+from libs.engine.async_engine import AsyncLLMEngine
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, preparation_pb2_grpc
 from libs.logging import get_logger
-from services.engine.async_engine import AsyncLLMEngine
 from services.engine.server import engine_load, expert_holdings, model_spec
 
 log = get_logger(__name__)

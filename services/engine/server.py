@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from libs.engine.adapters.manager import ExpertHoldings
+from libs.engine.adapters.registry import ExpertNotFoundError
+from libs.engine.async_engine import AsyncLLMEngine
+from libs.engine.outputs import RequestOutput
+from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.adapters.manager import ExpertHoldings
-from services.engine.adapters.registry import ExpertNotFoundError
-from services.engine.async_engine import AsyncLLMEngine
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import OutputKind, SamplingParams
-from services.engine.service_metrics import EngineMetrics
+from services.engine.metrics import EngineMetrics
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,

@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from expert_system import ExpertClient, FailedPrecondition, InvalidRequest
+from libs.engine.adapters.manager import ExpertManager
+from libs.engine.config import AdapterConfig
+from libs.engine.models.config import ModelConfig
 from libs.expertctl.main import main as expertctl
 from libs.gen.expert.v1 import (
     engine_pb2,
@@ -28,9 +31,6 @@ from libs.gen.expert.v1 import (
     router_pb2_grpc,
 )
 from libs.stack import LocalStack
-from services.engine.adapters.manager import ExpertManager
-from services.engine.config import AdapterConfig
-from services.engine.models.config import ModelConfig
 from tests.e2e.conftest import stack_env
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import (

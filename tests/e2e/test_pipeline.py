@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from expert_system import ExpertClient, InvalidRequest
+from libs.engine import LLMEngine, SamplingParams
 from libs.gen.expert.v1 import inference_pb2
-from services.engine import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.default_model
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, OutputKind, SamplingParams
+from libs.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, OutputKind, SamplingParams
 
 MAX_MODEL_LEN = 1024
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine import LLMEngine, SamplingParams
-from services.engine.models.errors import CheckpointError
-from services.engine.tokenizer import TokenizerError
+from libs.engine import LLMEngine, SamplingParams
+from libs.engine.models.errors import CheckpointError
+from libs.engine.tokenizer import TokenizerError
 from tests.helpers.reference import capture_logits, hf_greedy, load_hf
 from tests.helpers.tiny_checkpoint import write_checkpoint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import InvalidRequestError, LLMEngine, SamplingParams
+from libs.engine import InvalidRequestError, LLMEngine, SamplingParams
 
 MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

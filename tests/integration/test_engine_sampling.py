@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from services.engine import LLMEngine, OutputKind, RequestOutput, SamplingParams
+from libs.engine import LLMEngine, OutputKind, RequestOutput, SamplingParams
 from tests.helpers.reference import hf_greedy, load_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLMEngine, SamplingParams
-from services.engine.sequence import derive_seed
+from libs.engine import LLMEngine, SamplingParams
+from libs.engine.sequence import derive_seed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=1234)
@@ -169,7 +169,7 @@ def _record_decode_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_static_decode_shapes_pad_decode_batches_to_fixed_sizes(tiny_llama, engine, kernels):
-    from services.engine.runner import DECODE_SIZES
+    from libs.engine.runner import DECODE_SIZES
 
     padded = LLMEngine.from_pretrained(
         str(tiny_llama), max_model_len=512, num_blocks=400, static_decode_shapes="on", kernels=kernels

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.engine import LLMEngine, SamplingParams
+from libs.engine.tokenizer import Tokenizer
 from libs.expertctl.main import main as expertctl
 from libs.experts.training.data import Sample
 from libs.experts.training.render import IGNORE, SampleEncoder
 from libs.experts.training.trainer import Trainer, TrainSettings
-from services.engine import LLMEngine, SamplingParams
-from services.engine.tokenizer import Tokenizer
 from tests.helpers.experts import Publisher, peft_greedy, peft_model
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")

@@ -6,9 +6,9 @@ import io
 import subprocess
 import sys
 
+from libs.engine import LLMEngine, SamplingParams
 from libs.expertctl.chat_cmd import Chat
 from libs.expertctl.main import main
-from services.engine import LLMEngine, SamplingParams
 
 
 class _Lines(io.StringIO):

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
+from libs.engine.adapters.registry import ExpertInUseError, ExpertNotFoundError, ExpertRefusedError
 from libs.experts.archive import write_tar_gz
 from libs.experts.integrity import format_checksums, sign_checksums
 from libs.experts.signing import generate_keypair, load_private_key
-from services.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
-from services.engine.adapters.registry import ExpertInUseError, ExpertNotFoundError, ExpertRefusedError
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter, write_prompt_tuning_adapter
 from tests.helpers.tiny_checkpoint import write_checkpoint
@@ -310,7 +310,7 @@ def test_the_host_budget_evicts_idle_experts_and_refuses_when_all_are_in_use(tin
     engine.load_expert(packages["lora-1"], publisher.trusted)  # already held: a hit, nothing evicted
     engine.generate([[8, 9]], GREEDY, experts=["lora-1"])
     engine.add_request("busy-2", [5, 6, 7], long, experts=["lora-1"])
-    from services.engine.adapters.registry import ExpertCapacityError
+    from libs.engine.adapters.registry import ExpertCapacityError
 
     with pytest.raises(ExpertCapacityError, match="in use"):
         engine.load_expert(packages["lora-0"], publisher.trusted)

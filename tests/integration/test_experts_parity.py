@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine import LLMEngine, SamplingParams
+from libs.engine import LLMEngine, SamplingParams
 from tests.helpers.experts import Publisher, peft_greedy, peft_model
 from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter, write_prompt_tuning_adapter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLMEngine, SamplingParams
+from libs.engine import LLMEngine, SamplingParams
 from tests.helpers.reference import capture_logits, hf_greedy, load_hf
 
 NEW_TOKENS = 64

@@ -9,15 +9,15 @@ import asyncio
 import grpc
 import pytest
 
+from libs.engine.async_engine import AsyncLLMEngine
 from libs.errors import ServiceError
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.signing import Keyring
 from libs.experts.store import ExpertStore
 from libs.gen.expert.v1 import common_pb2, engine_pb2_grpc
 from services.engine.__main__ import map_error
-from services.engine.async_engine import AsyncLLMEngine
+from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServicer, engine_load, expert_holdings, model_spec
-from services.engine.service_metrics import EngineMetrics
 from services.preparation.fleet import Fleet, expert_key
 from services.preparation.metrics import PreparationMetrics
 from services.preparation.preparer import Preparer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import SamplingParams
-from services.engine.block_manager import NULL_BLOCK, BlockPool, KVCacheManager
-from services.engine.sequence import Sequence
+from libs.engine import SamplingParams
+from libs.engine.block_manager import NULL_BLOCK, BlockPool, KVCacheManager
+from libs.engine.sequence import Sequence
 
 BS = 4  # tokens per block
 

@@ -8,8 +8,8 @@ from datetime import datetime
 import jinja2
 import pytest
 
-from services.engine.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, validate_messages
-from services.engine.tokenizer import chat_template as chat_template_module
+from libs.engine.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, validate_messages
+from libs.engine.tokenizer import chat_template as chat_template_module
 from tests.helpers.tokenizer_fixtures import (
     LLAMA2_TEMPLATE,
     SMOLLM2_TEMPLATE,

@@ -25,9 +25,9 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from libs.engine.config import ENV_VARIABLES as ENGINE_ENV_VARIABLES
 from libs.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
-from services.engine.config import ENV_VARIABLES as ENGINE_ENV_VARIABLES
-from services.engine.service_config import EngineServiceConfig
+from services.engine.config import EngineServiceConfig
 from services.postproc.config import PostprocConfig
 from services.preparation.config import PreparationConfig
 from services.reception.config import ReceptionConfig
@@ -102,7 +102,7 @@ def test_the_recorded_variables_are_the_ones_the_config_modules_name():
     """The recording sees every literal EXPERT_* name of the config modules, and the names each
     service builds from its own name (a recording that missed reads would make the checks below
     vacuous)."""
-    sources = [*REPO.glob("services/*/config.py"), REPO / "services/engine/service_config.py"]
+    sources = [*REPO.glob("services/*/config.py"), REPO / "libs/engine/config.py"]
     literal = set().union(*(_expert_names_in_source(p) for p in sources))
     assert literal <= ALL_READS, sorted(literal - ALL_READS)
     assert set(ENGINE_ENV_VARIABLES.values()) <= READS["engine"]
@@ -463,7 +463,7 @@ def test_the_dockerfile_builds_what_the_services_need():
     assert lines[next(i for i, line in enumerate(lines) if line.startswith("FROM"))] == (
         "FROM python:3.11-slim"
     )
-    for step in ("pip install .", "python protos/generate.py", "python -m services.engine.kernels build"):
+    for step in ("pip install .", "python protos/generate.py", "python -m libs.engine.kernels build"):
         assert step in text, step
     assert "build-essential" in text  # the kernels are C++
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
@@ -479,7 +479,8 @@ def test_the_image_and_make_setup_install_the_same_embedding_model():
 
 
 def test_the_dockerfile_sets_only_variables_the_code_reads():
-    code = set().union(*(_expert_names_in_source(p) for p in [*REPO.glob("services/**/*.py")]))
+    sources = [*REPO.glob("services/**/*.py"), *REPO.glob("libs/engine/**/*.py")]
+    code = set().union(*(_expert_names_in_source(p) for p in sources))
     named = _expert_names_in_source(DOCKERFILE)
     assert named and named <= code, sorted(named - code)
 

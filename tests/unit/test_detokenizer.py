@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.engine.tokenizer import (
+from libs.engine.tokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     TextDelta,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from services.engine import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from libs.engine import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 
 
 def _get(config: EngineConfig, path: str):

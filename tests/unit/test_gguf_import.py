@@ -18,7 +18,7 @@ import torch
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from services.engine.models.gguf import GGUFImportError, import_gguf
+from libs.engine.models.gguf import GGUFImportError, import_gguf
 from tests.helpers.tiny_gguf import (
     SPECIALS,
     USER_DEFINED,
@@ -390,7 +390,7 @@ def test_unsupported_tokenizer_model_is_named(tmp_path):
 
 
 def test_interrupted_conversion_leaves_no_directory(smollm, tmp_path, monkeypatch):
-    from services.engine.models.gguf import importer
+    from libs.engine.models.gguf import importer
 
     def interrupted(*_args):
         raise KeyboardInterrupt

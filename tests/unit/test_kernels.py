@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels import AttentionMetadata, HeadLayout, TorchOps
-from services.engine.kernels.build import load
+from libs.engine.kernels import AttentionMetadata, HeadLayout, TorchOps
+from libs.engine.kernels.build import load
 
 pytestmark = pytest.mark.skipif(not load(), reason="native kernels did not build on this machine")
 
 
 @pytest.fixture(scope="module")
 def native():
-    from services.engine.kernels.native import NativeOps
+    from libs.engine.kernels.native import NativeOps
 
     return NativeOps()
 

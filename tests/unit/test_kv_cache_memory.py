@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.engine.kv_cache import _cgroup_headroom
+from libs.engine.kv_cache import _cgroup_headroom
 
 
 def _write(path: Path, text: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, SamplingBatch
+from libs.engine.sampler import Sampler, SamplingBatch
 
 DRAWS = 2000
 

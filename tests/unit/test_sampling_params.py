@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import InvalidRequestError, OutputKind, SamplingParams
+from libs.engine import InvalidRequestError, OutputKind, SamplingParams
 
 INVALID = [
     ("n", 0),

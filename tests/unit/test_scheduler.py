@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from services.engine import SamplingParams, SchedulerConfig
-from services.engine.block_manager import KVCacheManager
-from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import Sequence, SequenceStatus
+from libs.engine import SamplingParams, SchedulerConfig
+from libs.engine.block_manager import KVCacheManager
+from libs.engine.scheduler import Scheduler, SchedulerOutput
+from libs.engine.sequence import Sequence, SequenceStatus
 
 BS = 4  # tokens per block
 _tokens = itertools.count(1000)  # distinct token ids, so that no two prompts share a prefix by accident

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from tests.helpers.tokenizer_fixtures import (
     SAMPLE_TEXTS,
     build_byte_level_dir,

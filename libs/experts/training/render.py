@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from libs.engine.tokenizer import Tokenizer
 from libs.experts.training.data import DataError, Sample
-from services.engine.tokenizer import Tokenizer
 
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's cross-entropy ignore_index)
 
@@ -99,7 +99,7 @@ class SampleEncoder:
         return list(answer_ids)
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool, sample: Sample) -> str:
-        from services.engine.tokenizer.chat_template import ChatTemplateError
+        from libs.engine.tokenizer.chat_template import ChatTemplateError
 
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)

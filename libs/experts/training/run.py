@@ -8,10 +8,10 @@ import json
 import random
 from pathlib import Path
 
+from libs.engine.tokenizer import Tokenizer
 from libs.experts.training.data import Sample
 from libs.experts.training.render import SampleEncoder
 from libs.experts.training.trainer import Trainer, TrainReport, TrainSettings, split
-from services.engine.tokenizer import Tokenizer
 
 MAX_EXAMPLES = 50  # a manifest holds at most 50 example prompts
 _MAX_EXAMPLE_CHARS = 2000

@@ -1,0 +1,199 @@
+"""Engine configuration: frozen dataclasses, built from keyword arguments or from EXPERT_* variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from libs.config import ConfigError, EnvReader
+
+DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory to give it.
+
+    Sizing precedence: an explicit `num_blocks`, else `kv_cache_bytes`, else `memory_fraction` of the
+    memory available after the weights are loaded.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks: must be at least 2, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes: must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"memory_fraction: must be in (0, 0.95], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step (the prefill chunk size), sequences at once, aging."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    aging_seconds: float = 2.0  # one priority level gained per this many seconds of waiting
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens: must be at least max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        if self.aging_seconds < 0:
+            raise ConfigError(f"aging_seconds: must be >= 0 (0 disables aging), got {self.aging_seconds}")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Experts: byte budgets of the host tier (verified weights in memory) and the device tier (the
+    kernels' pools), and the directory of public keys whose packages are trusted."""
+
+    host_bytes: int = 2 << 30
+    device_bytes: int = 1 << 30
+    trusted_keys_dir: str = "data/keys/trusted"
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "device_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start: the checkpoint, where to run, cache and scheduling.
+
+    device / dtype "auto": CUDA with bfloat16 when a GPU is present, else the CPU with float32.
+    kernels "auto": the native CPU kernels when they apply (CPU, float32), else torch operators.
+    static_decode_shapes pads decode batches to fixed sizes (needed for CUDA-graph capture);
+    "auto" turns it on for CUDA only, since on a CPU padding costs compute and buys nothing.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    seed: int | None = None
+    static_decode_shapes: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+
+    def __post_init__(self) -> None:
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "kernels": ("auto", "native", "torch"),
+            "static_decode_shapes": ("auto", "on", "off"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name}: expected one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ConfigError(f"device: expected auto, cpu or cuda[:N], got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads: must be at least 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """A copy with top-level, cache, scheduler or adapter fields replaced by keyword (unknown names
+        rejected)."""
+        sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "adapters": AdapterConfig}
+        top = {f.name for f in fields(self)} - set(sections)
+        changes: dict[str, dict[str, Any]] = {"": {}} | {section: {} for section in sections}
+        for name, value in overrides.items():
+            section = (
+                ""
+                if name in top
+                else next((s for s, cls in sections.items() if name in {f.name for f in fields(cls)}), None)
+            )
+            if section is None:
+                raise ConfigError(f"{name}: not an engine setting")
+            changes[section][name] = value
+        config = replace(self, **changes[""])
+        for section in sections:
+            if changes[section]:
+                config = replace(config, **{section: replace(getattr(config, section), **changes[section])})
+        return config
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineConfig:
+        """Read EXPERT_* variables (see docs/configuration.md); unset ones keep their defaults."""
+        try:
+            return cls._from_env(EnvReader(env))
+        except ConfigError as exc:
+            field_name, _, message = str(exc).partition(": ")
+            variable = ENV_VARIABLES.get(field_name)
+            if variable is None:
+                raise
+            raise ConfigError(f"{variable}: {message}") from None
+
+    @classmethod
+    def _from_env(cls, reader: EnvReader) -> EngineConfig:
+        return cls(
+            model=reader.text("EXPERT_MODEL_PATH", DEFAULT_MODEL),
+            device=reader.text("EXPERT_DEVICE", "auto"),
+            dtype=reader.text("EXPERT_DTYPE", "auto"),
+            kernels=reader.text("EXPERT_KERNELS", "auto"),
+            num_threads=reader.integer("EXPERT_NUM_THREADS"),
+            max_model_len=reader.integer("EXPERT_MAX_MODEL_LEN"),
+            seed=reader.integer("EXPERT_SEED"),
+            static_decode_shapes=reader.text("EXPERT_STATIC_DECODE_SHAPES", "auto"),
+            cache=CacheConfig(
+                block_size=reader.integer("EXPERT_KV_BLOCK_SIZE", 16),
+                num_blocks=reader.integer("EXPERT_KV_NUM_BLOCKS"),
+                kv_cache_bytes=reader.integer("EXPERT_KV_CACHE_BYTES"),
+                memory_fraction=reader.number("EXPERT_KV_CACHE_MEMORY_FRACTION", 0.2),
+                enable_prefix_caching=reader.boolean("EXPERT_PREFIX_CACHING", True),
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS", 64),
+                max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS", 2048),
+                aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
+            ),
+            adapters=AdapterConfig(
+                host_bytes=reader.integer("EXPERT_ADAPTER_HOST_BYTES", 2 << 30),
+                device_bytes=reader.integer("EXPERT_ADAPTER_DEVICE_BYTES", 1 << 30),
+                trusted_keys_dir=reader.text("EXPERT_TRUSTED_KEYS", "data/keys/trusted"),
+            ),
+        )
+
+
+# Field name -> environment variable, for error messages about values read from the environment.
+ENV_VARIABLES = {
+    "model": "EXPERT_MODEL_PATH",
+    "device": "EXPERT_DEVICE",
+    "dtype": "EXPERT_DTYPE",
+    "kernels": "EXPERT_KERNELS",
+    "num_threads": "EXPERT_NUM_THREADS",
+    "max_model_len": "EXPERT_MAX_MODEL_LEN",
+    "seed": "EXPERT_SEED",
+    "static_decode_shapes": "EXPERT_STATIC_DECODE_SHAPES",
+    "block_size": "EXPERT_KV_BLOCK_SIZE",
+    "num_blocks": "EXPERT_KV_NUM_BLOCKS",
+    "kv_cache_bytes": "EXPERT_KV_CACHE_BYTES",
+    "memory_fraction": "EXPERT_KV_CACHE_MEMORY_FRACTION",
+    "enable_prefix_caching": "EXPERT_PREFIX_CACHING",
+    "max_num_seqs": "EXPERT_MAX_NUM_SEQS",
+    "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
+    "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",
+    "host_bytes": "EXPERT_ADAPTER_HOST_BYTES",
+    "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
+    "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",
+}

@@ -1,0 +1,197 @@
+"""The pure-torch implementation of the engine's operators.
+
+It runs on any device and dtype (CUDA included) and is the reference the native CPU kernels are
+tested against. Attention gathers each sequence's blocks into a padded batch and calls
+`scaled_dot_product_attention`; on a GPU a paged-attention kernel taking the block table
+directly (FlashAttention / FlashInfer style) would replace `attention` behind the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LinearWeight:
+    """A linear layer's weight in the layout its operator set wants, plus the optional bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys are, built once per step by the runner.
+
+    Sequence b owns tokens [query_start_loc[b], query_start_loc[b+1]) of the flat batch and has
+    seq_lens[b] tokens in the cache once this step's keys are written; its queries are its last
+    tokens. block_tables rows are padded with the null block 0.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+
+class TorchOps:
+    """Operators written with torch functions only."""
+
+    name = "torch"
+
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
+        return LinearWeight(weight.contiguous(), bias, weight.shape[1], weight.shape[0])
+
+    def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        return F.linear(x, w.weight, w.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_pos, D]
+        k_cache: torch.Tensor,  # [blocks, Hkv, block_size, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]
+        heads: HeadLayout,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        if q_norm is not None:
+            q = self.rms_norm(q, q_norm, eps)
+        if k_norm is not None:
+            k = self.rms_norm(k, k_norm, eps)
+        table = cos_sin[positions].to(qkv.dtype)  # [T, D]
+        cos, sin = table[:, None, : d // 2], table[:, None, d // 2 :]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        block_size = k_cache.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        k_cache[blocks, :, offsets] = k[valid]
+        v_cache[blocks, :, offsets] = v[valid]
+        return q
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        state = meta.backend_state.get("torch") or _padded_batch(meta, q.device)
+        meta.backend_state["torch"] = state
+        _, hq, d = q.shape
+        num_seqs, q_max = state["query_index"].shape
+        hkv = k_cache.shape[1]
+        padded_q = torch.cat([q, q.new_zeros(1, hq, d)])[state["query_index"]].transpose(1, 2)
+        tables = state["block_tables"]
+        keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
+        values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
+        out = F.scaled_dot_product_attention(
+            padded_q, keys, values, attn_mask=state["mask"], scale=scale, enable_gqa=hq != hkv
+        )
+        flat = out.transpose(1, 2).reshape(num_seqs * q_max, hq * d)
+        return flat[state["valid_rows"]]
+
+    def lora_apply(
+        self,
+        y: torch.Tensor,  # [T, out_total], updated in place
+        x: torch.Tensor,  # [T, in]
+        a: torch.Tensor,  # [rows, in]
+        bt: torch.Tensor,  # [rows, out]
+        col_offset: int,
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,  # libs.engine.adapters.batch.Entries
+    ) -> None:
+        """y[:, col_offset:col_offset+out] += weight * (x A^T) B^T for each sequence's LoRA entries."""
+        out = bt.shape[1]
+        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
+            for row, count, weight in seq_entries:
+                delta = (x[start:end] @ a[row : row + count].t()) * weight @ bt[row : row + count]
+                y[start:end, col_offset : col_offset + out] += delta
+
+    def ia3_scale(
+        self,
+        y: torch.Tensor,  # [T, width_total], updated in place
+        col_offset: int,
+        table: torch.Tensor,  # [slots, n]
+        query_start_loc: torch.Tensor,
+        token_ranges: list[tuple[int, int]],
+        entries: Any,
+    ) -> None:
+        """y[:, col_offset:col_offset+n] *= l (weight 1) or 1 + weight (l - 1), per sequence's IA³ entries."""
+        n = table.shape[1]
+        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
+            for slot, _, weight in seq_entries:
+                factor = table[slot] if weight == 1.0 else 1.0 + weight * (table[slot] - 1.0)
+                y[start:end, col_offset : col_offset + n] *= factor.to(y.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _padded_batch(meta: AttentionMetadata, device: torch.device) -> dict[str, torch.Tensor]:
+    """Index tensors that lay the flat queries out as [B, max_query_len] and mask the keys."""
+    qsl = meta.query_start_loc.to(device=device, dtype=torch.int64)
+    seq_lens = meta.seq_lens.to(device=device, dtype=torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    total = int(qsl[-1])
+    steps = torch.arange(meta.max_query_len, device=device)
+    is_query = steps[None, :] < q_lens[:, None]  # [B, Qmax]
+    query_index = torch.where(
+        is_query, qsl[:-1, None] + steps[None, :], torch.full_like(steps, total)[None, :]
+    )
+    num_blocks = -(-meta.max_seq_len // meta.block_size)
+    keys = torch.arange(num_blocks * meta.block_size, device=device)
+    positions = seq_lens[:, None] - q_lens[:, None] + steps[None, :]  # [B, Qmax]
+    mask = keys[None, None, :] <= positions[:, :, None]
+    mask[:, :, 0] = True  # padding rows attend to one key instead of none (no NaN)
+    return {
+        "query_index": query_index,
+        "block_tables": meta.block_tables[:, :num_blocks].to(device=device, dtype=torch.int64),
+        "mask": mask[:, None],
+        "valid_rows": is_query.reshape(-1).nonzero().squeeze(1),
+    }

@@ -1,0 +1,378 @@
+"""LLMEngine: the synchronous engine loop, schedule -> run -> postprocess, and its request API."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from libs.engine import kv_cache
+from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManager, ExpertSpec
+from libs.engine.block_manager import KVCacheManager
+from libs.engine.config import EngineConfig
+from libs.engine.errors import InvalidRequestError
+from libs.engine.kernels import select_ops
+from libs.engine.models.config import ModelConfig
+from libs.engine.models.decoder import DecoderModel
+from libs.engine.models.loader import load_weights
+from libs.engine.outputs import EngineStats, RequestOutput
+from libs.engine.request import Request
+from libs.engine.request_builder import Prompt, RequestBuilder
+from libs.engine.runner import ModelRunner
+from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.engine.scheduler import Scheduler
+from libs.engine.sequence import Sequence, SequenceStatus
+from libs.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device", "CUDA was requested but no GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 is the fast dtype on CPUs without bf16 units; bf16 is the GPU serving default.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model: add requests, call `step()`, read outputs.
+
+    `generate()` and `chat()` wrap the loop for offline use; `AsyncLLMEngine` runs it in a thread
+    for servers. Not thread-safe: one thread drives an LLMEngine.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.monotonic()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        ops, reason = select_ops(config.kernels, self.model_config.head_dim, self.device, self.dtype)
+        self.kernels = ops.name
+        weights = load_weights(config.model, self.model_config, self.dtype)
+        self.model = DecoderModel(
+            self.model_config, weights, ops, self.device, self.dtype, self.max_model_len
+        )
+        del weights
+
+        cache = config.cache
+        num_blocks = kv_cache.plan_num_blocks(
+            cache,
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.scheduler.max_num_seqs * self.max_model_len,
+        )
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        tensor = kv_cache.allocate(num_blocks, self.model_config, cache.block_size, self.dtype, self.device)
+        static = config.static_decode_shapes == "on" or (
+            config.static_decode_shapes == "auto" and self.device.type == "cuda"
+        )
+        self.experts = ExpertManager(self.model_config, config.adapters, self.device)
+        self.runner = ModelRunner(
+            self.model, tensor, cache.block_size, self.max_model_len, static, self.experts.device_tier
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, adapters=self.experts.device_tier)
+        self._builder = RequestBuilder(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.kv.pool.num_usable_blocks * self.kv.block_size,
+            config.scheduler.max_num_seqs,
+            self.experts,
+            random.Random(config.seed),
+        )
+        self._requests: dict[str, Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._aborted: list[Request] = []
+        self._counters: Counter[str] = Counter()
+        self._finished_by_reason: Counter[str] = Counter()
+        log.info(
+            "engine ready: %s on %s/%s with %s (%s); %d KV blocks of %d tokens; max_model_len %d; %.1f s",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            ops.name,
+            reason,
+            num_blocks - 1,
+            cache.block_size,
+            self.max_model_len,
+            time.monotonic() - started,
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the weights and the KV cache."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str, device: str | None = None, dtype: str | None = None, **overrides: Any
+    ) -> LLMEngine:
+        """An engine for the checkpoint directory `model`; other EngineConfig, CacheConfig or
+        SchedulerConfig fields can be given by name (e.g. num_blocks=64, max_num_seqs=8)."""
+        overrides |= {"model": str(model), "device": device or "auto", "dtype": dtype or "auto"}
+        return cls(EngineConfig().with_overrides(**overrides))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        experts: ExpertSpec | None = None,
+    ) -> None:
+        """Queue a request, optionally with experts: up to 10 ("name", weight) pairs (a bare name
+        means weight 1; "name@version" pins a version). Raises InvalidRequestError naming the field
+        (ExpertNotFoundError for an expert that is not loaded) for anything unservable."""
+        self.enqueue(
+            self.prepare_request(
+                request_id, prompt, params, priority=priority, arrival_time=arrival_time, experts=experts
+            )
+        )
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        experts: ExpertSpec | None = None,
+    ) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        return self._builder.build(request_id, prompt, params, priority, arrival_time, experts)
+
+    def enqueue(self, request: Request) -> None:
+        """Hand a prepared request to the scheduler."""
+        if request.request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        self.experts.pin(request.experts)
+        self._requests[request.request_id] = request
+        seq = request.seqs[0]
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | Seq[str]) -> None:
+        """Stop requests now and free their blocks; their final output (finish_reason "abort") is
+        returned by the next `step()`. Unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            now = time.monotonic()
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    request.mark_finished(seq, SequenceStatus.FINISHED_ABORTED, now)
+                self._seqs.pop(seq.seq_id, None)
+            # Outputs not yet forked (n > 1) are aborted too.
+            for index in range(len(request.seqs), request.params.n):
+                seq = request.seqs[0].fork(index)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                request.add_sequence(seq)
+                request.mark_finished(seq, SequenceStatus.FINISHED_ABORTED, now)
+            self.experts.unpin(request.experts)
+            self._finished_by_reason["abort"] += 1
+            self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def load_expert(
+        self, source: bytes | str | os.PathLike[str], trusted_keys_dir: str | os.PathLike[str] | None = None
+    ) -> tuple[str, str]:
+        """Verify a `.expert` package (a path or its bytes) against the trusted keys and hold its
+        weights; returns (name, version). Refusals raise ExpertRefusedError naming the problem and
+        change nothing. The package must be for this engine's base model."""
+        expert = self.experts.load(source, trusted_keys_dir)
+        return expert.name, expert.version
+
+    def unload_expert(self, name: str) -> None:
+        """Forget the current version of an expert (refused with ExpertInUseError while requests use it)."""
+        self.experts.unload(name)
+
+    def list_experts(self) -> list[ExpertInfo]:
+        return self.experts.experts()
+
+    def expert_holdings(self) -> ExpertHoldings:
+        """The experts held, the tiers' budgets and the change counter, taken together."""
+        return self.experts.holdings()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of requests that progressed."""
+        outputs = [out for r in self._aborted if (out := r.output()) is not None]
+        self._aborted.clear()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, num_new in plan.scheduled:
+            request = self._requests[seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._counters["prompt_tokens"] += min(
+                    num_new, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
+        samples = self.runner.execute(plan)
+        self.scheduler.on_step_done(plan)
+        self._counters["steps"] += 1
+        now = time.monotonic()
+        for seq_id, sampled in samples.items():
+            seq = self._seqs[seq_id]
+            request = self._requests[seq.request_id]
+            touched[request.request_id] = request
+            targets = [seq]
+            if len(sampled) > 1:  # the first sample of an n > 1 request: fork the other outputs
+                seq.num_pending_forks = 1
+                for index in range(1, len(sampled)):
+                    child = seq.fork(index)
+                    self.scheduler.add_fork(seq, child)
+                    self._seqs[child.seq_id] = child
+                    request.add_sequence(child)
+                    targets.append(child)
+            for target, sample in zip(targets, sampled, strict=True):
+                target.append_token(sample.token_id)
+                self._counters["generation_tokens"] += 1
+                status = request.on_token(target, sample, now)
+                if status is not None:
+                    self.scheduler.finish(target, status)
+                    request.mark_finished(target, status, now)
+                    self._seqs.pop(target.seq_id, None)
+        for request in touched.values():
+            out = request.output()
+            if out is not None:
+                outputs.append(out)
+            if request.finished:
+                del self._requests[request.request_id]
+                self.experts.unpin(request.experts)
+                self._finished_by_reason[out.finish_reason if out else "stop"] += 1
+        return outputs
+
+    # -- offline helpers -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priority: int = 0,
+        experts: ExpertSpec | Seq[ExpertSpec | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (batched together) and return their final outputs in order.
+
+        `experts` is one expert list for every prompt, or a list of them (or None) per prompt.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(p, int | Mapping) for p in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("params", f"{len(params)} parameter sets for {len(prompts)} prompts")
+        per_prompt = _per_prompt_experts(experts, len(prompts))
+        base = f"generate-{self._counters['generate_calls']}"
+        self._counters["generate_calls"] += 1
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, p, spec in zip(ids, prompts, params, per_prompt, strict=True):
+                final = dataclasses.replace(p, output_kind=OutputKind.FINAL_ONLY)
+                self.add_request(request_id, prompt, final, priority=priority, experts=spec)
+            results: dict[str, RequestOutput] = {}
+            while len(results) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            self.abort_request(ids)
+            self.step()
+            raise
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Like `generate` for one conversation (a list of messages) or a list of them."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]
+        return self.generate([list(c) for c in conversations], params)
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        """Engine, KV-cache and expert figures for metrics."""
+        usage = self.kv.usage()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_num_blocks=usage.num_blocks,
+            kv_used_blocks=usage.num_used_blocks,
+            kv_free_blocks=usage.num_free_blocks,
+            kv_usage=usage.usage,
+            prefix_cache_queries=usage.prefix_queries,
+            prefix_cache_hits=usage.prefix_hits,
+            prefix_cache_hit_rate=usage.prefix_hit_rate,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self._counters["prompt_tokens"],
+            generation_tokens_total=self._counters["generation_tokens"],
+            requests_finished_total=dict(self._finished_by_reason),
+            num_steps_total=self._counters["steps"],
+            experts=self.experts.stats(),
+        )
+
+
+def _per_prompt_experts(experts: object, count: int) -> list:
+    """One expert list per prompt from either a shared list or a list of per-prompt lists."""
+    if experts is None:
+        return [None] * count
+    if (
+        isinstance(experts, list | tuple)
+        and experts
+        and all(e is None or isinstance(e, list) for e in experts)
+    ):
+        if len(experts) != count:
+            raise InvalidRequestError("experts", f"{len(experts)} expert lists for {count} prompts")
+        return list(experts)
+    return [experts] * count

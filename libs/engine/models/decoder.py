@@ -1,0 +1,153 @@
+"""Our decoder: one implementation for the Llama, Qwen2 and Qwen3 families.
+
+RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache, SwiGLU MLP, optional
+q/k/v biases (Qwen2) and per-head QK norm (Qwen3), tied or separate LM head. The forward pass
+works on a flat batch of tokens from many sequences; attention is the only place that looks at
+sequence boundaries, through the step's AttentionMetadata. Projections are fused at load (one QKV
+matmul, one gate/up matmul) and laid out by the operator set once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from libs.engine.kernels import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
+from libs.engine.models.config import ModelConfig
+from libs.engine.models.rope import cos_sin_table
+
+if TYPE_CHECKING:
+    from libs.engine.adapters.batch import AdapterBatch
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: LinearWeight
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: LinearWeight
+    post_norm: torch.Tensor
+    gate_up: LinearWeight
+    down: LinearWeight
+
+
+class DecoderModel:
+    """Weights plus the forward pass; holds no per-request state."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: TorchOps,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.device = device
+        self.dtype = dtype
+        self.heads = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.scale = config.head_dim**-0.5
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        def linear(names: list[str], bias: bool) -> LinearWeight:
+            w = torch.cat([take(n + ".weight") for n in names])
+            b = torch.cat([take(n + ".bias") for n in names]) if bias else None
+            return ops.prepare_linear(w, b)
+
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.layers: list[DecoderLayer] = []
+        for n in range(config.num_layers):
+            p = f"model.layers.{n}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=linear([attn + "q_proj", attn + "k_proj", attn + "v_proj"], config.qkv_bias),
+                    q_norm=maybe(attn + "q_norm.weight"),
+                    k_norm=maybe(attn + "k_norm.weight"),
+                    o=linear([attn + "o_proj"], config.o_bias),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=linear([mlp + "gate_proj", mlp + "up_proj"], config.mlp_bias),
+                    down=linear([mlp + "down_proj"], config.mlp_bias),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = ops.prepare_linear(head)
+        # cos | sin per position, float32 like transformers computes them
+        self.cos_sin = cos_sin_table(config.rope, config.head_dim, max_positions).to(device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [blocks, Hkv, block_size, D] x2
+        adapters: AdapterBatch | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's keys and values.
+
+        `adapters` applies each sequence's experts: soft prompts replace virtual-token embeddings,
+        IA³ scales projection inputs or outputs, LoRA adds its low-rank deltas.
+        """
+        ops, eps, c = self.ops, self.config.rms_norm_eps, self.config
+        residual = self.embed_tokens[input_ids]  # [T, H]
+        if adapters is not None:
+            residual = adapters.embed(residual)
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        for n, layer in enumerate(self.layers):
+            if n > 0:
+                x, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+            k_cache, v_cache = kv_caches[n]
+            qkv = ops.linear(x, layer.qkv)  # [T, (Hq + 2 Hkv) D]
+            if adapters is not None:
+                adapters.apply_output(ops, n, _QKV, (0, c.q_size, c.q_size + c.kv_size), qkv, x)
+            q = ops.rope_and_cache(
+                qkv,
+                positions,
+                self.cos_sin,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                self.heads,
+                layer.q_norm,
+                layer.k_norm,
+                eps,
+            )  # [T, Hq, D]
+            attended = ops.attention(q, k_cache, v_cache, meta, self.scale)
+            if adapters is not None:
+                attended = adapters.scale_input(ops, n, "o_proj", attended)
+            x = ops.linear(attended, layer.o)
+            if adapters is not None:
+                adapters.apply_output(ops, n, ("o_proj",), (0,), x, attended)
+            x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
+            gate_up = ops.linear(x, layer.gate_up)
+            if adapters is not None:
+                adapters.apply_output(ops, n, _GATE_UP, (0, c.intermediate_size), gate_up, x)
+            hidden = ops.silu_and_mul(gate_up)
+            if adapters is not None:
+                hidden = adapters.scale_input(ops, n, "down_proj", hidden)
+            x = ops.linear(hidden, layer.down)
+            if adapters is not None:
+                adapters.apply_output(ops, n, ("down_proj",), (0,), x, hidden)
+        x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [S, vocab] for the selected hidden states [S, hidden]."""
+        return self.ops.linear(hidden, self.lm_head).float()

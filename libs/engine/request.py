@@ -1,0 +1,161 @@
+"""Engine-side state of one request: its sequences (n outputs), their text streams and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.engine.adapters.registry import ExpertUse
+from libs.engine.outputs import AppliedExpert, CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from libs.engine.sampler import SampledToken
+from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.engine.sequence import Sequence, SequenceStatus
+from libs.engine.tokenizer import TextStream, Tokenizer
+
+
+@dataclass
+class _Output:
+    """Everything one output produced so far, and how much of it the caller has been given."""
+
+    index: int
+    stream: TextStream
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    sent_pieces: int = 0
+    sent_tokens: int = 0
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+
+    def text(self, start: int = 0) -> str:
+        return "".join(self.pieces[start:])
+
+
+class Request:
+    """A prompt, its settings and its outputs; turns sampled tokens into text and stop decisions."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first: Sequence,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.stop_ids = set(params.stop_token_ids)
+        self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.seqs: list[Sequence] = []
+        self._outputs: list[_Output] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.experts: tuple[ExpertUse, ...] = first.experts
+        self.applied = [
+            AppliedExpert(u.expert.name, u.expert.version, u.expert.adapter_type, u.weight)
+            for u in first.experts
+        ]
+        self.add_sequence(first)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        stream = TextStream(
+            self.tokenizer,
+            self.prompt_token_ids,
+            stop=self.params.stop,
+            include_stop_str_in_output=self.params.include_stop_str_in_output,
+            skip_special_tokens=self.params.skip_special_tokens,
+        )
+        self._outputs.append(
+            _Output(seq.index, stream, logprobs=[] if self.params.logprobs is not None else None)
+        )
+
+    def on_token(self, seq: Sequence, sample: SampledToken, now: float) -> SequenceStatus | None:
+        """Record a sampled token already appended to `seq`; the finished status if it ends the sequence."""
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        elif m.last_token_time is not None:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        m.num_generation_tokens += 1
+        out = self._outputs[seq.index]
+        token = sample.token_id
+        out.token_ids.append(token)
+        if out.logprobs is not None and sample.logprob is not None:
+            ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
+            ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
+            out.logprobs.append(ranked)
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
+
+        if token in self.eos_ids or token in self.stop_ids:
+            out.add_text(out.stream.finish())
+            out.stop_reason = token if token in self.stop_ids else None
+            return SequenceStatus.FINISHED_STOPPED
+        delta = out.stream.append([token])
+        out.add_text(delta.text)
+        if delta.stop_string is not None:
+            out.stop_reason = delta.stop_string
+            return SequenceStatus.FINISHED_STOPPED
+        at_max = self.params.max_tokens is not None and seq.num_output_tokens >= self.params.max_tokens
+        if at_max or seq.num_tokens >= self.max_model_len:
+            out.add_text(out.stream.finish())
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def mark_finished(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
+        """Record how a sequence ended (after the scheduler retired it)."""
+        out = self._outputs[seq.index]
+        if status == SequenceStatus.FINISHED_ABORTED:
+            out.add_text(out.stream.finish())
+        out.finish_reason = status.finish_reason
+        if self.finished:
+            self.metrics.finished_time = now
+            self.metrics.num_cached_tokens = self.seqs[0].num_cached_tokens
+            self.metrics.num_preemptions = sum(s.num_preemptions for s in self.seqs)
+
+    def output(self) -> RequestOutput | None:
+        """What the caller gets now, shaped by the request's output kind (None: nothing to send)."""
+        kind = self.params.output_kind
+        if kind == OutputKind.FINAL_ONLY and not self.finished:
+            return None
+        completions = []
+        for out in sorted(self._outputs, key=lambda o: o.index):
+            start_piece, start_token = (
+                (out.sent_pieces, out.sent_tokens) if kind == OutputKind.DELTA else (0, 0)
+            )
+            completions.append(
+                CompletionOutput(
+                    index=out.index,
+                    text=out.text(start_piece),
+                    token_ids=out.token_ids[start_token:],
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    logprobs=None if out.logprobs is None else out.logprobs[start_token:],
+                    cumulative_logprob=out.cumulative_logprob,
+                )
+            )
+            out.sent_pieces, out.sent_tokens = len(out.pieces), len(out.token_ids)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.finished,
+            self.metrics,
+            list(self.applied),
+        )

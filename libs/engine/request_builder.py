@@ -1,0 +1,136 @@
+"""Turning what a caller sends into a validated Request: prompt, sampling settings, priority, experts."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from libs.engine.adapters.manager import ExpertManager, ExpertSpec
+from libs.engine.errors import InvalidRequestError
+from libs.engine.models.config import ModelConfig
+from libs.engine.request import Request
+from libs.engine.sampling_params import SamplingParams
+from libs.engine.sequence import Sequence
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+
+# A prompt: text, token ids, or a chat conversation (a list of {"role", "content"} messages).
+Prompt = str | list[int] | list[Mapping[str, Any]]
+
+
+class RequestBuilder:
+    """Validates and tokenizes requests; reads engine settings but changes no engine state, so it may
+    run on any thread (the async front validates on the caller's side)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        max_model_len: int,
+        kv_capacity: int,
+        max_num_seqs: int,
+        experts: ExpertManager,
+        rng: random.Random,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
+        self.max_num_seqs = max_num_seqs
+        self.experts = experts
+        self._rng = rng
+
+    def build(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        priority: int,
+        arrival_time: float | None,
+        experts: ExpertSpec | None,
+    ) -> Request:
+        """The Request and its first sequence, or InvalidRequestError naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError("n", f"{params.n} outputs exceed max_num_seqs {self.max_num_seqs}")
+        resolved = self.experts.resolve(experts)
+        text, token_ids = self._tokenize(prompt)
+        self._check_lengths(token_ids, params, resolved.num_virtual_tokens)
+        vocab = self.model_config.vocab_size
+        for i, token in enumerate(params.stop_token_ids):
+            if token >= vocab:
+                raise InvalidRequestError(
+                    f"stop_token_ids[{i}]", f"{token} is outside the vocabulary (size {vocab})"
+                )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            request_seed=seed,
+            priority=priority,
+            arrival_time=now,
+            experts=resolved.uses,
+            adapter_key=resolved.adapter_key,
+            num_virtual_tokens=resolved.num_virtual_tokens,
+        )
+        return Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                field, _, message = str(exc).partition(": ")
+                raise InvalidRequestError(field or "messages", message or str(exc)) from None
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt:
+            vocab = self.model_config.vocab_size
+            for i, token in enumerate(prompt):
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise InvalidRequestError(
+                        f"prompt_token_ids[{i}]", f"{token!r} is not a token id in [0, {vocab})"
+                    )
+            return None, list(prompt)
+        raise InvalidRequestError(
+            "prompt", "expected text, a non-empty list of token ids, or a list of messages"
+        )
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams, num_virtual: int = 0) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "encodes to zero tokens")
+        limit = self.max_model_len - num_virtual  # soft prompts take positions too
+        if limit < 2:
+            raise InvalidRequestError(
+                "experts",
+                f"soft prompts of {num_virtual} tokens leave no room within "
+                f"max_model_len {self.max_model_len}",
+            )
+        context = f"max_model_len {self.max_model_len}" + (
+            f" less {num_virtual} soft-prompt tokens" if num_virtual else ""
+        )
+        if len(token_ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"{len(token_ids)} tokens leave no room to generate within {context}"
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {context}",
+            )
+        longest = num_virtual + len(token_ids) + (params.max_tokens or limit - len(token_ids))
+        capacity = self.kv_capacity
+        if longest > capacity:
+            raise InvalidRequestError(
+                "max_tokens", f"a sequence of {longest} tokens cannot fit the KV cache ({capacity} tokens)"
+            )

@@ -1,0 +1,171 @@
+"""Request state as plain data: token ids, progress counters and the block table. No torch."""
+
+from __future__ import annotations
+
+import itertools
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+from libs.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from libs.engine.adapters.registry import ExpertUse, LoadedExpert
+
+_MASK64 = (1 << 64) - 1
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(IntEnum):
+    """Lifecycle of a sequence; every finished state sorts after the live ones."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of output `index` (>= 1) of an n > 1 request seeded with `seed` (splitmix64).
+
+    Output 0 uses the request's seed itself, so output i of a seeded n > 1 request equals an n = 1
+    request seeded with `derive_seed(seed, i)` (or `seed` for i = 0).
+    """
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def output_seed(request_seed: int, index: int) -> int:
+    return request_seed if index == 0 else derive_seed(request_seed, index)
+
+
+class Sequence:
+    """One output sequence of a request: prompt + generated tokens and how far the KV cache is.
+
+    `num_computed_tokens` counts tokens whose keys and values are in the cache. Prefill and decode
+    are the same thing: each step computes some of the tokens in [num_computed_tokens, num_tokens);
+    when it reaches the end, the last position's logits yield the next token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_seed: int,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        index: int = 0,
+        experts: tuple[ExpertUse, ...] = (),
+        adapter_key: bytes = b"",
+        num_virtual_tokens: int = 0,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index
+        # Soft prompts occupy the first positions; their placeholder ids are never looked up.
+        self.num_virtual_tokens = num_virtual_tokens
+        self.token_ids = [0] * num_virtual_tokens + list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.request_seed = request_seed
+        self.seed = output_seed(request_seed, index)
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.experts = experts
+        self.adapter_key = adapter_key  # covers the experts, versions and weights: part of every block hash
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits at the last admission
+        self.num_preemptions = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        # Samples still to draw from the first logits row: n for a request's first sequence
+        # with n > 1 (it forks into n), 1 otherwise.
+        self.num_pending_forks = params.n if index == 0 else 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The real prompt, without soft-prompt placeholders."""
+        return self.token_ids[self.num_virtual_tokens : self.num_prompt_tokens]
+
+    @property
+    def adapter_experts(self) -> list[LoadedExpert]:
+        return [use.expert for use in self.experts]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def sample_seeds(self) -> list[int]:
+        """Seeds of the rows to sample from this sequence's next logits (several when it forks)."""
+        if self.num_pending_forks > 1:
+            return [output_seed(self.request_seed, i) for i in range(self.num_pending_forks)]
+        return [self.seed]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, index: int) -> Sequence:
+        """Output `index` of the same request, sharing everything computed so far (the caller
+        shares the block table)."""
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            request_seed=self.request_seed,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            index=index,
+            experts=self.experts,
+            adapter_key=self.adapter_key,
+            num_virtual_tokens=self.num_virtual_tokens,
+        )
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        child.num_pending_forks = 1
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )
