@@ -1,5 +1,5 @@
-"""Calling other services: channels with the options every peer expects, deadline propagation,
-retries of idempotent calls on UNAVAILABLE, and waiting for a peer to report SERVING.
+"""Calling other services: channels with the options every peer expects, one shared channel per
+peer, deadline propagation and retries of idempotent calls on UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -49,6 +49,54 @@ def insecure_channel(target: str, *, balanced: bool = True) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=options)
 
 
+class Channels:
+    """The channels a process keeps to its peers, opened once per target and shared by all callers.
+
+    `service(name)` is a channel to a service, round-robin over its replicas. `replica(address)` is
+    a channel to one replica at the address it registered (an engine). Engines come and go: a
+    channel whose replica failed waits out a reconnect backoff before it tries again, so when a
+    replica is asked for again (it was placed on or registered anew, so it is back), a channel in
+    TRANSIENT_FAILURE is replaced by a new one that connects at once. The old one closes in the
+    background once the calls still on it end."""
+
+    RETIRE_GRACE_S = 60.0
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, bool], grpc.aio.Channel] = {}
+        self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+
+    def service(self, target: str) -> grpc.aio.Channel:
+        return self._get(target, balanced=True)
+
+    def replica(self, address: str) -> grpc.aio.Channel:
+        channel = self._open.get((address, False))
+        if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            del self._open[(address, False)]
+            self._retiring[channel] = asyncio.get_running_loop().create_task(self._retire(channel))
+        return self._get(address, balanced=False)  # one replica: nothing to balance over
+
+    def _get(self, target: str, *, balanced: bool) -> grpc.aio.Channel:
+        channel = self._open.get((target, balanced))
+        if channel is None:
+            channel = self._open[(target, balanced)] = insecure_channel(target, balanced=balanced)
+        return channel
+
+    async def _retire(self, channel: grpc.aio.Channel) -> None:
+        try:
+            await channel.close(grace=self.RETIRE_GRACE_S)
+        finally:
+            self._retiring.pop(channel, None)
+
+    async def close(self) -> None:
+        """Close every channel, cancelling the calls still on them."""
+        channels = [*self._open.values(), *self._retiring]
+        tasks = list(self._retiring.values())
+        self._open = {}
+        for channel in channels:
+            await channel.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def call(
     method: grpc.aio.UnaryUnaryMultiCallable,
     request: Any,
@@ -56,15 +104,19 @@ async def call(
     timeout: float | None,
     idempotent: bool,
     attempts: int = 3,
+    patience_s: float | None = None,
     metadata: Sequence[tuple[str, str | bytes]] | None = None,
 ) -> Any:
     """Calls a unary `method` (e.g. `stub.Plan`) and returns its response. When `idempotent`, an
-    UNAVAILABLE answer is retried up to `attempts` calls in all, with jittered exponential backoff;
-    `timeout` bounds all attempts together and no attempt or wait goes past it. Any other error,
-    and UNAVAILABLE from a non-idempotent call, is raised at once (a grpc.aio.AioRpcError)."""
+    UNAVAILABLE answer is retried with jittered exponential backoff: up to `attempts` calls in all,
+    or, with `patience_s`, for as long as that many seconds after the first call (a peer being
+    restarted or rolled out is waited for). `timeout` bounds all attempts together and no attempt
+    or wait goes past it. Any other error, and UNAVAILABLE from a non-idempotent call, is raised at
+    once (a grpc.aio.AioRpcError). This is the only retry of a call: callers do not loop on it."""
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, got {attempts}")
-    deadline = None if timeout is None else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     attempt = 0
     while True:
         attempt += 1
@@ -72,9 +124,14 @@ async def call(
         try:
             return await method(request, timeout=left, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            if not idempotent or error.code() is not grpc.StatusCode.UNAVAILABLE or attempt >= attempts:
+            if not idempotent or error.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            if patience_s is None and attempt >= attempts:
                 raise
             delay = random.uniform(0, min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (attempt - 1)))
-            if deadline is not None and time.monotonic() + delay >= deadline:
+            resume = time.monotonic() + delay
+            if deadline is not None and resume >= deadline:
+                raise
+            if patience_s is not None and resume - started > patience_s:
                 raise
             await asyncio.sleep(delay)

@@ -154,10 +154,9 @@ async def reclaim(
 ) -> list[Entry]:
     """Takes over up to `count` entries of `stream` that another consumer of `group` received but
     did not acknowledge within `min_idle_ms` (it died or hangs), oldest first. An entry already
-    delivered `max_deliveries` times is not returned but copied to `dead_letter_stream` (its fields
-    plus `source_stream`, `source_id`, `deliveries`) and acknowledged, so a poison entry stops
-    circulating. XAUTOCLAIM hands each idle entry to one claimer only, so concurrent reclaimers
-    never process or dead-letter the same entry twice."""
+    delivered `max_deliveries` times is not returned but moved to `dead_letter_stream`
+    (`dead_letter`), so a poison entry stops circulating. XAUTOCLAIM hands each idle entry to one
+    claimer only, so concurrent reclaimers never process or dead-letter the same entry twice."""
     if max_deliveries < 1:
         raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
     _cursor, claimed, _deleted = await redis.xautoclaim(
@@ -181,21 +180,31 @@ async def reclaim(
             stream=stream, id=_text(entry_id), fields=_fields(fields), deliveries=info[0]["times_delivered"]
         )
         if entry.deliveries > max_deliveries:
-            await _dead_letter(redis, entry, group, dead_letter_stream, delivered=entry.deliveries - 1)
+            await dead_letter(redis, entry, group, dead_letter_stream, delivered=entry.deliveries - 1)
         else:
             entries.append(entry)
     return entries
 
 
-async def _dead_letter(
-    redis: Redis, entry: Entry, group: str, dead_letter_stream: str, *, delivered: int
+async def dead_letter(
+    redis: Redis,
+    entry: Entry,
+    group: str,
+    dead_letter_stream: str,
+    *,
+    delivered: int,
+    reason: str | None = None,
 ) -> None:
+    """Move `entry` to `dead_letter_stream`: its fields plus `source_stream`, `source_id`,
+    `deliveries` and, when given, `reason`; and acknowledge it, in one transaction."""
     fields: dict[str, FieldValue] = {
         **entry.fields,
         "source_stream": entry.stream,
         "source_id": entry.id,
         "deliveries": delivered,
     }
+    if reason is not None:
+        fields["reason"] = reason
     # One transaction: the entry is never both dead-lettered and still pending, nor neither.
     async with redis.pipeline(transaction=True) as pipe:
         pipe.xadd(dead_letter_stream, fields)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from libs.gen.expert.v1 import common_pb2
@@ -38,7 +39,7 @@ class PlacedJob:
     engine_id: str
     kv_blocks: int
     placed_at: float
-    experts: tuple[str, ...] = ()  # expert_key of each expert the job uses there
+    experts: tuple[str, ...] = ()  # expert_key of each expert the job uses there (unload protection)
 
 
 @dataclass
@@ -148,14 +149,28 @@ class Fleet:
                 self.jobs.pop(job_id, None)
         return dead
 
-    def place(self, job_id: str, engine: Engine, kv_blocks: int, experts: tuple[str, ...] = ()) -> PlacedJob:
-        self.release(job_id)  # a retried job moves
+    @contextmanager
+    def reservation(
+        self, job_id: str, engine: Engine, kv_blocks: int, experts: tuple[str, ...] = ()
+    ) -> Iterator[PlacedJob]:
+        """Hold one of the engine's slots and `kv_blocks` of its KV for the job while preparation
+        works on it. The scope is preparation's only rollback: when the block raises, whatever it
+        raised, the reservation is given back; when it ends, the reservation is the job's until
+        `release` (the dispatcher's Release). A job holds at most one: reserving again moves it."""
+        self.release(job_id)
         now = self.clock()
         job = PlacedJob(job_id, engine.engine_id, kv_blocks, now, experts)
         engine.jobs[job_id] = job
         self.jobs[job_id] = job
         engine.last_used.update(dict.fromkeys(experts, now))
-        return job
+        try:
+            yield job
+        except BaseException:
+            self.release(job_id)
+            raise
+        # Counted against the engine's reported free KV from the hand-over until a heartbeat
+        # taken after it (the engine sees the job's KV only once the dispatcher calls Generate).
+        job.placed_at = self.clock()
 
     def release(self, job_id: str) -> bool:
         job = self.jobs.pop(job_id, None)

@@ -37,33 +37,24 @@ class Preparer:
         largest = max(e.holdings.device_budget_bytes for e in engines)
         experts, dropped = fit_to_budget(experts, sizes, largest, "the largest engine")
         engine, blocks = choose_engine(engines, plan, experts, sizes)
-        self.fleet.place(job_id, engine, blocks, tuple(expert_key(e.name, e.version) for e in experts))
-        try:
+        with self.fleet.reservation(job_id, engine, blocks, _keys(experts)) as reserved:
             report = await self.stager.stage(engine, experts)
-        except BaseException:
-            self.fleet.release(job_id)
-            raise
-        for expert in experts:
-            if expert.name in report.unavailable:
-                if expert.forced:
-                    self.fleet.release(job_id)
-                    raise failed_precondition(
-                        f"the forced expert {expert.name}@{expert.version} cannot be staged: "
-                        f"{report.unavailable[expert.name]}"
-                    )
-                dropped.append(Dropped(expert, report.unavailable[expert.name], "unavailable"))
-        experts = [e for e in experts if e.name not in report.unavailable]
-        held = engine.held()
-        exact = {e.name: held[expert_key(e.name, e.version)].device_bytes for e in experts}
-        try:
+            for expert in experts:
+                if expert.name in report.unavailable:
+                    if expert.forced:
+                        raise failed_precondition(
+                            f"the forced expert {expert.name}@{expert.version} cannot be staged: "
+                            f"{report.unavailable[expert.name]}"
+                        )
+                    dropped.append(Dropped(expert, report.unavailable[expert.name], "unavailable"))
+            experts = [e for e in experts if e.name not in report.unavailable]
+            held = engine.held()
+            exact = {e.name: held[expert_key(e.name, e.version)].device_bytes for e in experts}
             experts, more = fit_to_budget(
                 experts, exact, engine.holdings.device_budget_bytes, f"engine {engine.engine_id}"
             )
-        except BaseException:
-            self.fleet.release(job_id)
-            raise
-        dropped += more
-        self.fleet.place(job_id, engine, blocks, tuple(expert_key(e.name, e.version) for e in experts))
+            dropped += more
+            reserved.experts = _keys(experts)
         self._count(dropped)
         names = {e.name for e in experts}
         trace = [
@@ -98,3 +89,7 @@ class Preparer:
             self.metrics.degraded.inc()
         for d in dropped:
             self.metrics.dropped.labels(d.kind).inc()
+
+
+def _keys(experts: list[common_pb2.PlannedExpert]) -> tuple[str, ...]:
+    return tuple(expert_key(e.name, e.version) for e in experts)

@@ -67,6 +67,7 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             self.metrics.prepare_latency.observe(time.perf_counter() - started)
             self.metrics.placed.labels(placement.engine_id).inc()
             self.metrics.update(self.fleet)
+            log.debug("job placed", engine=placement.engine_id, experts=[e.name for e in placement.experts])
             return preparation_pb2.PrepareResponse(placement=placement)
 
     async def Release(
@@ -77,7 +78,11 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
         blank = [i for i, job_id in enumerate(request.job_ids) if not job_id]
         if blank:
             raise invalid_arguments([(f"job_ids[{i}]", "must not be empty") for i in blank])
-        released = sum(self.fleet.release(job_id) for job_id in request.job_ids)
+        released = 0
+        for job_id in request.job_ids:
+            held = self.fleet.release(job_id)
+            released += held
+            log.debug("job released", job_id=job_id, held=held)
         self.metrics.update(self.fleet)
         return preparation_pb2.ReleaseResponse(released=released)
 

@@ -20,7 +20,7 @@ import grpc
 from libs.errors import resource_exhausted, unavailable
 from libs.experts.store import ExpertStore, StoreError
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from libs.grpc_client import insecure_channel
+from libs.grpc_client import Channels
 from libs.logging import get_logger
 from services.preparation.fleet import Engine, expert_key
 from services.preparation.metrics import PreparationMetrics
@@ -59,8 +59,7 @@ class Stager:
         self.timeout_s = timeout_s
         self.max_hot = max_hot  # experts an engine keeps hot at most
         self._locks: dict[str, asyncio.Lock] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []  # replaced after a failure, closed on close()
+        self._channels = Channels()
 
     def host_estimate(self, expert: common_pb2.PlannedExpert) -> int:
         """Bytes the expert will take in an engine's host tier (its tensors as float32), from the
@@ -104,7 +103,7 @@ class Stager:
         path = self._blob(expert)
         data = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
         started = time.perf_counter()
-        stub = engine_pb2_grpc.EngineServiceStub(self._channel(engine.info.address))
+        stub = engine_pb2_grpc.EngineServiceStub(self._channels.replica(engine.info.address))
         try:
             response = await stub.LoadExpert(self._chunks(data), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -183,7 +182,7 @@ class Stager:
             )
 
     async def _unload(self, engine: Engine, name: str) -> bool:
-        stub = engine_pb2_grpc.EngineServiceStub(self._channel(engine.info.address))
+        stub = engine_pb2_grpc.EngineServiceStub(self._channels.replica(engine.info.address))
         try:
             response = await stub.UnloadExpert(
                 engine_pb2.UnloadExpertRequest(name=name), timeout=self.timeout_s
@@ -197,19 +196,5 @@ class Stager:
         engine.apply_holdings(response.holdings)
         return True
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        # A channel whose engine failed waits out a reconnect backoff; an engine registered at that
-        # address again is reached at once through a new one.
-        channel = self._channels.get(address)
-        if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            self._retired.append(channel)
-            channel = None
-        if channel is None:
-            channel = self._channels[address] = insecure_channel(address, balanced=False)
-        return channel
-
     async def close(self) -> None:
-        for channel in [*self._channels.values(), *self._retired]:
-            await channel.close()
-        self._channels.clear()
-        self._retired.clear()
+        await self._channels.close()

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import bind_context, get_logger
-from libs.redis_streams import Entry, read_next, reclaim
+from libs.redis_streams import Entry, dead_letter, read_next, reclaim
 from services.reception.capacity import Capacity
 from services.reception.jobs import CANCEL_CHANNEL, JobStore
 from services.reception.metrics import ReceptionMetrics
@@ -175,16 +175,16 @@ class Dispatcher:
 
     async def _give_up(self, entry: Entry, attempts: int) -> None:
         reason = f"gave up after {attempts} deliveries (its dispatchers kept dying)"
-        await self.redis.xadd(
-            DEAD_LETTER, {**entry.fields, "source_stream": entry.stream.encode(), "reason": reason.encode()}
-        )
         result = common_pb2.InferenceResult(
             job_id=entry.fields["job_id"].decode(),
             status=common_pb2.JOB_STATUS_FAILED,
             error=reason,
             finish_reason=common_pb2.FINISH_REASON_ERROR,
         )
+        # The result first: a reception dying in between leaves an entry that is redelivered and
+        # finds its job final, never a job whose entry is gone while it still looks in progress.
         await self.jobs.finish(result.job_id, result)
+        await dead_letter(self.redis, entry, GROUP, DEAD_LETTER, delivered=attempts, reason=reason)
         log.error("job dead-lettered", reason=reason)
 
     async def _reclaimer(self) -> None:

@@ -51,8 +51,6 @@ DEFAULT_STREAM_INTERVAL = 16
 # has not sent yet; the call is given this long for that last message before it is cancelled
 # outright (and that text is lost).
 ENGINE_STOP_GRACE_S = 0.5
-# How long a job waits for a stage that answers UNAVAILABLE (a router or postproc restarting).
-PEER_WAIT_S = 10.0
 
 
 class JobStopped(Exception):
@@ -202,7 +200,10 @@ class Pipeline:
         plan_request = router_pb2.PlanRequest(
             job_id=run.job_id, request=run.record.request, max_model_len=self.max_model_len()
         )
-        run.plan = await self._stage(run, lambda timeout: self.stages.plan(plan_request, timeout), "router")
+        try:
+            run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
+        except grpc.aio.AioRpcError as exc:
+            raise JobFailed(f"router: {exc.details()}", exc.code().name, field_violations(exc)) from None
         excluded: list[str] = []
         for attempt in range(self.engine_retries + 1):
             try:
@@ -227,21 +228,6 @@ class Pipeline:
                 run.completion_tokens = 0
                 await self.jobs.begin(run.job_id)  # another attempt: readers discard the text so far
         raise AssertionError("unreachable")
-
-    async def _stage(self, run: JobRun, step: Callable[[float | None], Awaitable[T]], name: str) -> T:
-        # A stage that is down (a restart, a rollout) is waited for, up to PEER_WAIT_S within the
-        # job's deadline: the job should not fail for a gap its peer's replacement closes.
-        waited_since, delay = time.monotonic(), self.place_retry_s
-        while True:
-            try:
-                return await self._until(run, step(run.remaining()))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - waited_since > PEER_WAIT_S:
-                    raise JobFailed(
-                        f"{name}: {exc.details()}", exc.code().name, field_violations(exc)
-                    ) from None
-            await self._until(run, asyncio.sleep(delay))
-            delay = min(delay * 2, 1.0)
 
     @contextlib.asynccontextmanager
     async def _placement(self, run: JobRun, excluded: list[str]) -> AsyncIterator[common_pb2.Placement]:

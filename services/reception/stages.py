@@ -27,6 +27,7 @@ from services.reception.peers import Peers
 
 log = get_logger(__name__)
 RELEASE_TIMEOUT_S = 5.0
+PEER_WAIT_S = 10.0  # how long a router that answers UNAVAILABLE is waited for
 
 
 class GenerateStream(Protocol):
@@ -69,7 +70,11 @@ class GrpcStages:
         self._releases = Coalescer(self._release_all)
 
     async def plan(self, request: router_pb2.PlanRequest, timeout: float | None) -> common_pb2.ExpertPlan:
-        response = await call(self.peers.router.Plan, request, timeout=timeout, idempotent=True)
+        # A router being restarted or rolled out is waited for (within the job's deadline): the
+        # job should not fail for a gap its replacement closes.
+        response = await call(
+            self.peers.router.Plan, request, timeout=timeout, idempotent=True, patience_s=PEER_WAIT_S
+        )
         return response.plan
 
     async def prepare(
@@ -96,11 +101,11 @@ class GrpcStages:
     async def generate(
         self, address: str, request: engine_pb2.GenerateRequest, timeout: float | None
     ) -> GenerateStream:
-        stub = engine_pb2_grpc.EngineServiceStub(await self.peers.engine_channel(address))
+        stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
         return stub.Generate(request, timeout=timeout)
 
     async def abort(self, address: str, request_id: str, timeout: float) -> None:
-        stub = engine_pb2_grpc.EngineServiceStub(await self.peers.engine_channel(address))
+        stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
         await stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=timeout)
 
     async def finalize(

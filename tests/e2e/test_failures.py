@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
+from libs.engine import LLMEngine, SamplingParams
 from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
 from libs.stack import free_port, health_status
-from services.engine import LLMEngine, SamplingParams
 from tests.e2e.test_pipeline import wait_final, wait_status
 
 LONG = 1000  # tokens: a few seconds on the tiny model (its max_model_len is 1024)
@@ -120,8 +120,8 @@ def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_pro
 
 
 def test_a_job_waits_for_a_router_that_is_restarting(tiny_stack):
-    """A stage that answers UNAVAILABLE is waited for (up to reception's PEER_WAIT_S, 10 s): a router
-    being replaced does not fail the jobs dispatched meanwhile."""
+    """A router that answers UNAVAILABLE is waited for (up to reception's PEER_WAIT_S, 10 s): a
+    router being replaced does not fail the jobs dispatched meanwhile."""
     stack = tiny_stack()
     stack.stop_service("router")
     with ExpertClient(stack.target("reception")) as client:

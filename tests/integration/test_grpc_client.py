@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from libs.gen.expert.v1 import router_pb2, router_pb2_grpc
-from libs.grpc_client import call, insecure_channel
+from libs.grpc_client import Channels, call, insecure_channel
+from libs.stack import free_port
 from tests.helpers.grpc_services import plan_request, running
 from tests.helpers.in_process import serving
 
@@ -56,6 +57,26 @@ def test_call_never_retries_past_its_deadline():
             assert raised.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             assert elapsed < 0.9
             assert server.router.calls["d"] > 1
+
+    asyncio.run(scenario())
+
+
+def test_call_with_patience_waits_for_a_peer_for_that_long_however_many_attempts_it_takes():
+    async def scenario():
+        async with running() as server:
+            plan, calls = server.router_stub.Plan, server.router.calls
+            response = await call(
+                plan, plan_request("flaky", "5", "e"), timeout=10, idempotent=True, attempts=1, patience_s=5
+            )
+            assert response.plan.prompt_modified == "5" and calls["e"] == 6
+
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call(
+                    plan, plan_request("flaky", "1000", "f"), timeout=10, idempotent=True, patience_s=0.5
+                )
+            assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - start < 0.9 and calls["f"] > 1
 
     asyncio.run(scenario())
 
@@ -107,5 +128,51 @@ def test_a_channel_spreads_its_calls_over_every_address_of_its_target():
                     await call(stub.Plan, router_pb2.PlanRequest(), timeout=5, idempotent=True)
         assert sum(r.calls for r in replicas) == 20
         assert all(r.calls >= 5 for r in replicas), [r.calls for r in replicas]
+
+    asyncio.run(scenario())
+
+
+async def _replica(port: int) -> tuple[grpc.aio.Server, _Counting]:
+    servicer, server = _Counting(), grpc.aio.server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, servicer
+
+
+def test_channels_are_shared_and_a_failed_replica_channel_is_replaced_when_asked_for_again():
+    """An engine restarted at its address is reached at once through a new channel, instead of
+    waiting out the old channel's reconnect backoff; the old channel closes by itself."""
+
+    async def scenario():
+        port, channels = free_port(), Channels()
+        address = f"127.0.0.1:{port}"
+        first, _ = await _replica(port)
+        channel = channels.replica(address)
+        assert channels.replica(address) is channel and channels.service(address) is not channel
+        assert channels.service(address) is channels.service(address)
+        await router_pb2_grpc.RouterServiceStub(channel).Plan(router_pb2.PlanRequest(), timeout=5)
+
+        await first.stop(None)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await router_pb2_grpc.RouterServiceStub(channel).Plan(router_pb2.PlanRequest(), timeout=5)
+        for _ in range(100):
+            if channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                break
+            await asyncio.sleep(0.05)
+        assert channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+        second, servicer = await _replica(port)
+        fresh = channels.replica(address)
+        assert fresh is not channel
+        await router_pb2_grpc.RouterServiceStub(fresh).Plan(router_pb2.PlanRequest(), timeout=1)
+        assert servicer.calls == 1
+        await asyncio.sleep(0.1)
+        with pytest.raises(grpc.aio.UsageError):  # the replaced channel was closed
+            await router_pb2_grpc.RouterServiceStub(channel).Plan(router_pb2.PlanRequest(), timeout=1)
+        await channels.close()
+        with pytest.raises(grpc.aio.UsageError):
+            await router_pb2_grpc.RouterServiceStub(fresh).Plan(router_pb2.PlanRequest(), timeout=1)
+        await second.stop(None)
 
     asyncio.run(scenario())

@@ -12,10 +12,14 @@ import grpc
 import pytest
 from redis.asyncio import Redis
 
-from libs.gen.expert.v1 import common_pb2, engine_pb2
-from services.reception import pipeline as pipeline_module
-from services.reception.jobs import JobStore
+from libs.gen.expert.v1 import common_pb2, engine_pb2, preparation_pb2
+from services.reception.capacity import Capacity
+from services.reception.dispatcher import Dispatcher, DispatchSettings
+from services.reception.jobs import JobStore, job_key
+from services.reception.metrics import ReceptionMetrics
 from services.reception.pipeline import JobRun, Pipeline
+from services.reception.queue import DEAD_LETTER, GROUP, JobQueue, stream
+from tests.helpers.in_process import shared_metrics
 
 STAGES = ("plan", "prepare", "generate", "finalize")
 
@@ -117,11 +121,6 @@ class FakeStages:
         return common_pb2.InferenceResult(
             job_id=request.job_id, status=status, text=request.outcome.text, error=request.outcome.error
         )
-
-
-@pytest.fixture(autouse=True)
-def short_waits(monkeypatch):
-    monkeypatch.setattr(pipeline_module, "PEER_WAIT_S", 0.2)
 
 
 async def start(redis_url: str, stages: FakeStages, *, timeout_ms: int | None = None, retries: int = 0):
@@ -284,3 +283,52 @@ def test_a_job_cancelled_just_before_it_is_placed_gives_the_placement_back(clean
     result = run_saga(clean_redis_url, stages, cancel_job)
     assert result.status == common_pb2.JOB_STATUS_CANCELLED
     assert_one_release_per_placement(stages, 1)
+
+
+class _FreeSlots:
+    """Preparation's GetCapacity in memory: always room."""
+
+    async def GetCapacity(self, request, timeout=None, metadata=None):
+        return preparation_pb2.GetCapacityResponse(free_slots=4)
+
+
+def test_a_job_its_dispatchers_kept_dying_on_is_dead_lettered_and_ends_failed(clean_redis_url):
+    """Past EXPERT_DISPATCH_MAX_DELIVERIES the dispatcher does not run the job again: the entry goes
+    to the dead-letter stream with where it came from, its deliveries and the reason, and the job
+    ends FAILED saying why. Nothing is placed, so nothing is released."""
+
+    async def scenario():
+        redis = Redis.from_url(clean_redis_url)
+        jobs, stages = JobStore(redis, ttl_s=60), FakeStages()
+        queue = JobQueue(redis)
+        await queue.setup()
+        await jobs.create("poison", common_pb2.InferenceRequest(prompt="hi", max_tokens=4), 5, stream(5))
+        await redis.hset(job_key("poison"), "deliveries", 3)  # three dispatchers died running it
+        pipeline = Pipeline(jobs, stages, engine_retries=0, max_model_len=lambda: 1024)
+        settings = DispatchSettings(
+            workers=1, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None
+        )
+        dispatcher = Dispatcher(
+            redis, jobs, queue, pipeline, Capacity(_FreeSlots()), settings, shared_metrics(ReceptionMetrics)
+        )
+        await dispatcher.start()
+        try:
+            for _ in range(200):
+                record = await jobs.get("poison")
+                if record.final:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await dispatcher.stop()
+        ((_id, fields),) = await redis.xrange(DEAD_LETTER)
+        pending = (await redis.xpending(stream(5), GROUP))["pending"]
+        await redis.aclose()
+        return record, fields, pending, stages
+
+    record, fields, pending, stages = asyncio.run(scenario())
+    assert record.status == common_pb2.JOB_STATUS_FAILED
+    assert record.result.error == "gave up after 3 deliveries (its dispatchers kept dying)"
+    assert fields[b"job_id"] == b"poison" and fields[b"source_stream"] == stream(5).encode()
+    assert fields[b"deliveries"] == b"3" and fields[b"reason"] == record.result.error.encode()
+    assert b"source_id" in fields and pending == 0
+    assert not stages.placements and not stages.releases and not stages.reached["plan"].is_set()

@@ -1,5 +1,6 @@
-"""Preparation's budget rule (seed 000: VRAM overflow -> reduce expert count) and its choice of engine
-(the most experts hot first, then the least loaded)."""
+"""Preparation's budget rule (docs/design.md#budget-check: an overflow drops experts), its choice of
+engine (the most experts hot first, then the least loaded) and its one rollback rule (a reservation
+scope that gives the slot back when preparing fails)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _fleet(*engines: tuple[str, int, list[str]]) -> Fleet:
             )
         )
         for i in range(jobs):
-            fleet.place(f"{engine_id}-job-{i}", engine, 1)
+            with fleet.reservation(f"{engine_id}-job-{i}", engine, 1):
+                pass
     return fleet
 
 
@@ -111,3 +113,37 @@ def test_engines_with_no_free_slot_leave_the_job_to_wait():
     with pytest.raises(ServiceError) as busy:
         choose_engine(list(fleet.engines.values()), PLAN, [], {})
     assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_reservation_is_kept_when_preparing_succeeds_and_only_release_gives_it_back():
+    fleet = _fleet(("a", 0, ["x"]))
+    engine = fleet.engines["a"]
+    with fleet.reservation("job", engine, 3, ("x@1.0.0", "y@1.0.0")) as reserved:
+        reserved.experts = ("x@1.0.0",)  # narrowed after staging
+    assert engine.free_slots == 3 and engine.available_blocks() == 61
+    assert engine.references() == {"x@1.0.0": 1}
+    assert fleet.release("job") and not fleet.release("job")
+    assert engine.free_slots == 4 and engine.available_blocks() == 64
+
+
+@pytest.mark.parametrize("failure", [ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "x"), KeyError("x")])
+def test_a_reservation_is_given_back_whatever_fails_inside_it(failure):
+    fleet = _fleet(("a", 1, []))
+    engine = fleet.engines["a"]
+    with pytest.raises(type(failure)), fleet.reservation("job", engine, 5):
+        assert engine.free_slots == 2
+        raise failure
+    assert engine.free_slots == 3 and "job" not in fleet.jobs and engine.available_blocks() == 63
+
+
+def test_reserving_again_moves_the_job_and_a_failed_move_leaves_it_nowhere():
+    fleet = _fleet(("a", 0, []), ("b", 0, []))
+    a, b = fleet.engines["a"], fleet.engines["b"]
+    with fleet.reservation("job", a, 2):
+        pass
+    with fleet.reservation("job", b, 2):
+        pass
+    assert (a.free_slots, b.free_slots) == (4, 3)
+    with pytest.raises(RuntimeError), fleet.reservation("job", a, 2):
+        raise RuntimeError("staging failed")
+    assert (a.free_slots, b.free_slots) == (4, 4) and not fleet.jobs
