@@ -28,7 +28,7 @@ async def main() -> None:
     queue, metrics = JobQueue(redis), ReceptionMetrics()
     jobs = JobStore(redis, config.job_ttl_s, config.dispatch.default_timeout_s, on_finished=metrics.finished)
     capacity = Capacity(peers.preparation)
-    servicer = ReceptionServicer(redis, jobs, queue, capacity, metrics)
+    servicer = ReceptionServicer(jobs, queue, capacity, metrics)
     pipeline = Pipeline(
         jobs,
         GrpcStages(peers),

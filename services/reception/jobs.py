@@ -13,7 +13,7 @@ overwritten, so a cancellation and a completion racing each other resolve to exa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -205,6 +205,10 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
     )
 
 
+class JobExpired(Exception):
+    """The job's record is gone (its TTL passed) while it was being followed."""
+
+
 class JobStore:
     def __init__(
         self,
@@ -303,6 +307,23 @@ class JobStore:
         if changed == 1 and self.on_finished is not None:
             self.on_finished(result)
         return changed == 1
+
+    async def follow(
+        self, job_id: str, *, result_only: bool = False
+    ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+        """The job's events as (kind, fields), from the first, as they are written: status changes,
+        text chunks, restarts and the result. With `result_only`, only the result, read from its
+        own stream (one wake-up per job instead of one per token). Raises JobExpired when the
+        record is gone."""
+        key, last = (result_key(job_id) if result_only else events_key(job_id)), b"0-0"
+        while True:
+            batches = await self.redis.xread({key: last}, block=1000, count=256)
+            if not batches and not await self.redis.exists(job_key(job_id)):
+                raise JobExpired(job_id)
+            for _, entries in batches:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    yield fields[b"kind"], fields
 
     async def expire_queued(self, now: float | None = None, limit: int = 100) -> list[str]:
         """End the queued jobs whose deadline passed as TIMED_OUT (with no output); returns their ids.

@@ -16,14 +16,13 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from redis.asyncio import Redis
 
 from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
 from libs.gen.expert.v1 import common_pb2, inference_pb2
 from libs.logging import bind_context, get_logger
 from libs.timestamps import timestamp
 from services.reception.capacity import Capacity
-from services.reception.jobs import JobStore, events_key, job_key, result_key
+from services.reception.jobs import JobExpired, JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.queue import JobQueue, stream
 from services.reception.validation import validate
@@ -46,14 +45,12 @@ class Undecodable:
 class ReceptionServicer:
     def __init__(
         self,
-        redis: Redis,
         jobs: JobStore,
         queue: JobQueue,
         capacity: Capacity,
         metrics: ReceptionMetrics,
         average_job_s: float = 1.0,
     ) -> None:
-        self.redis = redis
         self.jobs = jobs
         self.queue = queue
         self.capacity = capacity
@@ -123,7 +120,7 @@ class ReceptionServicer:
         job_id, _, _ = await self._admit(_inner(request))
         with bind_context(job_id=job_id):
             try:
-                async for kind, fields in self._events(job_id, result_key(job_id)):
+                async for kind, fields in self._events(job_id, result_only=True):
                     if kind == b"result":
                         result = common_pb2.InferenceResult.FromString(fields[b"result"])
                         _raise_client_error(result)
@@ -160,19 +157,13 @@ class ReceptionServicer:
                 self._cancel_in_background(job_id)
 
     async def _events(
-        self, job_id: str, key: str | None = None
+        self, job_id: str, *, result_only: bool = False
     ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
-        """The entries of the job's event stream (or of `key`) from the first, as they are written."""
-        last = b"0-0"
-        key = key or events_key(job_id)
-        while True:
-            batches = await self.redis.xread({key: last}, block=1000, count=256)
-            if not batches and not await self.redis.exists(job_key(job_id)):
-                raise not_found(f"job {job_id} expired")
-            for _, entries in batches:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    yield fields[b"kind"], fields
+        try:
+            async for event in self.jobs.follow(job_id, result_only=result_only):
+                yield event
+        except JobExpired:
+            raise not_found(f"job {job_id} expired") from None
 
     async def GetJob(
         self, request: inference_pb2.GetJobRequest, context: grpc.aio.ServicerContext

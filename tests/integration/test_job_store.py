@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
-from services.reception.jobs import JobStore, events_key
+from services.reception.jobs import JobExpired, JobStore, events_key, job_key
 
 
 def _run(url: str, scenario) -> None:
@@ -84,5 +85,40 @@ def test_the_queue_depth_counts_the_entries_no_dispatcher_took_by_priority(clean
         assert taken.fields["job_id"] == b"a"
         depths = await queue.depths()
         assert (depths[9], depths[2], sum(depths.values())) == (1, 1, 2)
+
+    _run(clean_redis_url, scenario)
+
+
+def test_following_a_job_yields_its_events_in_order_or_only_its_result(clean_redis_url):
+    async def scenario(redis, jobs):
+        await jobs.create("j", common_pb2.InferenceRequest(prompt="hi"), priority=5)
+        await jobs.set_status("j", common_pb2.JOB_STATUS_RUNNING)
+        await jobs.append_text("j", "Par")
+        await jobs.append_text("j", "is")
+        await jobs.finish("j", common_pb2.InferenceResult(job_id="j", status=common_pb2.JOB_STATUS_COMPLETED))
+
+        async def until_result(**options) -> list[bytes]:
+            kinds = []
+            async for kind, _fields in jobs.follow("j", **options):
+                kinds.append(kind)
+                if kind == b"result":
+                    return kinds
+            raise AssertionError("no result")
+
+        every = await until_result()
+        assert [k for k in every if k != b"status"] == [b"text", b"text", b"result"]
+        assert every.count(b"status") >= 2  # running, then completed
+        assert await until_result(result_only=True) == [b"result"]
+
+    _run(clean_redis_url, scenario)
+
+
+def test_following_a_job_whose_record_expired_says_so(clean_redis_url):
+    async def scenario(redis, jobs):
+        await jobs.create("gone", common_pb2.InferenceRequest(prompt="hi"), priority=5)
+        await redis.delete(job_key("gone"), events_key("gone"))
+        with pytest.raises(JobExpired):
+            async for _ in jobs.follow("gone"):
+                pass
 
     _run(clean_redis_url, scenario)
