@@ -34,7 +34,7 @@ BUDGETS_MS = {
     "preparation": (1.0, 200.0),
     "postproc": (1.0, 10.0),
 }
-OVERHEAD_TARGET_MS = 30.0  # p50 at 1 client
+OVERHEAD_TARGET_MS = 15.0  # p50 at 1 client
 MAX_MODEL_LEN = 1024
 
 PROMPTS = [

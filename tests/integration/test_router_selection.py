@@ -1,6 +1,6 @@
-"""Seed 000's select_experts on embedded Qdrant with the real encoder: the expert a prompt asks for,
-its score from the seed's weights, force/exclude/max_experts, incompatibilities, composition order,
-feedback changing the ranking, and the base-model fallback."""
+"""The selection (docs/design.md#selection-and-score) on embedded Qdrant with the real encoder: the
+expert a prompt asks for, its score from the design's weights, force/exclude/max_experts,
+incompatibilities, composition order, feedback changing the ranking, and the base-model fallback."""
 
 from __future__ import annotations
 

@@ -13,9 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CODE = [
     p
-    for root in ("services", "libs", "protos", "bench")
+    for root in ("services", "libs", "protos", "bench", "tests")
     for p in sorted((REPO / root).rglob("*"))
     if p.suffix in (".py", ".proto") and "gen" not in p.relative_to(REPO).parts
+    if p != Path(__file__).resolve()  # it names what it looks for
 ]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _DESIGN_REF = re.compile(r"docs/design\.md#([a-z0-9-]+)")
