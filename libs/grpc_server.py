@@ -108,6 +108,7 @@ async def serve(
     health: Health,
     on_start: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
     error_mapper: ErrorMapper | None = None,
     grace: float = 10.0,
     stop: asyncio.Event | None = None,
@@ -117,9 +118,10 @@ async def serve(
     service names (e.g. "expert.v1.RouterService"); health and reflection are added for them.
     Once the server listens, `on_start` runs (cancelled if a stop comes first); it should mark the
     service SERVING when ready. On stop: NOT_SERVING, no new RPCs, in-flight RPCs get `grace`
-    seconds to finish, then `on_stop` runs (also after a failed `on_start`, so it must tolerate a
-    partial start). `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError
-    (return None for INTERNAL). Raises StartupError when a port cannot be bound."""
+    seconds to finish while `drain` (the service's own work in flight) runs beside them, then
+    `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
+    `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
+    INTERNAL). Raises StartupError when a port cannot be bound."""
     server = grpc.aio.server(interceptors=server_interceptors(service, error_mapper), options=SERVER_OPTIONS)
     names = list(register(server))
     await health.attach(server, names)
@@ -145,7 +147,7 @@ async def serve(
         await health.shutdown()
         _log.info("server stopping", grace_seconds=grace)
         try:
-            await server.stop(grace)
+            await asyncio.gather(server.stop(grace), drain() if drain is not None else asyncio.sleep(0))
             if on_stop is not None:
                 await on_stop()
         finally:

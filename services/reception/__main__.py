@@ -49,12 +49,26 @@ async def main() -> None:
             await dispatcher.start()
         await health.set_serving(True)
 
+    async def drain() -> None:
+        # Jobs that end within the drain answer their callers; the rest are handed back.
+        servicer.stop_following()
+        await dispatcher.drain(config.drain_s)
+
     async def on_stop() -> None:
         await dispatcher.stop()
         await peers.close()
         await redis.aclose()
 
-    await serve("reception", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
+    await serve(
+        "reception",
+        config.server,
+        register,
+        health=health,
+        on_start=on_start,
+        drain=drain,
+        on_stop=on_stop,
+        grace=config.drain_s + 1.0,  # the callers of the jobs that end in the drain get their answer
+    )
 
 
 if __name__ == "__main__":

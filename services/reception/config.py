@@ -25,6 +25,7 @@ class ReceptionConfig:
     engine_retries: int
     stream_interval: int  # tokens per engine message for a job no client streams
     job_ttl_s: int
+    drain_s: float  # on SIGTERM: how long the jobs running get to end before they are handed back
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -48,4 +49,5 @@ class ReceptionConfig:
                 "EXPERT_DISPATCH_STREAM_INTERVAL", DEFAULT_STREAM_INTERVAL, minimum=1
             ),
             job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
+            drain_s=reader.number("EXPERT_RECEPTION_DRAIN_SECONDS", 10.0, minimum=0.0),
         )

@@ -65,6 +65,8 @@ class Dispatcher:
         self._reading = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._reclaimed: set[asyncio.Task] = set()
+        self._draining = False
+        self._active = 0  # jobs being handled
         self.on_finished: Callable[[float], None] | None = None  # told each finished job's duration
 
     async def start(self) -> None:
@@ -78,17 +80,31 @@ class Dispatcher:
         ]
         log.info("dispatcher started", consumer=self.consumer, workers=self.settings.workers)
 
+    async def drain(self, seconds: float) -> None:
+        """Stop taking jobs and give the running ones `seconds` to end, then stop. A job still
+        running then is stopped where it is: its saga gives its slot back as it unwinds, and its
+        queue entry stays unacknowledged, so another dispatcher reclaims it and runs it again."""
+        self._draining = True
+        deadline = time.monotonic() + seconds
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._active:
+            log.warning("handing back the jobs still running", jobs=self._active)
+        await self.stop()
+
     async def stop(self) -> None:
-        """Stop taking jobs; jobs in flight are left to be reclaimed by another dispatcher."""
-        for task in self._tasks:
+        """Stop now: the jobs in flight are left to be reclaimed by another dispatcher."""
+        self._draining = True
+        tasks = [*self._tasks, *self._reclaimed]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
 
     async def _worker(self, index: int) -> None:
-        while True:
+        while not self._draining:
             try:
                 entry = await self._take()
                 if entry is not None:
@@ -123,12 +139,15 @@ class Dispatcher:
 
     async def _handle(self, entry: Entry, reserved: bool = False) -> None:
         """Run the entry's job to a final state, then acknowledge the entry. With `reserved`, the
-        caller counted the job in `_unplaced`; it is uncounted once the job is placed (or ends)."""
+        caller counted the job in `_unplaced`; it is uncounted once the job is placed (or ends).
+        The entry is acknowledged only once the job's final state is stored: a stop or an error
+        before that leaves it pending, for another dispatcher to reclaim."""
         job_id = entry.fields.get("job_id", b"").decode()
         keeper = asyncio.create_task(self._keep_alive(entry))
         if not reserved:
             self._unplaced += 1
-        counted = True
+        self._active += 1
+        counted, final = True, False
         try:
             with bind_context(job_id=job_id):
                 # Listen for its cancellation before reading the record, so none is missed.
@@ -139,32 +158,44 @@ class Dispatcher:
                     else None
                 )
                 if record is None or record.final:
+                    final = True
                     return  # expired, or finished (a cancellation) before it was picked
                 # Deliveries, not attempts: a job that failed over between engines within one
                 # delivery has more attempts, but its dispatchers did not die.
                 if record.deliveries > self.settings.max_deliveries:
                     await self._give_up(entry, record.deliveries - 1)
+                    final = True
                     return
                 if record.cancel_requested:
                     cancel.set()
                 run = JobRun(record, default_timeout_s=self.settings.default_timeout_s, cancel=cancel)
                 task = asyncio.create_task(self.pipeline.run(run))
-                placed = asyncio.ensure_future(run.placed.wait())
-                await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
-                placed.cancel()
-                self._unplaced -= 1
-                counted = False
-                self.capacity.invalidate()
-                await task
+                try:
+                    placed = asyncio.ensure_future(run.placed.wait())
+                    await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
+                    placed.cancel()
+                    self._unplaced -= 1
+                    counted = False
+                    self.capacity.invalidate()
+                    await task
+                except asyncio.CancelledError:
+                    # A stop: the saga unwinds (releasing its slot) before the entry is left.
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise
+                final = True
                 seconds = time.time() - record.submitted_at
                 if self.on_finished is not None:
                     self.on_finished(seconds)
         finally:
+            self._active -= 1
             if counted:
                 self._unplaced -= 1
             self._cancels.pop(job_id, None)
             keeper.cancel()
-            await self.queue.done(entry.stream, entry.id)
+            if final:
+                await self.queue.done(entry.stream, entry.id)
 
     async def _keep_alive(self, entry: Entry) -> None:
         period = self.settings.reclaim_idle_ms / 3000
@@ -189,7 +220,7 @@ class Dispatcher:
 
     async def _reclaimer(self) -> None:
         """Take over the entries of dispatchers that stopped refreshing them."""
-        while True:
+        while not self._draining:
             await asyncio.sleep(self.settings.reclaim_idle_ms / 2000)
             try:
                 for name in STREAMS:

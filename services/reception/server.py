@@ -57,6 +57,7 @@ class ReceptionServicer:
         self.metrics = metrics
         self.average_job_s = average_job_s  # for estimated_wait_ms, refined as jobs finish
         self._background: set[asyncio.Task] = set()
+        self._stopping = False
 
     def observe_job(self, seconds: float) -> None:
         """Fold a finished job's duration into the average behind estimated_wait_ms."""
@@ -204,7 +205,16 @@ class ReceptionServicer:
                 return
         await self.jobs.request_cancel(job.job_id)
 
+    def stop_following(self) -> None:
+        """Reception is stopping: the calls still following jobs are about to be cut off, which
+        is not their clients hanging up, so their jobs are left to run (another reception's
+        dispatcher takes over the ones this one hands back)."""
+        self._stopping = True
+
     def _cancel_in_background(self, job_id: str) -> None:
+        if self._stopping:
+            return
+
         async def cancel() -> None:
             await self._cancel(await self._job(job_id))
 

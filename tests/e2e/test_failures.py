@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -186,3 +187,37 @@ def _wait(condition, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.1)
+
+
+def test_reception_stopped_gracefully_hands_its_running_jobs_back_and_they_complete(tiny_stack, long_prompt):
+    """SIGTERM (a rolling update) with jobs running and a drain too short for them: reception exits
+    promptly, their engine slots are released, their queue entries stay unacknowledged, and the
+    next reception reclaims them and runs them to the end."""
+    stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="0.5")
+    with ExpertClient(stack.target("reception")) as client:
+        jobs = [long_job(client, long_prompt).job_id for _ in range(5)]
+        _wait(lambda: sum(client.get_job(j).status == "running" for j in jobs) == 4)
+    started = time.monotonic()
+    stack.stop_service("reception")
+    assert time.monotonic() - started < 10
+    assert [e.active_jobs for e in client_engines(stack)] == [0]  # the slots came back
+    stack.start_service("reception")
+    stack.wait_serving("reception")
+    with ExpertClient(stack.target("reception")) as client:
+        finals = [wait_final(client, j, timeout=180) for j in jobs]
+    assert [f.status for f in finals] == ["completed"] * 5, [f.result.error for f in finals]
+    assert sum(f.attempts == 2 for f in finals) == 4  # the four that were running ran again
+    assert [e.active_jobs for e in client_engines(stack)] == [0]
+
+
+def test_reception_stopped_gracefully_lets_the_jobs_that_end_within_the_drain_answer(tiny_stack, long_prompt):
+    """The calls waiting on jobs that end within the drain get their results; nothing is cancelled."""
+    stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="12")
+    options = {"raw": True, "temperature": 0.0, "max_tokens": LONG // 2, "repetition_penalty": 1.0}
+    with ExpertClient(stack.target("reception")) as client, ThreadPoolExecutor(3) as pool:
+        calls = [pool.submit(client.infer, prompt=long_prompt, **options) for _ in range(3)]
+        _wait(lambda: any(e.active_jobs for e in client_engines(stack)))
+        stack.stop_service("reception")
+        results = [c.result(timeout=30) for c in calls]
+    assert [r.status for r in results] == ["completed"] * 3
+    assert [e.active_jobs for e in client_engines(stack)] == [0]
