@@ -61,6 +61,12 @@ async def ensure_group(redis: Redis, stream: str, group: str) -> None:
             raise
 
 
+def missing_group(error: BaseException) -> bool:
+    """Whether a Redis error says a consumer group (or its stream) is gone, as after a Redis restart
+    without its data: the group's owner creates it again (`ensure_group`) and carries on."""
+    return isinstance(error, ResponseError) and "NOGROUP" in str(error)
+
+
 async def add(
     redis: Redis, stream: str, fields: Mapping[str, FieldValue], *, maxlen: int | None = None
 ) -> str:

@@ -145,17 +145,18 @@ class LocalStack:
             self.stop()
             raise
 
-    def start_redis(self) -> None:
-        """Start a redis-server for this stack on a free port (its URL becomes `redis_url`)."""
+    def start_redis(self, port: int | None = None) -> None:
+        """Start a redis-server for this stack on `port`, or a free one (its URL becomes
+        `redis_url`)."""
         program = shutil.which("redis-server")
         if program is None:
             raise StackError(
                 "redis-server is not installed (apt-get install redis-server), or set EXPERT_REDIS_URL"
             )
-        port = free_port()
+        port = port or free_port()
         data = self.log_dir / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "redis.log", "wb")  # noqa: SIM115 (the process owns it)
+        log = open(self.log_dir / "redis.log", "ab")  # noqa: SIM115 (the process owns it)
         self._redis = subprocess.Popen(
             [
                 program,
@@ -264,6 +265,16 @@ class LocalStack:
             self._redis.terminate()
             self._redis.wait(timeout=10)
             self._redis = None
+
+    def restart_redis(self, down_s: float = 0.0) -> None:
+        """Kill this stack's redis-server (SIGKILL: it keeps nothing, as `--save ""` and no AOF
+        say) and start a new one on the same port after `down_s` seconds (for failure tests)."""
+        if self._redis is None or self.redis_url is None:
+            raise StackError("this stack did not start its Redis")
+        self._redis.kill()
+        self._redis.wait()
+        time.sleep(down_s)
+        self.start_redis(port=int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
 
     def __enter__(self) -> LocalStack:
         self.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from redis.asyncio import Redis
 
@@ -10,6 +12,7 @@ from libs.gen.expert.v1 import postproc_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from libs.redis_streams import add_many
+from libs.redis_watch import watch_redis
 from services.postproc.config import PostprocConfig
 from services.postproc.finalizer import Finalizer
 from services.postproc.metrics import PostprocMetrics
@@ -40,11 +43,16 @@ async def main() -> None:
         postproc_pb2_grpc.add_PostprocServiceServicer_to_server(servicer, server)
         return [SERVICE]
 
+    background: set[asyncio.Task] = set()
+
     async def on_start() -> None:
         await redis.ping()  # feedback goes to Redis: not ready without it
         await health.set_serving(True)
+        background.add(asyncio.create_task(watch_redis(redis, health)))
 
     async def on_stop() -> None:
+        for task in background:
+            task.cancel()
         await redis.aclose()
 
     await serve("postproc", config.server, register, health=health, on_start=on_start, on_stop=on_stop)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from redis.asyncio import Redis
 
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from libs.redis_watch import watch_redis
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
 from services.reception.dispatcher import Dispatcher
@@ -42,12 +45,16 @@ async def main() -> None:
     def register(server: grpc.aio.Server) -> list[str]:
         return [add_to_server(servicer, server)]
 
+    watch: asyncio.Task | None = None
+
     async def on_start() -> None:
+        nonlocal watch
         await redis.ping()  # jobs live in Redis: not ready without it
         await queue.setup()
         if config.dispatch_enabled:
             await dispatcher.start()
         await health.set_serving(True)
+        watch = asyncio.create_task(watch_redis(redis, health, restore=queue.setup))
 
     async def drain() -> None:
         # Jobs that end within the drain answer their callers; the rest are handed back.
@@ -55,6 +62,8 @@ async def main() -> None:
         await dispatcher.drain(config.drain_s)
 
     async def on_stop() -> None:
+        if watch is not None:
+            watch.cancel()
         await dispatcher.stop()
         await peers.close()
         await redis.aclose()

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import bind_context, get_logger
-from libs.redis_streams import Entry, dead_letter, read_next, reclaim
+from libs.redis_streams import Entry, dead_letter, missing_group, read_next, reclaim
 from services.reception.capacity import Capacity
 from services.reception.jobs import CANCEL_CHANNEL, JobStore
 from services.reception.metrics import ReceptionMetrics
@@ -111,9 +111,20 @@ class Dispatcher:
                     await self._handle(entry, reserved=True)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # Redis hiccups and the like: keep the worker alive
+            except Exception as error:  # Redis hiccups and the like: keep the worker alive
+                if missing_group(error):
+                    await self._restore_queue()
+                    continue
                 log.exception("dispatcher worker error", worker=index)
                 await asyncio.sleep(0.5)
+
+    async def _restore_queue(self) -> None:
+        log.warning("the queue's consumer groups are gone (Redis lost its data): creating them again")
+        try:
+            await self.queue.setup()
+        except Exception:
+            log.exception("creating the queue's consumer groups failed")
+            await asyncio.sleep(0.5)
 
     async def _take(self) -> Entry | None:
         """The next job for an idle worker, reserved against a free slot; None if none came.
@@ -239,8 +250,11 @@ class Dispatcher:
                         task.add_done_callback(self._reclaimed.discard)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("reclaim failed")
+            except Exception as error:
+                if missing_group(error):
+                    await self._restore_queue()
+                else:
+                    log.exception("reclaim failed")
 
     async def _expiry(self, period_s: float = 0.25) -> None:
         """End queued jobs whose deadline passed: no worker may be free to find out."""
@@ -267,14 +281,31 @@ class Dispatcher:
             await asyncio.sleep(period_s)
 
     async def _cancellations(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(CANCEL_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                cancel = self._cancels.get(message["data"].decode())
-                if cancel is not None:
-                    cancel.set()
-        finally:
-            await pubsub.aclose()
+        """Follow the cancel channel; when the subscription is lost (Redis restarted or unreachable),
+        subscribe again and catch up with the cancellations of running jobs missed meanwhile
+        (CancelJob also marks the record)."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(CANCEL_CHANNEL)
+                await self._catch_up_cancellations()
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    cancel = self._cancels.get(message["data"].decode())
+                    if cancel is not None:
+                        cancel.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("cancel subscription lost: subscribing again", error=str(error))
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _catch_up_cancellations(self) -> None:
+        for job_id, cancel in list(self._cancels.items()):
+            record = await self.jobs.get(job_id)
+            if record is not None and record.cancel_requested:
+                cancel.set()

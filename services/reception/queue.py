@@ -43,9 +43,12 @@ class JobQueue:
         async with self.redis.pipeline(transaction=False) as pipe:
             for p in PRIORITIES:
                 pipe.xinfo_groups(stream(p))
-            replies = await pipe.execute()
+            # A stream that is missing (Redis restarted without its data) holds nothing.
+            replies = await pipe.execute(raise_on_error=False)
         return {
-            p: sum(int(g.get("lag") or 0) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+            p: 0
+            if isinstance(groups, Exception)
+            else sum(int(g.get("lag") or 0) for g in groups if g["name"] in (GROUP, GROUP.encode()))
             for p, groups in zip(PRIORITIES, replies, strict=True)
         }
 

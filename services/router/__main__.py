@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from libs.redis_watch import watch_redis
 from services.router.config import RouterConfig
 from services.router.embedding import SentenceEncoder
 from services.router.feedback import FeedbackLearner
@@ -50,6 +51,8 @@ async def main() -> None:
         router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
         return [SERVICE]
 
+    background: set[asyncio.Task] = set()
+
     async def on_start() -> None:
         nonlocal learning
         # Loads langdetect's profiles, runs the encoder once and encodes the floors' background
@@ -61,8 +64,12 @@ async def main() -> None:
         await feedback_redis.ping()  # feedback comes from Redis: not ready without it
         learning = asyncio.create_task(learner.run())
         await health.set_serving(True)
+        watch = asyncio.create_task(watch_redis(feedback_redis, health, restore=learner.restore))
+        background.add(watch)
 
     async def on_stop() -> None:
+        for task in background:
+            task.cancel()
         if learning is not None:
             learning.cancel()
             with contextlib.suppress(asyncio.CancelledError):

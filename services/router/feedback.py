@@ -12,6 +12,7 @@ at the same moment never lose one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import uuid
@@ -20,7 +21,7 @@ from redis.asyncio import Redis
 
 from libs.feedback import FEEDBACK_STREAM, read_record
 from libs.logging import get_logger
-from libs.redis_streams import Entry, ack, ensure_group, read_next, reclaim
+from libs.redis_streams import Entry, ack, ensure_group, missing_group, read_next, reclaim
 from services.router.index import ExpertIndex
 
 log = get_logger(__name__)
@@ -40,9 +41,13 @@ class FeedbackLearner:
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.applied = 0  # records applied by this router
 
+    async def restore(self) -> None:
+        """Create the group again (after Redis lost its data); harmless when it exists."""
+        await ensure_group(self.redis, FEEDBACK_STREAM, GROUP)
+
     async def run(self) -> None:
         """Apply feedback until cancelled."""
-        await ensure_group(self.redis, FEEDBACK_STREAM, GROUP)
+        await self.restore()
         while True:
             try:
                 for entry in await reclaim(
@@ -60,7 +65,12 @@ class FeedbackLearner:
                     await self._apply(entry)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # Redis or Qdrant hiccups: keep learning once they are back
+            except Exception as error:  # Redis or Qdrant hiccups: keep learning once they are back
+                if missing_group(error):  # Redis lost its data: the group goes again
+                    log.warning("the feedback group is gone: creating it again")
+                    with contextlib.suppress(Exception):
+                        await ensure_group(self.redis, FEEDBACK_STREAM, GROUP)
+                    continue
                 log.exception("applying feedback failed")
                 await asyncio.sleep(1.0)
 

@@ -221,3 +221,34 @@ def test_reception_stopped_gracefully_lets_the_jobs_that_end_within_the_drain_an
         results = [c.result(timeout=30) for c in calls]
     assert [r.status for r in results] == ["completed"] * 3
     assert [e.active_jobs for e in client_engines(stack)] == [0]
+
+
+def test_after_redis_restarts_empty_reception_is_not_serving_then_recovers_by_itself(tiny_stack):
+    """Redis restarted without its data (make run's settings before AOF): while it is down reception
+    reports NOT_SERVING; once it is back the queue's groups are created again, reception reports
+    SERVING, and later jobs complete and can be cancelled."""
+    stack = tiny_stack()
+    target = stack.target("reception")
+    stack.restart_redis(down_s=3.0)
+    seen = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = health_status(target)
+        seen.add(status)
+        if (
+            health_pb2.HealthCheckResponse.NOT_SERVING in seen
+            and status == health_pb2.HealthCheckResponse.SERVING
+        ):
+            break
+        time.sleep(0.1)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen, seen
+    assert health_status(target) == health_pb2.HealthCheckResponse.SERVING
+    with ExpertClient(target) as client:
+        result = client.infer(prompt="Hello", raw=True, temperature=0.0, max_tokens=8, timeout_ms=60_000)
+        assert result.status == "completed", result.error
+        job = client.submit(
+            prompt="Hello", raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
+        )
+        wait_status(client, job.job_id, "running")
+        client.cancel(job.job_id)
+        assert wait_final(client, job.job_id, timeout=30).status == "cancelled"
