@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 
@@ -367,3 +368,51 @@ def test_text_stream_without_stops_equals_the_full_decode(byte_level):
     pieces = [stream.append(chunk).text for chunk in _random_chunks(ids, rng)]
     pieces.append(stream.finish())
     assert "".join(pieces) == stream.text == byte_level.decode(ids)
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The reference: the stop string that ends first in `text` (then the longest), and its start."""
+    found = [(text.find(s) + len(s), -len(s), text.find(s), s) for s in stops if s in text]
+    return min(found)[2:] if found else None
+
+
+def test_the_stop_matcher_agrees_with_a_plain_search_on_random_streams():
+    rng = random.Random(7)
+    for _ in range(500):
+        stops = [
+            "".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))
+        ]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        include = rng.random() < 0.5
+        matcher = StopStringMatcher(stops, include_in_output=include)
+        out, matched, i = [], None, 0
+        while i < len(text) and matched is None:
+            step = rng.randint(1, 5)
+            emitted, matched = matcher.feed(text[i : i + step])
+            out.append(emitted)
+            i += step
+        if matched is None:
+            out.append(matcher.flush())
+        expected = _first_stop(text, stops)
+        if expected is None:
+            assert ("".join(out), matched) == (text, None)
+        else:
+            start, stop = expected
+            assert matched == stop, (stops, text)
+            assert "".join(out) == text[:start] + (stop if include else "")
+
+
+def test_the_stop_matcher_uses_memory_linear_in_its_stop_strings():
+    """A 200,000-character stop string once kept all its prefixes (about 20 GB); now a table of one
+    integer per character."""
+    long_stop = "ab" * 100_000
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher([long_stop, "x" * 200_000])
+        for _ in range(100):
+            assert matcher.feed("ab" * 50) == ("", None)  # held back: it may still become the stop
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 400_000  # bytes: a few per character of the stop strings
+    assert matcher.flush() == "ab" * 5000

@@ -11,6 +11,7 @@ O(window), not O(sequence length).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,9 +126,11 @@ class StopStringMatcher:
                 raise ValueError(f"stop[{i}]: must not be empty")
         self._stops = tuple(dict.fromkeys(stop))
         self._include = include_in_output
-        # Every proper prefix of a stop string: a buffer ending in one must be held back.
-        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
-        self._max_prefix = max((len(s) - 1 for s in self._stops), default=0)
+        # Knuth-Morris-Pratt: per stop string, its failure table and how much of it the text ends
+        # with. Memory is linear in the stop strings' total length, and each character costs
+        # amortized constant work per stop string.
+        self._fail = [_failure_table(s) for s in self._stops]
+        self._state = [0] * len(self._stops)
         self._held = ""
         self._matched: str | None = None
 
@@ -143,25 +146,46 @@ class StopStringMatcher:
         if not self._stops:
             return delta, None
         text = self._held + delta
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        if best is not None:
-            _, start, stop = best
-            self._matched, self._held = stop, ""
-            return text[:start] + (stop if self._include else ""), stop
-        held = next(
-            (k for k in range(min(len(text), self._max_prefix), 0, -1) if text[-k:] in self._prefixes), 0
-        )
+        for position, char in enumerate(delta, start=len(self._held) + 1):
+            completed = [i for i in range(len(self._stops)) if self._advance(i, char)]
+            if completed:  # the earliest end wins, then the longest stop string
+                stop = max((self._stops[i] for i in completed), key=len)
+                self._matched, self._held = stop, ""
+                return text[: position - len(stop)] + (stop if self._include else ""), stop
+        # Hold back the longest tail that is still the start of a stop string.
+        held = max(self._state)
         self._held = text[len(text) - held :]
         return text[: len(text) - held], None
+
+    def _advance(self, i: int, char: str) -> bool:
+        stop, fail, k = self._stops[i], self._fail[i], self._state[i]
+        while k and stop[k] != char:
+            k = fail[k - 1]
+        if stop[k] == char:
+            k += 1
+        if k == len(stop):
+            self._state[i] = fail[k - 1]
+            return True
+        self._state[i] = k
+        return False
 
     def flush(self) -> str:
         """Release the held-back text (nothing after a match)."""
         held, self._held = self._held, ""
         return held
+
+
+def _failure_table(pattern: str) -> array:
+    """fail[k]: the length of the longest proper prefix of pattern[: k + 1] that is also its suffix."""
+    fail = array("i", bytes(4 * len(pattern)))
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 @dataclass(frozen=True, slots=True)
