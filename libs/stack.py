@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -274,7 +275,7 @@ class LocalStack:
         self._redis.kill()
         self._redis.wait()
         time.sleep(down_s)
-        self.start_redis(port=int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
+        self.start_redis(port=urlparse(self.redis_url).port)
 
     def __enter__(self) -> LocalStack:
         self.start()

@@ -10,40 +10,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-import pytest
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from libs.engine import LLMEngine, SamplingParams
-from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
 from libs.stack import free_port, health_status
+from tests.e2e.conftest import LONG, client_engines, long_job
 from tests.e2e.test_pipeline import wait_final, wait_status
-
-LONG = 1000  # tokens: a few seconds on the tiny model (its max_model_len is 1024)
-
-
-@pytest.fixture(scope="module")
-def long_prompt(tiny_llama) -> str:
-    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token."""
-    engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=1024, num_blocks=160)
-    for candidate in (
-        "Once upon a time",
-        "def add(a, b):",
-        "SELECT name FROM",
-        "The quick brown fox",
-        "Hello",
-    ):
-        out = engine.generate(
-            [candidate], SamplingParams(temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
-        )
-        if out[0].finish_reason == "length":
-            return candidate
-    pytest.fail("no candidate prompt runs to max_tokens on the tiny model")
-
-
-def long_job(client: ExpertClient, prompt: str):
-    return client.submit(prompt=prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
 
 
 def test_a_job_whose_dispatcher_dies_is_reclaimed_and_completes(tiny_stack, long_prompt):
@@ -167,12 +139,6 @@ def test_the_engine_is_not_serving_until_its_model_is_warm(tiny_llama, tmp_path)
         assert process.wait(timeout=20) == 0
     assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
-
-
-def client_engines(stack) -> list:
-    with grpc.insecure_channel(stack.target("preparation")) as channel:
-        stub = preparation_pb2_grpc.PreparationServiceStub(channel)
-        return list(stub.ListEngines(preparation_pb2.ListEnginesRequest()).engines)
 
 
 def _engine_of(stack, job_id: str) -> str:

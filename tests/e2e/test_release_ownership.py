@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 from expert_system import ExpertClient
-from tests.e2e.test_failures import LONG, client_engines, long_prompt  # noqa: F401 (a fixture)
+from tests.e2e.conftest import client_engines, long_job
 from tests.e2e.test_pipeline import wait_final
 
 
@@ -28,19 +28,13 @@ def _calls(log_path) -> tuple[Counter[str], Counter[str]]:
     return placed, released
 
 
-def _long(client: ExpertClient, prompt: str, **fields) -> str:
-    return client.submit(
-        prompt=prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0, **fields
-    ).job_id
-
-
 def _wait_running_or(client: ExpertClient, job_id: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and client.get_job(job_id).status not in ("running", "postprocessing"):
         time.sleep(0.02)
 
 
-def test_every_placement_is_released_exactly_once_over_50_mixed_jobs(tiny_stack, long_prompt):  # noqa: F811
+def test_every_placement_is_released_exactly_once_over_50_mixed_jobs(tiny_stack, long_prompt):
     stack = tiny_stack(EXPERT_LOG_LEVEL="debug")
     stack.start_engine("second")
     kinds: dict[str, str] = {}
@@ -52,7 +46,7 @@ def test_every_placement_is_released_exactly_once_over_50_mixed_jobs(tiny_stack,
 
         # Long jobs over both engines; the second engine is killed under the ones it runs.
         for _ in range(10):
-            kinds[_long(client, long_prompt)] = "moved"
+            kinds[long_job(client, long_prompt).job_id] = "moved"
         deadline = time.monotonic() + 60
         while not any(e.engine_id == "second" and e.active_jobs for e in client_engines(stack)):
             assert time.monotonic() < deadline, "no job was placed on the second engine"
@@ -65,8 +59,8 @@ def test_every_placement_is_released_exactly_once_over_50_mixed_jobs(tiny_stack,
                 "short"
             )
         for _ in range(10):
-            kinds[_long(client, long_prompt, timeout_ms=2000)] = "timeout"
-        cancelled = [_long(client, long_prompt) for _ in range(10)]
+            kinds[long_job(client, long_prompt, timeout_ms=2000).job_id] = "timeout"
+        cancelled = [long_job(client, long_prompt).job_id for _ in range(10)]
         kinds.update(dict.fromkeys(cancelled, "cancel"))
         for job_id in cancelled[:5]:
             client.cancel(job_id)  # most of these are still queued
