@@ -77,7 +77,7 @@ def services_stay_alive(request):
         assert not dead, f"services exited (status): {dead}; logs in {stack.log_dir}"
 
 
-LONG = 1000  # tokens: a few seconds on the tiny model (its max_model_len is 1024)
+LONG = 1000  # tokens: about a second on the tiny model (its max_model_len is 1024)
 
 
 @pytest.fixture(scope="module")

@@ -156,15 +156,15 @@ def _wait(condition, timeout: float = 60.0) -> None:
 
 
 def test_reception_stopped_gracefully_hands_its_running_jobs_back_and_they_complete(tiny_stack, long_prompt):
-    """SIGTERM (a rolling update) with jobs running and a drain too short for them: reception exits
+    """SIGTERM (a rolling update) with jobs running and no drain: reception exits
     promptly, their engine slots are released, their queue entries stay unacknowledged, and the
     next reception reclaims them and runs them to the end."""
-    stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="0.5")
+    stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="0")  # a job takes about a second here
     with ExpertClient(stack.target("reception")) as client:
-        jobs = [long_job(client, long_prompt).job_id for _ in range(8)]  # two rounds of four slots
+        jobs = [long_job(client, long_prompt).job_id for _ in range(8)]
         deadline = time.monotonic() + 60
-        while not any(e.active_jobs == 4 for e in client_engines(stack)):
-            assert time.monotonic() < deadline, "the engine's four slots were never all taken"
+        while not any(e.active_jobs for e in client_engines(stack)):
+            assert time.monotonic() < deadline, "no job was ever placed"
             time.sleep(0.01)
     started = time.monotonic()
     stack.stop_service("reception")
