@@ -18,6 +18,15 @@ from grpc_status import rpc_status
 # The trailing-metadata key that carries a serialized google.rpc.Status.
 _DETAILS_KEY = "grpc-status-details-bin"
 
+# An error travels in trailing metadata, which clients cap (16 KiB by default, and a larger one is
+# seen as RESOURCE_EXHAUSTED, not the error). A request with a thousand problems, or one that echoes
+# a megabyte of user text, is therefore sent as its first violations, each clipped, and a count:
+# at worst 20 x 384 bytes of details (base64: ~10 KB) and a 1 KB message.
+MAX_VIOLATIONS_SENT = 20
+_MAX_FIELD_BYTES = 128
+_MAX_DESCRIPTION_BYTES = 256
+_MAX_MESSAGE_BYTES = 1024
+
 
 class ServiceError(Exception):
     """An error to send to the client as status `code` with `message`; `violations` lists
@@ -48,7 +57,10 @@ def invalid_arguments(violations: Iterable[tuple[str, str]]) -> ServiceError:
     pairs = list(violations)
     if not pairs:
         raise ValueError("invalid_arguments needs at least one (field, description)")
-    message = "; ".join(f"{field}: {description}" for field, description in pairs)
+    shown = pairs[:MAX_VIOLATIONS_SENT]
+    message = "; ".join(f"{field}: {description}" for field, description in shown)
+    if len(pairs) > len(shown):  # the count first, so that clipping the message keeps it
+        message = f"{len(pairs)} problems, the first {len(shown)}: {message}"
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, pairs)
 
 
@@ -72,15 +84,26 @@ def failed_precondition(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
+def clip(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8 (on a character boundary), marked with "…"."""
+    data = text.encode()
+    if len(data) <= max_bytes:
+        return text
+    return data[: max_bytes - 3].decode(errors="ignore") + "…"
+
+
 def to_status(error: ServiceError) -> grpc.Status:
     """The `grpc.Status` to abort with (`context.abort_with_status`): the code, the message, and a
-    google.rpc.Status in the trailing metadata with a BadRequest detail when there are violations."""
-    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    google.rpc.Status in the trailing metadata with a BadRequest detail when there are violations.
+    Both are bounded (MAX_VIOLATIONS_SENT, clipped texts) so that they always reach the client."""
+    status = status_pb2.Status(code=error.code.value[0], message=clip(error.message, _MAX_MESSAGE_BYTES))
     if error.violations:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
-                for field, description in error.violations
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=clip(field, _MAX_FIELD_BYTES), description=clip(description, _MAX_DESCRIPTION_BYTES)
+                )
+                for field, description in error.violations[:MAX_VIOLATIONS_SENT]
             ]
         )
         detail = any_pb2.Any()

@@ -192,6 +192,10 @@ class LoggingInterceptor(ScopedInterceptor):
                     duration_ms=round((time.perf_counter() - start) * 1000, 2),
                     peer=peer,
                 )
+                # The exception's traceback holds this frame, which holds the exception: a cycle that
+                # only the cyclic GC frees, and with it the request (up to 64 MB) the servicer's
+                # frames hold. Dropping the reference lets reference counting free them at once.
+                error = None
 
 
 class MetricsInterceptor(ScopedInterceptor):
@@ -212,6 +216,7 @@ class MetricsInterceptor(ScopedInterceptor):
         finally:
             method = details.method.lstrip("/")
             self._metrics.observe(method, status_code(context, error).name, time.perf_counter() - start)
+            error = None  # see LoggingInterceptor: no exception-frame cycle keeps the request alive
 
 
 class ErrorInterceptor(ScopedInterceptor):

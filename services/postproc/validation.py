@@ -27,6 +27,19 @@ def unfence(text: str) -> str:
 
 
 def validate_output(output: str, task_type: str, json_schema: str | None = None) -> Validation:
+    try:
+        return _validate(output, task_type, json_schema)
+    except RecursionError:
+        # An output nested thousands of levels deep, or a schema whose $ref loops without consuming
+        # the document (`{"$ref": "#"}`): the parsers recurse, so the check cannot be made.
+        validator = "json_schema" if json_schema is not None else _VALIDATORS.get(task_type, "generic")
+        return Validation(False, validator, "nested too deeply to check")
+
+
+_VALIDATORS = {"json_parsing": "json", "code_generation": "python"}
+
+
+def _validate(output: str, task_type: str, json_schema: str | None) -> Validation:
     if json_schema is not None:
         return _validate_schema(output, json_schema)
     if task_type == "json_parsing":

@@ -31,6 +31,7 @@ log = get_logger(__name__)
 
 SERVICE = "expert.v1.InferenceService"
 DEFAULT_PRIORITY = 5
+MAX_JOB_ID_CHARS = 64  # ids are 32 hex digits; anything much longer is not worth a Redis lookup
 # A failed job whose stage refused the request answers Infer with that refusal itself.
 _CLIENT_ERRORS = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"}
 
@@ -167,24 +168,26 @@ class ReceptionServicer:
             raise not_found(f"job {job_id} expired") from None
 
     async def GetJob(
-        self, request: inference_pb2.GetJobRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.GetJobRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetJobResponse:
-        return inference_pb2.GetJobResponse(job=await self._job(request.job_id))
+        return inference_pb2.GetJobResponse(job=await self._job(_job_id(request)))
 
     async def _job(self, job_id: str) -> common_pb2.Job:
         if not job_id:
             raise invalid_argument("job_id", "must not be empty")
+        if len(job_id) > MAX_JOB_ID_CHARS:
+            raise invalid_argument("job_id", f"at most {MAX_JOB_ID_CHARS} characters, got {len(job_id)}")
         record = await self.jobs.get(job_id)
         if record is None:
             raise not_found(f"job {job_id!r} does not exist (or expired)")
         return record.to_proto(await self.jobs.text(job_id))
 
     async def CancelJob(
-        self, request: inference_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.CancelJobRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CancelJobResponse:
-        job = await self._job(request.job_id)
+        job = await self._job(_job_id(request))
         await self._cancel(job)
-        return inference_pb2.CancelJobResponse(job=await self._job(request.job_id))
+        return inference_pb2.CancelJobResponse(job=await self._job(job.job_id))
 
     async def _cancel(self, job: common_pb2.Job) -> None:
         if job.status in (
@@ -238,6 +241,14 @@ def _inner(request: object) -> common_pb2.InferenceRequest | Undecodable:
     return request if isinstance(request, Undecodable) else request.request
 
 
+def _job_id(request: object) -> str:
+    if isinstance(request, Undecodable):
+        raise invalid_argument(
+            "job_id", f"not a valid request message ({request.reason}); it must be valid UTF-8"
+        )
+    return request.job_id
+
+
 def _raise_client_error(result: common_pb2.InferenceResult) -> None:
     """A job refused by a stage (e.g. an unknown forced expert) fails the call with that refusal."""
     if result.status == common_pb2.JOB_STATUS_FAILED and result.error_code in _CLIENT_ERRORS:
@@ -278,12 +289,12 @@ def add_to_server(servicer: ReceptionServicer, server: grpc.aio.Server) -> str:
         ),
         "GetJob": grpc.unary_unary_rpc_method_handler(
             servicer.GetJob,
-            inference_pb2.GetJobRequest.FromString,
+            tolerant(inference_pb2.GetJobRequest),
             inference_pb2.GetJobResponse.SerializeToString,
         ),
         "CancelJob": grpc.unary_unary_rpc_method_handler(
             servicer.CancelJob,
-            inference_pb2.CancelJobRequest.FromString,
+            tolerant(inference_pb2.CancelJobRequest),
             inference_pb2.CancelJobResponse.SerializeToString,
         ),
     }

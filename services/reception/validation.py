@@ -12,12 +12,27 @@ import math
 import unicodedata
 
 import jsonschema
+import referencing
+import referencing.exceptions
+from referencing.jsonschema import DRAFT202012
 
 from libs.errors import invalid_arguments
 from libs.gen.expert.v1 import common_pb2
+from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
 
+# Bounds of what one request may hold (docs/design.md#input-limits): each keeps a request's cost
+# in memory and time proportional to what a legitimate request needs.
 MAX_PROMPT_CHARS = 500_000  # ~100k tokens
+MAX_BODY_CHARS = MAX_PROMPT_CHARS
+MAX_TEMPLATE_CHARS = 50_000
+MAX_INPUT_CHARS = MAX_PROMPT_CHARS  # the rendered prompt plus every chat message, before the router
+MAX_MESSAGES = 1_000
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1_000  # per stop string
+MAX_NAME_CHARS = 256  # an expert name or a user id
+MAX_EXCLUDED_EXPERTS = 100
+MAX_SCHEMA_CHARS = 16_384  # structured-output formats are capped at 16 KB
+MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in the schema text
 ROLES = ("system", "user", "assistant", "tool")
 TEXT_FIELDS = ("prompt", "template", "body", "user_id", "json_schema")
 _ALWAYS_PRESENT = ("prompt", "user_id")  # plain proto3 fields: no presence to test
@@ -94,16 +109,31 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
         problems.append(("request.timeout_ms", f"must be > 0, got {request.timeout_ms}"))
     if request.HasField("context_size") and request.context_size < 1:
         problems.append(("request.context_size", f"must be >= 1, got {request.context_size}"))
-    if len(request.stop) > MAX_STOP_STRINGS:
-        problems.append(("request.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}"))
-    problems += [(f"request.stop[{i}]", "must not be empty") for i, s in enumerate(request.stop) if not s]
+    problems += _stops(request)
+    if len(request.user_id) > MAX_NAME_CHARS:
+        problems.append(
+            ("request.user_id", f"at most {MAX_NAME_CHARS} characters, got {len(request.user_id)}")
+        )
     problems += _expert_lists(request)
     problems += _messages(request)
+    problems += _input_size(request)
     problems += _limits(request, max_model_len)
     if request.HasField("json_schema"):
         problems += _schema(request.json_schema)
     if problems:
         raise invalid_arguments(problems)
+
+
+def _stops(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
+    problems = []
+    if len(request.stop) > MAX_STOP_STRINGS:
+        problems.append(("request.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}"))
+    for i, stop in enumerate(request.stop):
+        if not stop:
+            problems.append((f"request.stop[{i}]", "must not be empty"))
+        elif len(stop) > MAX_STOP_CHARS:
+            problems.append((f"request.stop[{i}]", f"at most {MAX_STOP_CHARS} characters, got {len(stop)}"))
+    return problems
 
 
 def _expert_lists(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
@@ -112,8 +142,19 @@ def _expert_lists(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]
         for i, value in enumerate(getattr(request, name)):
             if not value.strip():
                 problems.append((f"request.{name}[{i}]", "must not be empty"))
+            elif len(value) > MAX_NAME_CHARS:
+                problems.append(
+                    (f"request.{name}[{i}]", f"at most {MAX_NAME_CHARS} characters, got {len(value)}")
+                )
     if len(request.force_experts) > 10:
         problems.append(("request.force_experts", f"at most 10 experts, got {len(request.force_experts)}"))
+    if len(request.exclude_experts) > MAX_EXCLUDED_EXPERTS:
+        problems.append(
+            (
+                "request.exclude_experts",
+                f"at most {MAX_EXCLUDED_EXPERTS} experts, got {len(request.exclude_experts)}",
+            )
+        )
     both = set(request.force_experts) & set(request.exclude_experts)
     if both:
         problems.append(("request.exclude_experts", f"{sorted(both)[0]!r} is also in force_experts"))
@@ -122,6 +163,8 @@ def _expert_lists(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]
 
 def _messages(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
     problems = []
+    if len(request.messages) > MAX_MESSAGES:
+        problems.append(("request.messages", f"at most {MAX_MESSAGES} messages, got {len(request.messages)}"))
     for i, message in enumerate(request.messages):
         if message.role not in ROLES:
             problems.append(
@@ -130,6 +173,35 @@ def _messages(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
     if request.raw and request.messages:
         problems.append(("request.raw", "a raw completion cannot carry chat messages"))
     return problems
+
+
+def _input_size(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
+    """The template, the body, and the input the router will render from them and the messages. A
+    template can repeat a prompt that passed its own limit, so the expansion is measured (without
+    rendering it) and blamed on the field that makes it: the template, the body or the messages."""
+    body = request.body if request.HasField("body") else ""
+    if len(body) > MAX_BODY_CHARS:
+        return [("request.body", f"at most {MAX_BODY_CHARS} characters, got {len(body)}")]
+    if request.HasField("template") and len(request.template) > MAX_TEMPLATE_CHARS:
+        return [("request.template", f"at most {MAX_TEMPLATE_CHARS} characters, got {len(request.template)}")]
+    if len(request.prompt) > MAX_PROMPT_CHARS:
+        return []  # already reported as the prompt's own rule
+    if request.HasField("template"):
+        template, field = request.template, "request.template"
+    elif body:
+        template, field = DEFAULT_BODY_TEMPLATE, "request.body"
+    else:
+        template, field = "{prompt}", "request.messages"
+    total = rendered_length(template, request.prompt, body) + sum(len(m.content) for m in request.messages)
+    if total <= MAX_INPUT_CHARS:
+        return []
+    return [
+        (
+            field,
+            f"the input rendered from the prompt, template, body and messages would be {total} characters,"
+            f" above the limit of {MAX_INPUT_CHARS}",
+        )
+    ]
 
 
 def _limits(request: common_pb2.InferenceRequest, max_model_len: int) -> list[tuple[str, str]]:
@@ -155,8 +227,62 @@ def _limits(request: common_pb2.InferenceRequest, max_model_len: int) -> list[tu
 
 
 def _schema(text: str) -> list[tuple[str, str]]:
+    if len(text) > MAX_SCHEMA_CHARS:
+        return [("request.json_schema", f"at most {MAX_SCHEMA_CHARS} characters, got {len(text)}")]
+    depth = json_depth(text)
+    if depth > MAX_SCHEMA_DEPTH:
+        return [("request.json_schema", f"nested {depth} levels deep, above the limit of {MAX_SCHEMA_DEPTH}")]
     try:
-        jsonschema.Draft202012Validator.check_schema(json.loads(text))
+        schema = json.loads(text)
+        jsonschema.Draft202012Validator.check_schema(schema)
     except (json.JSONDecodeError, jsonschema.SchemaError) as exc:
         return [("request.json_schema", f"not a valid JSON schema: {str(exc).splitlines()[0]}")]
+    unresolved = _unresolved_reference(schema)
+    if unresolved is not None:
+        return [("request.json_schema", f"$ref {unresolved!r} does not resolve within the schema")]
     return []
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in JSON text, found in one pass without parsing (so
+    a hostile depth never reaches a recursive parser). Brackets inside strings do not count."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _unresolved_reference(schema: object) -> str | None:
+    """The first `$ref` that does not point into the schema itself; None when all do. Nothing is
+    fetched, so a remote or dangling reference would fail every output check later."""
+    resource = DRAFT202012.create_resource(schema)
+    base = resource.id() or ""
+    resolver = referencing.Registry().with_resource(base, resource).resolver(base_uri=base)
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                try:
+                    resolver.lookup(ref)
+                except referencing.exceptions.Unresolvable:
+                    return ref
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return None

@@ -9,20 +9,15 @@ import time
 
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
+from libs.prompt_template import DEFAULT_BODY_TEMPLATE, render_template
 from services.router.features import Features, extract_features
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
 from services.router.selection import MAX_EXPERTS, Selection, select_experts
 from services.router.tuning import tune_parameters
 
-DEFAULT_BODY_TEMPLATE = "{prompt}\n\n{body}"
 # Tokens a chat template adds around each message, for the KV budget's upper bound.
 TEMPLATE_OVERHEAD_BYTES = 64
-
-
-def render_template(template: str, prompt: str, body: str) -> str:
-    """Substitute {prompt} and {body}; every other brace is literal (templates often hold JSON)."""
-    return template.replace("{prompt}", prompt).replace("{body}", body)
 
 
 def model_input(request: common_pb2.InferenceRequest) -> tuple[common_pb2.ModelInput, str]:

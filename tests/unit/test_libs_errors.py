@@ -19,6 +19,11 @@ ERRORS = {
     "temperature": invalid_argument(*TEMPERATURE),
     "two": errors.invalid_arguments([TEMPERATURE, ("request.top_k", "must be at least 0, got -1")]),
     "missing": errors.not_found("job j-1 not found"),
+    # a thousand problems, each echoing a long value in several scripts: far over 16 KiB unclipped
+    "many": errors.invalid_arguments(
+        [(f"request.force_experts[{i}]", "unknown expert " + "é€𝄞x" * 200) for i in range(1000)]
+    ),
+    "echo": errors.not_found("job " + "𝄞" * 100_000 + " does not exist"),
 }
 
 
@@ -102,6 +107,41 @@ def test_several_violations_arrive_in_order():
         assert field_violations(error) == [TEMPERATURE, ("request.top_k", "must be at least 0, got -1")]
 
     asyncio.run(_with_server(check))
+
+
+def test_a_thousand_violations_reach_the_client_as_the_first_ones_and_a_count():
+    async def check(target):
+        error = await _aio_error(target, "many")
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT  # not "metadata size exceeds hard limit"
+        violations = field_violations(error)
+        assert [field for field, _ in violations] == [
+            f"request.force_experts[{i}]" for i in range(errors.MAX_VIOLATIONS_SENT)
+        ]
+        assert all(description.endswith("…") for _, description in violations)
+        assert error.details().startswith("1000 problems, the first 20: request.force_experts[0]: ")
+
+    asyncio.run(_with_server(check))
+
+
+def test_a_huge_message_is_clipped_not_lost():
+    async def check(target):
+        error = await _aio_error(target, "echo")
+        assert error.code() is grpc.StatusCode.NOT_FOUND
+        assert error.details().startswith("job 𝄞") and error.details().endswith("…")
+
+    asyncio.run(_with_server(check))
+
+
+def test_the_count_of_hidden_violations_is_in_the_message():
+    error = errors.invalid_arguments([(f"f{i}", "bad") for i in range(25)])
+    assert error.message.startswith("25 problems, the first 20: f0: bad; f1: bad")
+    assert len(error.violations) == 25  # all kept on the server side, for metrics and logs
+
+
+def test_clip_cuts_on_a_character_boundary():
+    assert errors.clip("abc", 3) == "abc"
+    assert errors.clip("é" * 10, 8) == "éé…"  # 4 bytes of "é" + 3 of "…"
+    assert len(errors.clip("𝄞" * 10, 9).encode()) <= 9
 
 
 def test_a_sync_client_reads_the_field_violation_too():

@@ -52,3 +52,14 @@ def test_one_markdown_fence_around_the_answer_is_looked_through():
     assert validate_output(fenced, "general", SCHEMA).valid
     assert validate_output("```python\nx = 1\n```", "code_generation").valid
     assert not validate_output('Here: ```json\n{"a": 1}\n```', "json_parsing").valid  # text around it
+
+
+def test_what_is_nested_too_deeply_to_check_fails_instead_of_raising():
+    looping = validate_output("{}", "general", '{"$ref": "#"}')
+    assert (looping.valid, looping.validator, looping.error) == (
+        False,
+        "json_schema",
+        "nested too deeply to check",
+    )
+    deep = validate_output("[" * 100_000, "json_parsing")
+    assert (deep.valid, deep.validator) == (False, "json")

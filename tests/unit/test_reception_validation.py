@@ -9,7 +9,21 @@ import pytest
 
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
-from services.reception.validation import MAX_PROMPT_CHARS, MAX_STOP_STRINGS, validate
+from services.reception.validation import (
+    MAX_BODY_CHARS,
+    MAX_EXCLUDED_EXPERTS,
+    MAX_INPUT_CHARS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_PROMPT_CHARS,
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPLATE_CHARS,
+    json_depth,
+    validate,
+)
 
 
 def request(**fields) -> common_pb2.InferenceRequest:
@@ -96,6 +110,49 @@ def test_at_most_16_stop_strings_none_empty():
     assert list(problems(request(stop=["x", ""]))) == ["request.stop[1]"]
 
 
+def test_each_stop_string_is_bounded():
+    assert problems(request(stop=["x" * MAX_STOP_CHARS])) == {}
+    assert list(problems(request(stop=["ok", "x" * (MAX_STOP_CHARS + 1)]))) == ["request.stop[1]"]
+    # the hostile request that once OOM-killed the engine: 16 stop strings of a million characters
+    found = problems(request(stop=["x" * 1_000_000] * MAX_STOP_STRINGS))
+    assert list(found) == [f"request.stop[{i}]" for i in range(MAX_STOP_STRINGS)]
+
+
+def test_template_and_body_are_bounded_on_their_own():
+    assert list(problems(request(template="{prompt}" + "x" * MAX_TEMPLATE_CHARS))) == ["request.template"]
+    assert list(problems(request(body="x" * (MAX_BODY_CHARS + 1)))) == ["request.body"]
+
+
+def test_the_rendered_input_is_bounded_whatever_makes_it_long():
+    # a 108 KB request whose template repeats a 100,000-character prompt a thousand times
+    found = problems(request(prompt="p" * 100_000, template="{prompt}" * 1000))
+    assert list(found) == ["request.template"]
+    assert "100000000 characters" in found["request.template"]
+    # the default body template adds the body to the prompt
+    half = MAX_INPUT_CHARS // 2
+    assert list(problems(request(prompt="p" * half, body="b" * half))) == ["request.body"]
+    assert problems(request(prompt="p" * (half - 2), body="b" * half)) == {}
+    # messages count toward the same input
+    long_turn = common_pb2.ChatMessage(role="user", content="m" * half)
+    assert list(problems(request(prompt="p" * (half + 1), messages=[long_turn]))) == ["request.messages"]
+    assert problems(request(prompt="p" * half, messages=[long_turn])) == {}
+    # a prompt holding "{body}" is not a second placeholder
+    assert problems(request(prompt="{body}" * 1000, template="{prompt}", body="b" * 10_000)) == {}
+
+
+def test_the_number_of_messages_is_bounded():
+    turn = common_pb2.ChatMessage(role="user", content="hi")
+    assert problems(request(messages=[turn] * MAX_MESSAGES)) == {}
+    assert list(problems(request(messages=[turn] * (MAX_MESSAGES + 1)))) == ["request.messages"]
+
+
+def test_names_and_user_ids_are_bounded():
+    assert list(problems(request(user_id="u" * (MAX_NAME_CHARS + 1)))) == ["request.user_id"]
+    assert list(problems(request(force_experts=["e" * (MAX_NAME_CHARS + 1)]))) == ["request.force_experts[0]"]
+    excluded = [f"e{i}" for i in range(MAX_EXCLUDED_EXPERTS + 1)]
+    assert list(problems(request(exclude_experts=excluded))) == ["request.exclude_experts"]
+
+
 def test_a_message_role_must_be_known():
     message = common_pb2.ChatMessage(role="robot", content="Hi")
     assert list(problems(request(messages=[message]))) == ["request.messages[0].role"]
@@ -125,6 +182,34 @@ def test_a_json_schema_must_be_a_valid_schema():
     assert problems(request(json_schema='{"type": "object"}')) == {}
     assert list(problems(request(json_schema="{not json"))) == ["request.json_schema"]
     assert list(problems(request(json_schema='{"type": 12}'))) == ["request.json_schema"]
+
+
+def test_a_schema_is_bounded_in_size_and_depth_without_recursing():
+    assert list(problems(request(json_schema='{"type": "string"}' + " " * MAX_SCHEMA_CHARS))) == [
+        "request.json_schema"
+    ]
+    nested = '{"type": "object", "properties": {"a": ' * 8 + "{}" + "}}" * 8
+    assert problems(request(json_schema=nested)) == {}
+    too_deep = '{"items": ' * (MAX_SCHEMA_DEPTH + 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH + 1)
+    assert "nested" in problems(request(json_schema=too_deep))["request.json_schema"]
+    # deeper than Python's recursion limit, within the size cap: refused, not a RecursionError
+    hostile = "[" * (MAX_SCHEMA_CHARS // 2) + "]" * (MAX_SCHEMA_CHARS // 2)
+    assert list(problems(request(json_schema=hostile))) == ["request.json_schema"]
+
+
+def test_json_depth_ignores_brackets_inside_strings():
+    assert json_depth('{"a": "[[[{{\\"[", "b": [[1]]}') == 3
+    assert json_depth("[]") == 1
+    assert json_depth('"{"') == 0
+
+
+def test_a_schema_reference_must_resolve_within_the_schema():
+    local = '{"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}}'
+    assert problems(request(json_schema=local)) == {}
+    assert problems(request(json_schema='{"$ref": "#"}')) == {}  # recursive, but resolvable
+    for ref in ("#/$defs/missing", "https://example.com/schema.json"):
+        found = problems(request(json_schema=f'{{"$ref": "{ref}"}}'))
+        assert "does not resolve" in found["request.json_schema"]
 
 
 def test_nul_bytes_are_refused_not_normalized_away():
