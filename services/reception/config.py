@@ -43,6 +43,7 @@ class ReceptionConfig:
                 reclaim_idle_ms=reader.integer("EXPERT_DISPATCH_RECLAIM_IDLE_MS", 15_000, minimum=100),
                 max_deliveries=reader.integer("EXPERT_DISPATCH_MAX_DELIVERIES", 3, minimum=1),
                 default_timeout_s=default_timeout_ms / 1000 if default_timeout_ms else None,
+                sweep_grace_s=reader.number("EXPERT_DISPATCH_SWEEP_GRACE_SECONDS", 30.0, minimum=0.0),
             ),
             engine_retries=reader.integer("EXPERT_DISPATCH_ENGINE_RETRIES", 2, minimum=0),
             stream_interval=reader.integer(

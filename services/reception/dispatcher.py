@@ -39,6 +39,8 @@ class DispatchSettings:
     reclaim_idle_ms: int
     max_deliveries: int
     default_timeout_s: float | None
+    # How long past its deadline a job in progress is left to its dispatcher before it is swept.
+    sweep_grace_s: float = 30.0
 
 
 class Dispatcher:
@@ -257,16 +259,26 @@ class Dispatcher:
                     log.exception("reclaim failed")
 
     async def _expiry(self, period_s: float = 0.25) -> None:
-        """End queued jobs whose deadline passed: no worker may be free to find out."""
+        """End the jobs whose deadline passed and that nobody ended (JobStore.sweep_overdue): queued
+        ones at once, others `sweep_grace_s` later. A swept job that had been placed has its slot
+        given back here, since the dispatcher that held it is gone."""
         while True:
             await asyncio.sleep(period_s)
             try:
-                for job_id in await self.jobs.expire_queued():
-                    log.warning("job timed out in the queue", job_id=job_id)
+                for job_id, status in await self.jobs.sweep_overdue(self.settings.sweep_grace_s):
+                    if status == common_pb2.JOB_STATUS_QUEUED:
+                        log.warning("job timed out in the queue", job_id=job_id)
+                        continue
+                    log.warning(
+                        "swept a job past its deadline that no dispatcher ended",
+                        job_id=job_id,
+                        status=common_pb2.JobStatus.Name(status),
+                    )
+                    await asyncio.shield(self.pipeline.stages.release(job_id))
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("queue expiry failed")
+                log.exception("sweeping overdue jobs failed")
 
     async def _queue_gauge(self, period_s: float = 1.0) -> None:
         """Keep the queue-depth gauge current (every dispatcher sets it: they all see one queue)."""

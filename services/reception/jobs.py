@@ -23,8 +23,8 @@ from libs.timestamps import timestamp
 
 PREFIX = "expert:job:"
 CANCEL_CHANNEL = "expert:cancel"
-# Job ids by deadline (a sorted set), so that a job whose deadline passes while it waits in the
-# queue ends TIMED_OUT even when no dispatcher is free to pick it up.
+# Job ids by deadline (a sorted set), so that a job whose deadline passes ends TIMED_OUT even when
+# no dispatcher is free to pick it up, or the one that ran it is gone (JobStore.sweep_overdue).
 DEADLINES = "expert:jobs:deadlines"
 FINAL = (
     common_pb2.JOB_STATUS_COMPLETED,
@@ -325,26 +325,46 @@ class JobStore:
                     last = entry_id
                     yield fields[b"kind"], fields
 
-    async def expire_queued(self, now: float | None = None, limit: int = 100) -> list[str]:
-        """End the queued jobs whose deadline passed as TIMED_OUT (with no output); returns their ids.
-        Jobs past their deadline in a later state are left to the pipeline running them."""
+    async def sweep_overdue(
+        self, abandon_after_s: float, now: float | None = None, limit: int = 100
+    ) -> list[tuple[str, int]]:
+        """End, as TIMED_OUT, the jobs whose deadline passed and that nobody ended: a queued job at
+        once (no worker may be free to find out), a job in a later state once `abandon_after_s`
+        more have passed (its dispatcher died, or lost its Redis writes), with the output it made.
+        Returns (job id, the status it was swept from). Whoever owned a job, this is safe: the
+        final status is written once, so an owner that ends it meanwhile wins."""
         now = time.time() if now is None else now
-        expired = []
-        for raw in await self.redis.zrangebyscore(DEADLINES, "-inf", now, start=0, num=limit):
+        swept = []
+        for raw, deadline in await self.redis.zrangebyscore(
+            DEADLINES, "-inf", now, start=0, num=limit, withscores=True
+        ):
             job_id = raw.decode()
             record = await self.get(job_id)
-            if record is not None and record.status == common_pb2.JOB_STATUS_QUEUED:
-                waited_ms = (now - record.submitted_at) * 1000
-                result = common_pb2.InferenceResult(
-                    job_id=job_id,
-                    status=common_pb2.JOB_STATUS_TIMED_OUT,
-                    finish_reason=common_pb2.FINISH_REASON_TIMEOUT,
-                    timed_out=True,
-                    latency_ms=waited_ms,
-                    error=f"timed out after {waited_ms:.0f} ms in the queue (no engine was free)",
-                )
-                if await self.finish(job_id, result):
-                    expired.append(job_id)
-                    continue
-            await self.redis.zrem(DEADLINES, job_id)
-        return expired
+            if record is None or record.final:
+                await self.redis.zrem(DEADLINES, job_id)
+                continue
+            queued = record.status == common_pb2.JOB_STATUS_QUEUED
+            if not queued and now < deadline + abandon_after_s:
+                continue  # its dispatcher is still expected to end it
+            if await self.finish(job_id, await self._timed_out(record, now, queued)):
+                swept.append((job_id, record.status))
+        return swept
+
+    async def _timed_out(self, record: JobRecord, now: float, queued: bool) -> common_pb2.InferenceResult:
+        waited_ms = (now - record.submitted_at) * 1000
+        result = common_pb2.InferenceResult(
+            job_id=record.job_id,
+            status=common_pb2.JOB_STATUS_TIMED_OUT,
+            finish_reason=common_pb2.FINISH_REASON_TIMEOUT,
+            timed_out=True,
+            latency_ms=waited_ms,
+        )
+        if queued:
+            result.error = f"timed out after {waited_ms:.0f} ms in the queue (no engine was free)"
+        else:
+            result.text = await self.text(record.job_id)
+            result.error = (
+                f"timed out after {waited_ms:.0f} ms; no dispatcher ended it (its owner stopped), so "
+                "it was swept with the output it had"
+            )
+        return result

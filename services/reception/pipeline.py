@@ -47,6 +47,8 @@ _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A Prepare that ended with these may have reserved a slot before the answer was lost.
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 DEFAULT_STREAM_INTERVAL = 16
+# gRPC measures a call's timeout on its own clock: its DEADLINE_EXCEEDED may come a hair before ours.
+DEADLINE_SLACK_S = 0.05
 # The engine ends a request at the job's deadline (or when asked to Abort it) and sends the text it
 # has not sent yet; the call is given this long for that last message before it is cancelled
 # outright (and that text is lost).
@@ -98,6 +100,14 @@ class JobRun:
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.time())
+
+
+def _stop_if_expired(run: JobRun, error: grpc.aio.AioRpcError) -> None:
+    """A stage call's timeout is the job's remaining time, so DEADLINE_EXCEEDED past the job's
+    deadline is the job timing out (TIMED_OUT, with its partial output), not the stage failing."""
+    expired = run.deadline is not None and time.time() >= run.deadline - DEADLINE_SLACK_S
+    if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED and expired:
+        raise JobStopped("timeout") from None
 
 
 class Pipeline:
@@ -203,6 +213,7 @@ class Pipeline:
         try:
             run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
         except grpc.aio.AioRpcError as exc:
+            _stop_if_expired(run, exc)
             raise JobFailed(f"router: {exc.details()}", exc.code().name, field_violations(exc)) from None
         excluded: list[str] = []
         for attempt in range(self.engine_retries + 1):
@@ -285,6 +296,7 @@ class Pipeline:
                 if exc.code() not in _OUTCOME_UNKNOWN:  # else `_placement` gives the slot back
                     run.preparing = None
                 if exc.code() not in _PLACE_LATER:
+                    _stop_if_expired(run, exc)
                     raise JobFailed(
                         f"preparation: {exc.details()}", exc.code().name, field_violations(exc)
                     ) from None
@@ -343,6 +355,7 @@ class Pipeline:
             # time taken from the engine.
             await self._until(run, consume(), grace_s=ENGINE_STOP_GRACE_S, on_cancel=abort)
         except grpc.aio.AioRpcError as exc:
+            _stop_if_expired(run, exc)
             if exc.code() in _REQUEST_ERRORS:
                 raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
             raise EngineLost(f"{exc.code().name}: {exc.details()}") from None

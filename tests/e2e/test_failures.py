@@ -221,3 +221,35 @@ def test_after_redis_restarts_empty_reception_is_not_serving_then_recovers_by_it
         wait_status(client, job.job_id, "running")
         client.cancel(job.job_id)
         assert wait_final(client, job.job_id, timeout=30).status == "cancelled"
+
+
+def test_a_running_job_whose_owner_is_gone_is_swept_timed_out_with_its_output(tiny_stack, long_prompt):
+    """Reception killed with a job placed, and the next reception does not reclaim it (its reclaim
+    idle time is long): the sweeper ends the job TIMED_OUT once its deadline and the sweep grace
+    pass, with the text it had, and gives its engine slot back."""
+    stack = tiny_stack(EXPERT_DISPATCH_SWEEP_GRACE_SECONDS="1")
+    with ExpertClient(stack.target("reception")) as client:
+        expected = client.infer(
+            prompt=long_prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
+        ).text
+        job = long_job(client, long_prompt, timeout_ms=4_000)
+        _wait(lambda: any(e.active_jobs for e in client_engines(stack)))
+    stack.kill("reception")
+    port = free_port()
+    stack.ports["reception-2"] = port
+    stack.start_service(
+        "reception",
+        "reception-2",
+        {
+            "EXPERT_RECEPTION_PORT": str(port),
+            "EXPERT_RECEPTION_METRICS_PORT": "0",
+            "EXPERT_DISPATCH_RECLAIM_IDLE_MS": "600000",  # only the sweeper can end the job
+        },
+    )
+    stack.wait_serving("reception-2")
+    with ExpertClient(stack.target("reception-2")) as client:
+        final = wait_final(client, job.job_id, timeout=60)
+    assert final.status == "timed_out", final.result.error
+    assert "no dispatcher ended it" in final.result.error and final.attempts == 1
+    assert expected.startswith(final.result.text)  # the output it had when its owner died
+    _wait(lambda: [e.active_jobs for e in client_engines(stack)] == [0], timeout=10)

@@ -59,7 +59,7 @@ def test_every_recorded_final_result_is_reported_once_whoever_ended_the_job(clea
         await jobs.create("late", request, 5)  # queued past its deadline: the sweep ends it
         await jobs.create("done", common_pb2.InferenceRequest(prompt="hi"), 5)
         await asyncio.sleep(0.01)
-        assert await jobs.expire_queued() == ["late"]
+        assert await jobs.sweep_overdue(30.0) == [("late", common_pb2.JOB_STATUS_QUEUED)]
         completed = common_pb2.InferenceResult(job_id="done", status=common_pb2.JOB_STATUS_COMPLETED)
         assert await jobs.finish("done", completed)
         cancelled = common_pb2.InferenceResult(job_id="done", status=common_pb2.JOB_STATUS_CANCELLED)

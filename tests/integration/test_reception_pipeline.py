@@ -109,7 +109,7 @@ def test_a_job_whose_deadline_passes_while_it_is_placed_gives_its_slot_back(clea
     assert fleet.jobs == {} and fleet.engines["e1"].free_slots == 1
 
 
-def test_queued_jobs_past_their_deadline_end_timed_out(clean_redis_url):
+def test_jobs_past_their_deadline_that_nobody_ended_are_swept_timed_out(clean_redis_url):
     async def scenario() -> None:
         redis = Redis.from_url(clean_redis_url)
         jobs = JobStore(redis, ttl_s=60, default_timeout_s=None)
@@ -117,14 +117,26 @@ def test_queued_jobs_past_their_deadline_end_timed_out(clean_redis_url):
         await jobs.create("endless", common_pb2.InferenceRequest(prompt="b"), 5)
         await jobs.create("running", common_pb2.InferenceRequest(prompt="c", timeout_ms=50), 5)
         await jobs.set_status("running", common_pb2.JOB_STATUS_RUNNING)
-        assert await jobs.expire_queued() == []
-        assert await jobs.expire_queued(now=time.time() + 1) == ["short"]
+        await jobs.append_text("running", "Once upon")
+        assert await jobs.sweep_overdue(30.0) == []
+        # A queued job past its deadline ends at once, with no output.
+        assert await jobs.sweep_overdue(30.0, now=time.time() + 1) == [
+            ("short", common_pb2.JOB_STATUS_QUEUED)
+        ]
         short = await jobs.get("short")
         assert short.status == common_pb2.JOB_STATUS_TIMED_OUT and short.result.timed_out
         assert short.result.finish_reason == common_pb2.FINISH_REASON_TIMEOUT
-        # A running job is its pipeline's to end; it leaves the deadline index either way.
+        # A running job is its dispatcher's to end, for the grace after its deadline...
         assert (await jobs.get("running")).status == common_pb2.JOB_STATUS_RUNNING
+        assert await redis.zcard("expert:jobs:deadlines") == 1
+        # ...then, its owner gone, it is swept TIMED_OUT with the output it had.
+        swept = await jobs.sweep_overdue(30.0, now=time.time() + 31)
+        assert swept == [("running", common_pb2.JOB_STATUS_RUNNING)]
+        running = await jobs.get("running")
+        assert (running.status, running.result.text) == (common_pb2.JOB_STATUS_TIMED_OUT, "Once upon")
+        assert "no dispatcher ended it" in running.result.error
         assert await redis.zcard("expert:jobs:deadlines") == 0
+        assert (await jobs.get("endless")).status == common_pb2.JOB_STATUS_QUEUED  # no deadline, never swept
         await redis.aclose()
 
     asyncio.run(scenario())

@@ -332,3 +332,42 @@ def test_a_job_its_dispatchers_kept_dying_on_is_dead_lettered_and_ends_failed(cl
     assert fields[b"deliveries"] == b"3" and fields[b"reason"] == record.result.error.encode()
     assert b"source_id" in fields and pending == 0
     assert not stages.placements and not stages.releases and not stages.reached["plan"].is_set()
+
+
+class ExpiringStages(FakeStages):
+    """A stage whose call runs out of the time it was given, as a gRPC call does: it waits out its
+    timeout (the job's remaining time) and raises DEADLINE_EXCEEDED, a little before the pipeline's
+    own timer fires (gRPC keeps its own clock)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__()
+        self.expiring = stage
+
+    async def _deadline(self, timeout):
+        await asyncio.sleep(max(0.0, timeout - 0.02))
+        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    async def plan(self, request, timeout):
+        if self.expiring == "plan":
+            await self._deadline(timeout)
+        return await super().plan(request, timeout)
+
+    async def prepare(self, request, timeout):
+        if self.expiring == "prepare":
+            await self._deadline(timeout)
+        return await super().prepare(request, timeout)
+
+
+@pytest.mark.parametrize("stage", ["plan", "prepare"])
+def test_a_stage_running_out_of_the_jobs_time_ends_it_timed_out_not_failed(clean_redis_url, stage):
+    """Under load the router once answered "Deadline Exceeded" and the job was FAILED."""
+    stages = ExpiringStages(stage)
+    result = run_saga(clean_redis_url, stages, timeout_ms=200)
+    assert result.status == common_pb2.JOB_STATUS_TIMED_OUT, result
+    assert stages.releases["job-1"] == (1 if stage == "prepare" else 0)  # a lost Prepare may hold a slot
+
+
+def test_a_deadline_exceeded_before_the_jobs_deadline_is_a_failure(clean_redis_url):
+    stages = FakeStages(errors={"plan": rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "router slow")})
+    result = run_saga(clean_redis_url, stages, timeout_ms=60_000)
+    assert (result.status, result.error_code) == (common_pb2.JOB_STATUS_FAILED, "DEADLINE_EXCEEDED")
