@@ -106,6 +106,11 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: EngineStats | None = self.engine.get_stats() if self.engine is not None else None
+        # Published by the engine thread, like the stats: what the fleet's heartbeat reports must
+        # never wait for a model step (a long prefill holds the engine thread for seconds).
+        self._holdings: ExpertHoldings | None = (
+            self.engine.expert_holdings() if self.engine is not None else None
+        )
 
     @classmethod
     def from_pretrained(cls, model: str, *, max_pending: int = 64, **overrides: Any) -> AsyncLLMEngine:
@@ -233,7 +238,12 @@ class AsyncLLMEngine:
         return await self._call("list_experts")
 
     async def expert_holdings(self) -> ExpertHoldings:
-        return await self._call("expert_holdings")
+        """The experts held, as the engine thread published them after its latest change: at once,
+        whatever step is running (a call that changed them, such as load_expert, is reflected by
+        the time it returns)."""
+        if self._holdings is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
+        return self._holdings
 
     async def _call(self, method: str, *args: Any) -> Any:
         """Run the engine's `method(*args)` on the engine thread (the engine is single-threaded)."""
@@ -313,7 +323,14 @@ class AsyncLLMEngine:
             result, error = fn(*args), None
         except Exception as exc:  # handed to the awaiting caller
             result, error = None, exc
+        self._publish_holdings()  # before the caller resumes: it sees what its call changed
         self._settle(future, result, error)
+
+    def _publish_holdings(self) -> None:
+        """Engine thread: publish the experts held when they changed (the epoch grows with each
+        change, so an unchanged engine costs one comparison per step)."""
+        if self._holdings is None or self._holdings.epoch != self.engine.experts.epoch:
+            self._holdings = self.engine.expert_holdings()
 
     def _settle(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
         """Complete an event-loop future from the engine thread."""
@@ -334,6 +351,7 @@ class AsyncLLMEngine:
             if self.engine is None:
                 self.engine = self._build()
             self._stats = self.engine.get_stats()
+            self._publish_holdings()
         except Exception as exc:
             self._settle(started, error=exc)
             return
@@ -349,6 +367,7 @@ class AsyncLLMEngine:
                     continue
                 self._deliver_all(self._ready(engine.step()))
                 self._stats = engine.get_stats()
+                self._publish_holdings()  # a step may load or evict experts for its requests
             # Shutting down: end every open request as aborted.
             self._drain_inbox()
             engine.abort_request(engine.unfinished_request_ids())

@@ -8,6 +8,7 @@ so preparation's view follows loads it did not make and evictions.
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 
@@ -34,11 +35,14 @@ class Membership:
         self.preparation = preparation
         self.interval_s = interval_s
         self.registered = asyncio.Event()
+        # This process: preparation keeps our placements across a re-registration only if it is us.
+        self.instance_id = uuid.uuid4().hex
 
     async def info(self) -> common_pb2.EngineInfo:
         return common_pb2.EngineInfo(
             engine_id=self.engine_id,
             address=self.address,
+            instance_id=self.instance_id,
             model=model_spec(self.engine),
             load=engine_load(self.engine),
             experts=expert_holdings(await self.engine.expert_holdings()),

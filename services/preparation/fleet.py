@@ -106,16 +106,35 @@ def kv_bytes(blocks: int, model: common_pb2.ModelSpec) -> int:
 
 
 class Fleet:
-    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        lost_memory_s: float | None = None,
+    ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.engines: dict[str, Engine] = {}
         self.jobs: dict[str, PlacedJob] = {}
+        # Engines dropped for a missed heartbeat, with their jobs, in case they were only slow: the
+        # same instance registering again within `lost_memory_s` gets its placements back.
+        self.lost: dict[str, Engine] = {}
+        self.lost_memory_s = 10 * heartbeat_timeout_s if lost_memory_s is None else lost_memory_s
 
     def register(self, info: common_pb2.EngineInfo) -> Engine:
-        """Add (or replace) an engine; a re-registration keeps the jobs placed on it."""
+        """Add (or replace) an engine, with the placements it keeps in `jobs`. The same
+        instance registering again (after a restart of preparation's view, or a heartbeat it
+        missed while a long step held it) keeps the jobs placed on it; a new instance under the
+        same id (the engine restarted) does not, since those jobs died with the old process."""
         now = self.clock()
-        previous = self.engines.get(info.engine_id)
+        previous = self.engines.get(info.engine_id) or self.lost.pop(info.engine_id, None)
+        if previous is not None and previous.info.instance_id != info.instance_id:
+            for job_id in previous.jobs:
+                self.jobs.pop(job_id, None)
+            previous = None
+        if previous is not None:
+            for job_id, job in previous.jobs.items():
+                self.jobs[job_id] = job
         engine = Engine(
             common_pb2.EngineInfo(),
             now,
@@ -140,13 +159,18 @@ class Fleet:
         return True
 
     def expire(self) -> list[Engine]:
-        """Drop engines whose heartbeat is overdue; returns them (with the jobs they had)."""
+        """Drop engines whose heartbeat is overdue; returns them (with the jobs they had). Their
+        jobs are remembered for `lost_memory_s` (see `register`), then forgotten."""
         now = self.clock()
         dead = [e for e in self.engines.values() if now - e.last_heartbeat > self.heartbeat_timeout_s]
         for engine in dead:
             del self.engines[engine.engine_id]
+            self.lost[engine.engine_id] = engine
             for job_id in engine.jobs:
                 self.jobs.pop(job_id, None)
+        for engine_id, engine in list(self.lost.items()):
+            if now - engine.last_heartbeat > self.lost_memory_s:
+                del self.lost[engine_id]
         return dead
 
     @contextmanager

@@ -36,9 +36,15 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             raise invalid_argument("engine.address", "must not be empty")
         if info.model.block_size < 1 or info.model.num_layers < 1:
             raise invalid_argument("engine.model", "block_size and num_layers must be set")
-        self.fleet.register(info)
+        kept = len(self.fleet.register(info).jobs)
         self.metrics.update(self.fleet)
-        log.info("engine registered", engine=info.engine_id, address=info.address, model=info.model.name)
+        log.info(
+            "engine registered",
+            engine=info.engine_id,
+            address=info.address,
+            model=info.model.name,
+            placements_kept=kept,
+        )
         return preparation_pb2.RegisterEngineResponse(
             heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000)
         )

@@ -147,3 +147,64 @@ def test_reserving_again_moves_the_job_and_a_failed_move_leaves_it_nowhere():
     with pytest.raises(RuntimeError), fleet.reservation("job", a, 2):
         raise RuntimeError("staging failed")
     assert (a.free_slots, b.free_slots) == (4, 4) and not fleet.jobs
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _info(instance: str) -> common_pb2.EngineInfo:
+    return common_pb2.EngineInfo(
+        engine_id="e1",
+        address="e1:1",
+        instance_id=instance,
+        model=MODEL,
+        load=common_pb2.EngineLoad(kv_blocks_total=64, kv_blocks_free=64, max_num_seqs=4),
+    )
+
+
+def _stalled_fleet() -> tuple[Fleet, _Clock]:
+    """Engine e1 (instance "a") with two jobs placed, dropped after a missed heartbeat."""
+    clock = _Clock()
+    fleet = Fleet(2.0, clock=clock)
+    engine = fleet.register(_info("a"))
+    for job_id in ("j1", "j2"):
+        with fleet.reservation(job_id, engine, 4):
+            pass
+    clock.now = 3.0  # a long step held the engine: no heartbeat for 3 s
+    assert [e.engine_id for e in fleet.expire()] == ["e1"]
+    assert fleet.engines == {} and fleet.jobs == {}
+    return fleet, clock
+
+
+def test_an_engine_dropped_for_a_missed_heartbeat_gets_its_placements_back_when_it_registers_again():
+    fleet, _ = _stalled_fleet()
+    engine = fleet.register(_info("a"))
+    assert sorted(engine.jobs) == ["j1", "j2"] and sorted(fleet.jobs) == ["j1", "j2"]
+    assert engine.free_slots == 2  # not offered as empty while two jobs still run there
+    assert fleet.release("j1") and list(engine.jobs) == ["j2"]
+
+
+def test_a_restarted_engine_under_the_same_id_does_not_inherit_the_dead_processes_jobs():
+    fleet, _ = _stalled_fleet()
+    engine = fleet.register(_info("b"))
+    assert engine.jobs == {} and fleet.jobs == {}
+    # the same holds when the new process registers before the old one was even dropped
+    live = Fleet(2.0)
+    first = live.register(_info("a"))
+    with live.reservation("j", first, 4):
+        pass
+    assert live.register(_info("b")).jobs == {} and live.jobs == {}
+    assert live.register(_info("b")).jobs == {}
+
+
+def test_a_dropped_engine_is_remembered_only_for_a_while():
+    fleet, clock = _stalled_fleet()
+    clock.now = 3.0 + fleet.lost_memory_s + 1
+    fleet.expire()
+    assert fleet.lost == {}
+    assert fleet.register(_info("a")).jobs == {}
