@@ -4,6 +4,12 @@
 dependency order and are ready when their grpc.health.v1 check says SERVING; each writes its JSON
 logs to a file under `log_dir`. Stopping sends SIGTERM (the services stop gracefully) and SIGKILL
 to what is still running after a grace period.
+
+The redis-server it starts listens on 127.0.0.1 only, with a memory cap (`redis_maxmemory`) and the
+volatile-ttl policy: only keys with a TTL (job records, job event streams) can be evicted, never
+the queue streams, their consumer groups or the dead-letter stream, which have none. It keeps
+nothing on disk unless `redis_durable`, which turns on the append-only file (fsync every second)
+in `redis_dir`, so that a restarted Redis reloads the queue and the job records.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ DEFAULT_METRICS_PORTS = {
     "engine": 9154,
     "postproc": 9155,
 }
+REDIS = "redis"  # the name of this stack's redis-server among its processes (its log: redis.log)
+DEFAULT_REDIS_MAXMEMORY = "512mb"
 
 
 class StackError(RuntimeError):
@@ -99,8 +107,13 @@ class LocalStack:
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
     metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
     redis_url: str | None = None  # an existing Redis; None starts a redis-server
+    redis_durable: bool = False  # the redis-server it starts keeps an append-only file
+    redis_dir: Path | None = None  # where that file goes; None: log_dir/redis
+    redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY  # as redis-server's --maxmemory takes it
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _redis: subprocess.Popen | None = None
+    # How each process in `processes` was started (service, env overrides), to start it again.
+    _launches: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def on_free_ports(cls, log_dir: Path, **kwargs) -> LocalStack:
@@ -146,46 +159,50 @@ class LocalStack:
             self.stop()
             raise
 
-    def start_redis(self, port: int | None = None) -> None:
+    def start_redis(self, port: int | None = None, timeout: float = 60.0) -> None:
         """Start a redis-server for this stack on `port`, or a free one (its URL becomes
-        `redis_url`)."""
+        `redis_url`), and wait until it answers (a durable one first loads its append-only file)."""
+        port = self._spawn_redis(port or free_port())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._redis.poll() is not None:
+                raise StackError(
+                    f"redis-server exited with status {self._redis.returncode}; see {self.log_path(REDIS)}"
+                )
+            if _redis_answers(port):
+                return
+            time.sleep(0.05)
+        raise StackError(f"redis-server did not answer on port {port}; see {self.log_path(REDIS)}")
+
+    def _redis_command(self, program: str, port: int) -> list[str]:
+        """The redis-server command line: 127.0.0.1 only, the memory cap, and the append-only file
+        (fsync every second) when durable; RDB snapshots are off either way."""
+        persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.redis_durable else []
+        return [
+            program,
+            *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(self._redis_dir())),
+            *("--maxmemory", self.redis_maxmemory, "--maxmemory-policy", "volatile-ttl"),
+            *("--save", ""),
+            *(persistence or ["--appendonly", "no"]),
+        ]
+
+    def _redis_dir(self) -> Path:
+        return self.redis_dir if self.redis_dir is not None else self.log_dir / REDIS
+
+    def _spawn_redis(self, port: int) -> int:
         program = shutil.which("redis-server")
         if program is None:
             raise StackError(
                 "redis-server is not installed (apt-get install redis-server), or set EXPERT_REDIS_URL"
             )
-        port = port or free_port()
-        data = self.log_dir / "redis"
-        data.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "redis.log", "ab")  # noqa: SIM115 (the process owns it)
-        self._redis = subprocess.Popen(
-            [
-                program,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(data),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        self._redis_dir().mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path(REDIS), "ab") as log:  # the process has its own copy
+            self._redis = subprocess.Popen(
+                self._redis_command(program, port), stdout=log, stderr=subprocess.STDOUT
+            )
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise StackError(f"redis-server did not answer on port {port}")
+        return port
 
     def start_service(
         self, service: str, name: str | None = None, env: Mapping[str, str] | None = None
@@ -193,16 +210,48 @@ class LocalStack:
         """Start `service` as the process `name` (default: the service's own name)."""
         name = name or service
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
-        process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{service}"],
-            env={**self.service_env(), **(env or {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.log_path(name), "ab") as log:  # the process has its own copy
+            process = subprocess.Popen(
+                [sys.executable, "-m", f"services.{service}"],
+                env={**self.service_env(), **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.processes[name] = process
+        self._launches[name] = (service, dict(env or {}))
         return process
+
+    def log_path(self, name: str) -> Path:
+        """The log file of the process `name` (a service, an extra engine, or REDIS)."""
+        return self.log_dir / f"{name}.log"
+
+    def supervised(self) -> dict[str, subprocess.Popen]:
+        """The processes this stack started, by name: the services, the extra engines, and its
+        redis-server as REDIS (if it started one)."""
+        redis = {REDIS: self._redis} if self._redis is not None else {}
+        return {**self.processes, **redis}
+
+    def restart(self, name: str) -> None:
+        """Start the process `name`, which has exited, again as it was first started: a service
+        with the same settings and ports; this stack's redis-server on the same port and directory
+        (a durable one reloads its append-only file). Does not wait until it is ready."""
+        process = self.supervised().get(name)
+        if process is None:
+            raise StackError(f"{name} is not a process of this stack")
+        if process.poll() is None:
+            raise StackError(f"{name} is still running")
+        if name == REDIS:
+            self._spawn_redis(urlparse(self.redis_url).port)
+        else:
+            service, env = self._launches[name]
+            self.start_service(service, name, env)
+
+    def ready(self, name: str) -> bool:
+        """Whether the process `name` answers: PONG from Redis, SERVING from a service."""
+        if name == REDIS:
+            return self.redis_url is not None and _redis_answers(urlparse(self.redis_url).port)
+        return health_status(self.target(name), timeout=0.25) == health_pb2.HealthCheckResponse.SERVING
 
     def start_engine(self, engine_id: str, timeout: float = 180.0) -> str:
         """Another engine process (a second accelerator) that joins this stack's fleet as
@@ -228,15 +277,12 @@ class LocalStack:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise StackError(
-                    f"{service} exited with status {process.returncode}; see "
-                    f"{self.log_dir / (service + '.log')}"
+                    f"{service} exited with status {process.returncode}; see {self.log_path(service)}"
                 )
             if health_status(self.target(service)) == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.1)
-        raise StackError(
-            f"{service} was not SERVING after {timeout:.0f} s; see {self.log_dir / (service + '.log')}"
-        )
+        raise StackError(f"{service} was not SERVING after {timeout:.0f} s; see {self.log_path(service)}")
 
     def kill(self, service: str) -> None:
         """SIGKILL: the service dies without cleaning up (for failure tests)."""
@@ -268,8 +314,9 @@ class LocalStack:
             self._redis = None
 
     def restart_redis(self, down_s: float = 0.0) -> None:
-        """Kill this stack's redis-server (SIGKILL: it keeps nothing, as `--save ""` and no AOF
-        say) and start a new one on the same port after `down_s` seconds (for failure tests)."""
+        """Kill this stack's redis-server (SIGKILL: unless durable, it keeps nothing) and start a
+        new one on the same port and directory after `down_s` seconds (for failure tests); a
+        durable one reloads its append-only file."""
         if self._redis is None or self.redis_url is None:
             raise StackError("this stack did not start its Redis")
         self._redis.kill()
@@ -283,3 +330,13 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _redis_answers(port: int) -> bool:
+    """PONG from the Redis on 127.0.0.1:`port` (one still loading its data answers LOADING)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

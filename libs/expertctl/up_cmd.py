@@ -2,8 +2,14 @@
 
 Starts a redis-server (unless EXPERT_REDIS_URL names a running Redis) and the five services as
 processes (libs.stack.LocalStack), waits until each reports SERVING, prints how to call it, then
-watches them. Ctrl-C or SIGTERM stops everything and exits 0; a service that dies stops the rest
-and exits 1. Each service writes its JSON logs to LOG_DIR/<service>.log.
+keeps them running: a service or the redis-server that exits is started again after a backoff (1 s,
+doubling up to 30 s, 1 s again once it has stayed up 60 s), each restart said in one line on stderr.
+Ctrl-C or SIGTERM stops everything, prints how many restarts there were, and exits 0.
+
+The services listen on 127.0.0.1 only, unless EXPERT_BIND_HOST is set; the redis-server always
+does. It keeps an append-only file in REDIS_DIR (written every second: a restart reloads the queue
+and the job records) and holds at most --redis-maxmemory, evicting only keys that expire (job
+records and events), never the queue. Each service writes its JSON logs to LOG_DIR/<service>.log.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from libs.expertctl.errors import UsageError
 
 DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
 DEFAULT_LOG_DIR = Path("data/logs")
+# The services listen here unless EXPERT_BIND_HOST is set: not reachable from other machines.
+LOCAL_BIND_HOST = "127.0.0.1"
 # Unless the user sets a budget: 1 GiB holds about 23,000 tokens of the default model in float32,
 # plenty for a laptop, where the engine's default (20% of available memory) could take gigabytes.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -32,6 +41,7 @@ POLL_INTERVAL_S = 0.5
 READY_LINE = "The Expert System is running"
 
 _SETTING = re.compile(r"^(EXPERT_[A-Z0-9_]+)=(.*)$", re.DOTALL)
+_MEMORY = re.compile(r"^[0-9]+([kmg]b?|b)?$", re.IGNORECASE)  # what redis-server's --maxmemory takes
 
 
 class _StopRequested(BaseException):
@@ -50,6 +60,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"checkpoint directory for the engine (default $EXPERT_MODEL_PATH, else {DEFAULT_MODEL_DIR})",
     )
     parser.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR, help="where the services' logs go")
+    parser.add_argument(
+        "--redis-dir",
+        type=Path,
+        help="where the redis-server keeps its append-only file (default: redis beside the log "
+        f"directory, {DEFAULT_LOG_DIR.parent / 'redis'} for the default one)",
+    )
+    parser.add_argument(
+        "--redis-maxmemory",
+        metavar="SIZE",
+        help="the most memory the redis-server holds, e.g. 512mb or 2gb (default 512mb; 0: no cap)",
+    )
     parser.add_argument(
         "--env",
         action="append",
@@ -72,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from libs.stack import SERVICES, LocalStack, StackError
+    from libs.stack import DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack, StackError
+    from libs.supervisor import Supervisor
 
     settings = _settings(os.environ, args.env)
     ports, metrics_ports = _ports(settings, SERVICES)
@@ -80,18 +102,26 @@ def _run(args: argparse.Namespace) -> int:
     model = args.model or Path(settings.get("EXPERT_MODEL_PATH") or DEFAULT_MODEL_DIR)
     if not (model / "config.json").is_file():
         raise UsageError(f"--model: {model} is not a checkpoint directory (`make model` makes the default)")
+    _check_redis_flags(args, redis_url)
     if redis_url is None and shutil.which("redis-server") is None:
         raise StackError(
             "redis-server is not installed: `make run` installs it (apt-get install redis-server), "
             "or set EXPERT_REDIS_URL to a running Redis"
         )
-    _check_ports_free(ports, metrics_ports)
+    env = service_settings(settings, args.env, model)
+    _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"])
 
-    env = dict(_from_flags(args.env))
-    env["EXPERT_MODEL_PATH"] = str(model.resolve())
-    if "EXPERT_KV_CACHE_BYTES" not in settings:
-        env["EXPERT_KV_CACHE_BYTES"] = str(DEFAULT_KV_CACHE_BYTES)
-    stack = LocalStack(args.log_dir, env=env, ports=ports, metrics_ports=metrics_ports, redis_url=redis_url)
+    stack = LocalStack(
+        args.log_dir,
+        env=env,
+        ports=ports,
+        metrics_ports=metrics_ports,
+        redis_url=redis_url,
+        redis_durable=True,
+        redis_dir=args.redis_dir or args.log_dir.parent / "redis",
+        redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
+    )
+    supervisor = Supervisor(stack, notice=lambda message: _notice(f"expertctl: {message}"))
     with _StopSignals() as signals:
         try:
             what = "the five services" if redis_url else "redis-server and the five services"
@@ -103,22 +133,20 @@ def _run(args: argparse.Namespace) -> int:
                 )
             )
             sys.stdout.flush()
-            dead = _watch(stack.processes)
-            signals.disarm()  # from here on, a signal must not interrupt the stop below
+            while True:  # until a stop signal
+                with signals.held():  # a process started by a restart is always recorded to stop
+                    supervisor.check()
+                time.sleep(POLL_INTERVAL_S)
         except _StopRequested:
             _notice("stopping…")
             stack.stop()
             _notice("stopped")
+            _notice(supervisor.summary())
             return 0
         except BaseException:
             signals.disarm()
             stack.stop()
             raise
-        for service, status in dead:
-            _error(f"{service} exited with status {status}; see {args.log_dir / (service + '.log')}")
-        _notice("stopping the other services…")
-        stack.stop()
-        return 1
 
 
 def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, int], log_dir: Path) -> str:
@@ -152,6 +180,32 @@ def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, in
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def service_settings(settings: Mapping[str, str], flags: list[str], model: Path) -> dict[str, str]:
+    """The settings LocalStack gives every service on top of the environment: the --env flags, the
+    model, and where the user set none, the KV cache budget and the bind address (127.0.0.1)."""
+    env = dict(_from_flags(flags))
+    env["EXPERT_MODEL_PATH"] = str(model.resolve())
+    if "EXPERT_KV_CACHE_BYTES" not in settings:
+        env["EXPERT_KV_CACHE_BYTES"] = str(DEFAULT_KV_CACHE_BYTES)
+    # Blank means unset to the services too (they would take their container default, 0.0.0.0).
+    env["EXPERT_BIND_HOST"] = settings.get("EXPERT_BIND_HOST", "").strip() or LOCAL_BIND_HOST
+    return env
+
+
+def _check_redis_flags(args: argparse.Namespace, redis_url: str | None) -> None:
+    given = [
+        flag
+        for flag, value in (("--redis-dir", args.redis_dir), ("--redis-maxmemory", args.redis_maxmemory))
+        if value
+    ]
+    if redis_url is not None and given:
+        raise UsageError(f"{given[0]}: only for the redis-server up starts, not with EXPERT_REDIS_URL")
+    if args.redis_maxmemory is not None and not _MEMORY.match(args.redis_maxmemory):
+        raise UsageError(
+            f"--redis-maxmemory: expected a size such as 512mb or 2gb, got {args.redis_maxmemory!r}"
+        )
 
 
 def _from_flags(flags: list[str]) -> Iterator[tuple[str, str]]:
@@ -194,16 +248,24 @@ def _port(settings: Mapping[str, str], name: str, default: int, minimum: int) ->
     return int(raw)
 
 
-def _check_ports_free(ports: Mapping[str, int], metrics_ports: Mapping[str, int]) -> None:
-    """Fail before starting anything when a port is taken (most often: a stack is already running)."""
+def _check_ports_free(ports: Mapping[str, int], metrics_ports: Mapping[str, int], host: str) -> None:
+    """Fail before starting anything when a port is taken on `host`, where the services will listen
+    (most often: a stack is already running). A listener on every address (0.0.0.0) takes the port
+    on 127.0.0.1 too, and binding here fails on it."""
     wanted = {f"EXPERT_{s.upper()}_PORT": p for s, p in ports.items()}
     wanted |= {f"EXPERT_{s.upper()}_METRICS_PORT": p for s, p in metrics_ports.items() if p}
     for variable, port in wanted.items():
-        with socket.socket() as sock:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except socket.gaierror:
+            raise UsageError(f"EXPERT_BIND_HOST: cannot resolve {host!r}") from None
+        with socket.socket(family, kind, proto) as sock:
             # SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free to listen on.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind(("0.0.0.0", port))
+                sock.bind(address)
             except OSError:
                 raise UsageError(
                     f"port {port} ({variable}) is in use: is a stack already running? "
@@ -211,32 +273,42 @@ def _check_ports_free(ports: Mapping[str, int], metrics_ports: Mapping[str, int]
                 ) from None
 
 
-def _watch(processes: Mapping) -> list[tuple[str, int]]:
-    """Wait until a service exits (or a stop signal arrives); the services that exited, with status."""
-    while True:
-        dead = [(name, p.returncode) for name, p in processes.items() if p.poll() is not None]
-        if dead:
-            return dead
-        time.sleep(POLL_INTERVAL_S)
-
-
 class _StopSignals:
-    """While entered, the first SIGINT or SIGTERM raises _StopRequested in the main thread. After
-    that, or once disarmed (a stop is under way for another reason), signals only say that the
-    stop is in progress: a second Ctrl-C must not interrupt the stop and leave processes behind."""
+    """While entered, the first SIGINT or SIGTERM raises _StopRequested in the main thread (at the
+    end of a `held` block if it comes within one). After that, or once disarmed (a stop is under
+    way for another reason), signals only say that the stop is in progress: a second Ctrl-C must
+    not interrupt the stop and leave processes behind."""
 
     def __init__(self) -> None:
         self._armed = True
+        self._holding = False
+        self._held = False
         self._previous: dict[int, object] = {}
 
     def disarm(self) -> None:
         self._armed = False
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Within, a stop signal waits until the block ends: starting a process is not cut between
+        the start and the record the stop reads."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._held:
+            self._held = False
+            raise _StopRequested
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self._armed:
             _notice("stopping, please wait…")
             return
         self._armed = False
+        if self._holding:
+            self._held = True
+            return
         raise _StopRequested
 
     def __enter__(self) -> _StopSignals:

@@ -1,9 +1,12 @@
-"""`expertctl up` as `make run` starts it: a real process that runs redis-server and the five
-services on the tiny model, answers a real job, and on Ctrl-C stops everything and exits 0. Every
-port is moved to a free one, so this runs next to another stack; logs go to the test's directory."""
+"""`expertctl up` as `make run` starts it: a real process that runs redis-server (durable, capped)
+and the five services on the tiny model, all on 127.0.0.1, answers a real job, restarts a service
+that is killed, and on Ctrl-C stops everything and exits 0. Every port is moved to a free one, so
+this runs next to another stack; logs and Redis's append-only file go to the test's directory."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import queue
 import signal
@@ -16,10 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from libs.expertctl.up_cmd import READY_LINE
+from libs.expertctl.up_cmd import READY_LINE, _settings, service_settings
+from libs.gen.expert.v1 import common_pb2
 from libs.stack import SERVICES, free_port, health_status
+from libs.supervisor import Backoff
+from services.reception.jobs import job_key
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 45.0
@@ -99,6 +107,59 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _child(pid: int, program: str) -> int:
+    """The one child of `pid` whose command line has `program` (e.g. "services.engine")."""
+    found = [c for c in _children(pid) if program in _command_line(c)]
+    assert len(found) == 1, (program, found)
+    return found[0]
+
+
+def _command_line(pid: int) -> str:
+    """The command line, or the title a process gave itself (redis-server: "redis-server
+    127.0.0.1:PORT")."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _listening_on(port: int) -> set[str]:
+    """The addresses that TCP sockets listen on at `port`, from /proc/net/tcp and tcp6 (where
+    0.0.0.0 or :: would mean every interface)."""
+    addresses = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            host, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host)  # 32-bit words in the kernel's (little-endian) order
+            address = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+            # gRPC may listen on 127.0.0.1 with an IPv6 socket, as ::ffff:127.0.0.1
+            addresses.add(str(getattr(address, "ipv4_mapped", None) or address))
+    return addresses
+
+
+def _up_settings(tmp_path: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Free gRPC ports for the five services, metrics off, the tiny model's settings, and the
+    router's data (its embedded Qdrant) in the test's directory rather than the repository's."""
+    ports = {service: free_port() for service in SERVICES}
+    settings = {**TINY_SETTINGS, "EXPERT_DATA_DIR": str(tmp_path / "data")}
+    for service, port in ports.items():
+        settings[f"EXPERT_{service.upper()}_PORT"] = str(port)
+        settings[f"EXPERT_{service.upper()}_METRICS_PORT"] = "0"
+    return ports, settings
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _running(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
@@ -129,18 +190,20 @@ def up(tiny_llama, tmp_path) -> Iterator:
     yield start
     for process in started:
         if process.poll() is None:
+            services = _children(process.pid)  # in sessions of their own: not in the group
             os.killpg(process.pid, signal.SIGKILL)
+            for pid in services:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
-    ports = {service: free_port() for service in SERVICES}
-    settings = dict(TINY_SETTINGS)
-    for service, port in ports.items():
-        settings[f"EXPERT_{service.upper()}_PORT"] = str(port)
-        settings[f"EXPERT_{service.upper()}_METRICS_PORT"] = "0"
+    ports, settings = _up_settings(tmp_path)
+    metrics_port = free_port()
+    settings["EXPERT_RECEPTION_METRICS_PORT"] = str(metrics_port)
     log_dir = tmp_path / "logs"
     process = up("--model", str(tiny_llama), "--log-dir", str(log_dir), *_flags(settings))
     stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
@@ -159,15 +222,93 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert result.status == "completed", result
     assert 0 < result.tokens_generated <= 8
 
+    # Every listener is on 127.0.0.1 only: the services' gRPC and metrics ports, and Redis's.
+    redis_port = int(_command_line(_child(process.pid, "redis-server")).split(":")[-1])
+    for port in [*ports.values(), metrics_port, redis_port]:
+        assert _listening_on(port) == {"127.0.0.1"}, port
+    # Redis keeps an append-only file beside the logs, and may only evict keys that expire.
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        config = client.config_get("*")
+    assert (config["appendonly"], config["appendfsync"]) == ("yes", "everysec")
+    assert (config["maxmemory"], config["maxmemory-policy"]) == (str(512 << 20), "volatile-ttl")
+    assert Path(config["dir"]) == tmp_path / "redis"
+    assert (tmp_path / "redis" / "appendonlydir").is_dir()
+
     children = _children(process.pid)  # redis-server and the five services
     assert len(children) == len(SERVICES) + 1, children
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal
     assert process.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.rest()
     notices = stderr.rest()
     assert "stopping" in notices and "stopped" in notices
+    assert "restarts: none" in notices
     assert [pid for pid in children if _running(pid)] == []
     for service, port in ports.items():
         assert health_status(f"localhost:{port}", timeout=0.5) is None, f"{service} still answers"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path):
+    """SIGKILL the engine: up says so and restarts it after 1 s (not the whole stack), and the new
+    engine serves a job. SIGKILL Redis: the same, and the new redis-server has that job's record
+    (from the append-only file). Ctrl-C still stops everything, exits 0 and counts the restarts."""
+    ports, settings = _up_settings(tmp_path)
+    log_dir = tmp_path / "logs"
+    process = up("--model", str(tiny_llama), "--log-dir", str(log_dir), *_flags(settings))
+    stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
+    if not stdout.wait_for(READY_LINE, START_TIMEOUT_S):
+        process.kill()
+        pytest.fail(f"no ready line; stdout:\n{stdout.rest()}\nstderr:\n{stderr.rest()}")
+    engine = f"localhost:{ports['engine']}"
+    others = {name: _child(process.pid, f"services.{name}") for name in SERVICES if name != "engine"}
+    killed = _child(process.pid, "services.engine")
+
+    os.kill(killed, signal.SIGKILL)
+    restart = f"expertctl: engine exited with status -9; restart 1 in 1 s (log: {log_dir / 'engine.log'})"
+    assert stderr.wait_for(restart, 15), stderr.rest()
+    assert _wait_until(lambda: health_status(engine) == health_pb2.HealthCheckResponse.SERVING, 60)
+    assert stderr.wait_for("expertctl: engine is ready again", 15), stderr.rest()
+    assert _child(process.pid, "services.engine") != killed
+    with ExpertClient(f"localhost:{ports['reception']}") as client:
+        result = client.infer(prompt="Hello", max_tokens=8, temperature=0.0, timeout=60)
+    assert result.status == "completed", result
+    assert process.poll() is None  # the stack stayed up
+    assert {name: _child(process.pid, f"services.{name}") for name in others} == others  # untouched
+
+    redis_server = _child(process.pid, "redis-server")
+    redis_port = int(_command_line(redis_server).split(":")[-1])
+    with redis.Redis(port=redis_port) as client:
+        # the job's record is in the append-only file (written; fsync'd within a second)
+        assert _wait_until(lambda: client.info("persistence")["aof_buffer_length"] == 0, 5)
+        os.kill(redis_server, signal.SIGKILL)
+        restart = f"expertctl: redis exited with status -9; restart 1 in 1 s (log: {log_dir / 'redis.log'})"
+        assert stderr.wait_for(restart, 15), stderr.rest()
+        assert stderr.wait_for("expertctl: redis is ready again", 15), stderr.rest()
+        assert client.hget(job_key(result.job_id), "status") == str(common_pb2.JOB_STATUS_COMPLETED).encode()
+
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.rest()
+    notices = stderr.rest()
+    assert "stopped" in notices and "restarts: engine 1, redis 1" in notices, notices
+    assert notices.count("exited with status") == 2, notices  # nothing else was restarted
+
+
+def test_a_restart_waits_twice_as_long_after_each_quick_exit_and_1_s_after_a_long_run():
+    backoff = Backoff()
+    assert [backoff.delay(uptime_s=2.0) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.delay(uptime_s=60.0) == 1  # it had stayed up: the backoff starts over
+    assert backoff.delay(uptime_s=0.5) == 2
+
+
+def test_up_listens_on_127_0_0_1_unless_the_user_sets_a_bind_host(tiny_llama):
+    def bind_host(environ: dict[str, str], flags: tuple[str, ...] = ()) -> str:
+        settings = _settings(environ, list(flags))  # as `up` reads them
+        return service_settings(settings, list(flags), tiny_llama)["EXPERT_BIND_HOST"]
+
+    assert bind_host({}) == "127.0.0.1"
+    assert bind_host({"EXPERT_BIND_HOST": " "}) == "127.0.0.1"  # blank is unset
+    assert bind_host({"EXPERT_BIND_HOST": "0.0.0.0"}) == "0.0.0.0"
+    assert bind_host({"EXPERT_BIND_HOST": "0.0.0.0"}, ("EXPERT_BIND_HOST=::",)) == "::"
 
 
 def test_up_refuses_a_model_directory_that_is_not_a_checkpoint(tmp_path):

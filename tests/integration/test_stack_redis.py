@@ -1,0 +1,102 @@
+"""The redis-server that LocalStack starts (as `expertctl up` does): with `redis_durable`, a queued
+job (its record, its queue entry and the dispatchers' consumer group) is still there after Redis is
+killed and started again; without it, nothing is. Under its memory cap, Redis evicts only keys that
+expire (job records), never the queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+
+from libs.gen.expert.v1 import common_pb2
+from libs.redis_streams import read_next
+from libs.stack import LocalStack
+from services.reception.jobs import JobStore, job_key
+from services.reception.queue import GROUP, STREAMS, JobQueue, stream
+
+JOB_TTL_S = 3600
+
+
+def _run(url: str, scenario):
+    async def main():
+        redis = Redis.from_url(url)
+        try:
+            return await scenario(redis)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(main())
+
+
+async def _queue_a_job(redis: Redis) -> None:
+    """What reception does on Submit: the queue's groups exist, then the record and the queue
+    entry are written in one step."""
+    await JobQueue(redis).setup()
+    request = common_pb2.InferenceRequest(prompt="Hello", max_tokens=8)
+    await JobStore(redis, ttl_s=JOB_TTL_S).create("job-1", request, priority=5, queue=stream(5))
+
+
+async def _config(redis: Redis) -> dict[str, str]:
+    return await redis.config_get("*")  # redis-py decodes CONFIG GET
+
+
+def test_a_durable_stack_keeps_a_queued_job_across_a_redis_restart(tmp_path):
+    stack = LocalStack.on_free_ports(tmp_path, redis_durable=True)
+    stack.start_redis()
+    try:
+        _run(stack.redis_url, _queue_a_job)
+        stack.restart_redis()  # SIGKILL, then a new redis-server on the same port and directory
+
+        async def still_queued(redis: Redis) -> None:
+            record = await JobStore(redis, ttl_s=JOB_TTL_S).get("job-1")
+            assert record is not None, "the job record was lost"
+            assert record.status == common_pb2.JOB_STATUS_QUEUED and record.request.prompt == "Hello"
+            assert 0 < await redis.ttl(job_key("job-1")) <= JOB_TTL_S  # it still expires
+            entry = await read_next(redis, STREAMS, GROUP, "dispatcher-1", block_ms=0)
+            assert entry is not None, "the queue entry or its consumer group was lost"
+            assert (entry.stream, entry.fields["job_id"]) == (stream(5), b"job-1")
+
+        _run(stack.redis_url, still_queued)
+        config = _run(stack.redis_url, _config)
+    finally:
+        stack.stop()
+    assert (config["appendonly"], config["appendfsync"]) == ("yes", "everysec")
+    assert (tmp_path / "redis" / "appendonlydir").is_dir()
+
+
+def test_a_stack_that_is_not_durable_loses_its_queue_when_redis_restarts(tmp_path):
+    stack = LocalStack.on_free_ports(tmp_path)
+    stack.start_redis()
+    try:
+        _run(stack.redis_url, _queue_a_job)
+        stack.restart_redis()
+
+        async def gone(redis: Redis) -> None:
+            assert await redis.exists(job_key("job-1"), stream(5)) == 0
+
+        _run(stack.redis_url, gone)
+        config = _run(stack.redis_url, _config)
+    finally:
+        stack.stop()
+    assert config["appendonly"] == "no"
+    assert (config["maxmemory"], config["maxmemory-policy"]) == (str(512 << 20), "volatile-ttl")
+
+
+def test_under_its_memory_cap_redis_evicts_job_records_but_never_the_queue(tmp_path):
+    stack = LocalStack.on_free_ports(tmp_path, redis_maxmemory="4mb")
+    stack.start_redis()
+    try:
+
+        async def fill(redis: Redis) -> tuple[int, int]:
+            await _queue_a_job(redis)
+            for i in range(400):  # 400 records of 20 kB with a TTL: twice the cap
+                await redis.set(f"expert:job:filler-{i}:text", b"x" * 20_000, ex=JOB_TTL_S + i)
+            entry = await read_next(redis, STREAMS, GROUP, "dispatcher-1", block_ms=0)
+            assert entry is not None and entry.fields["job_id"] == b"job-1"
+            return await redis.dbsize(), int((await redis.info("stats"))["evicted_keys"])
+
+        keys, evicted = _run(stack.redis_url, fill)
+    finally:
+        stack.stop()
+    assert evicted > 0 and keys < 400, (keys, evicted)
