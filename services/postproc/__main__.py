@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from redis.asyncio import Redis
 
 from libs.batching import Coalescer
 from libs.gen.expert.v1 import postproc_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from libs.redis_client import connect, map_redis_error
 from libs.redis_streams import add_many
 from libs.redis_watch import watch_redis
 from services.postproc.config import PostprocConfig
@@ -25,7 +25,7 @@ async def main() -> None:
     config = PostprocConfig.from_env()
     configure_logging("postproc", config.server.log_level)
     health = Health()
-    redis = Redis.from_url(config.redis_url)
+    redis = connect(config.redis_url)
 
     # Jobs that finish in the same engine step reach postproc together: their feedback records go
     # out in one call (see libs.batching), not one call per job.
@@ -55,7 +55,15 @@ async def main() -> None:
             task.cancel()
         await redis.aclose()
 
-    await serve("postproc", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
+    await serve(
+        "postproc",
+        config.server,
+        register,
+        health=health,
+        on_start=on_start,
+        on_stop=on_stop,
+        error_mapper=map_redis_error,
+    )
 
 
 if __name__ == "__main__":

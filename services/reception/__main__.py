@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from redis.asyncio import Redis
 
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
@@ -26,10 +26,16 @@ async def main() -> None:
     config = ReceptionConfig.from_env()
     configure_logging("reception", config.server.log_level)
     health = Health()
-    redis = Redis.from_url(config.redis_url)
+    redis = connect(config.redis_url)
     peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
-    jobs = JobStore(redis, config.job_ttl_s, config.dispatch.default_timeout_s, on_finished=metrics.finished)
+    jobs = JobStore(
+        redis,
+        config.job_ttl_s,
+        config.dispatch.default_timeout_s,
+        on_finished=metrics.finished,
+        store_text=config.store_text,
+    )
     capacity = Capacity(peers.preparation)
     servicer = ReceptionServicer(jobs, queue, capacity, metrics)
     pipeline = Pipeline(
@@ -75,6 +81,7 @@ async def main() -> None:
         health=health,
         on_start=on_start,
         drain=drain,
+        error_mapper=map_redis_error,
         on_stop=on_stop,
         grace=config.drain_s + 1.0,  # the callers of the jobs that end in the drain get their answer
     )

@@ -26,6 +26,7 @@ class ReceptionConfig:
     stream_interval: int  # tokens per engine message for a job no client streams
     job_ttl_s: int
     drain_s: float  # on SIGTERM: how long the jobs running get to end before they are handed back
+    store_text: bool  # keep prompts and outputs in the job records after the jobs end
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -51,4 +52,5 @@ class ReceptionConfig:
             ),
             job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
             drain_s=reader.number("EXPERT_RECEPTION_DRAIN_SECONDS", 10.0, minimum=0.0),
+            store_text=reader.boolean("EXPERT_STORE_REQUEST_TEXT", True),
         )

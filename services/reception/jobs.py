@@ -6,17 +6,24 @@
   which reception instances read to answer InferStream, whoever dispatches the job;
 - `expert:job:{id}:result`: a stream holding only the final result, which Infer waits on (one
   wake-up per job instead of one per token).
-All four expire after the job TTL. Status changes are atomic (a Lua script): a final status is never
-overwritten, so a cancellation and a completion racing each other resolve to exactly one outcome.
+All four expire after the job TTL; with EXPERT_STORE_REQUEST_TEXT=false, the record keeps only the
+SHA-256s of the request and the output once the job ends, and the streams expire within a minute.
+No script recreates the keys of a job whose record is gone. Status changes are atomic (a Lua
+script): a final status is never overwritten, so a cancellation and a completion racing each other
+resolve to exactly one outcome.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.gen.expert.v1 import common_pb2
 from libs.timestamps import timestamp
@@ -26,6 +33,11 @@ CANCEL_CHANNEL = "expert:cancel"
 # Job ids by deadline (a sorted set), so that a job whose deadline passes ends TIMED_OUT even when
 # no dispatcher is free to pick it up, or the one that ran it is gone (JobStore.sweep_overdue).
 DEADLINES = "expert:jobs:deadlines"
+# How long a running job's writes wait for Redis to come back before they give up.
+WRITE_PATIENCE_S = 30.0
+# With the texts kept out of Redis, how long a finished job's streams still hold them: the
+# followers of a job (Infer, InferStream) read its result as it is written, or reconnect within this.
+FOLLOWER_GRACE_S = 60
 FINAL = (
     common_pb2.JOB_STATUS_COMPLETED,
     common_pb2.JOB_STATUS_FAILED,
@@ -40,7 +52,11 @@ _IS_FINAL = (
     + "}\nlocal function is_final(key) return FINAL[redis.call('HGET', key, 'status')] ~= nil end\n"
 )
 
-# KEYS: job hash, its events; ARGV: new status, now
+# Every script that writes a key of a job checks that the job's hash exists (a write to an expired
+# or evicted job must not recreate its keys without a TTL) and gives the events stream the job TTL
+# if it has none (an XADD recreates a stream that was evicted, without one).
+
+# KEYS: job hash, its events; ARGV: new status, now, ttl
 # -> 1 if changed (and announced), 0 if the job was final, -1 if it is gone
 _SET_STATUS = (
     _IS_FINAL
@@ -49,12 +65,13 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if is_final(KEYS[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3], 'NX')
 return 1
 """
 )
 
 
-# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery
+# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery, ttl
 # -> the hash's fields after counting the attempt (and the delivery); a final job's fields as they
 # are; nothing when the job is gone
 _BEGIN = (
@@ -72,33 +89,54 @@ if ARGV[1] ~= '' then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
   redis.call('XADD', KEYS[3], '*', 'kind', 'status', 'status', ARGV[1])
 end
+redis.call('EXPIRE', KEYS[3], ARGV[4], 'NX')
 return redis.call('HGETALL', KEYS[1])
 """
 )
 
-# KEYS: the job's text, its events; ARGV: the chunk, ttl
+# KEYS: job hash, its text, its events; ARGV: the chunk, ttl -> 1, or 0 if the job is gone
 _APPEND = """
-redis.call('APPEND', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'kind', 'text', 'text', ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('APPEND', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('XADD', KEYS[3], '*', 'kind', 'text', 'text', ARGV[1])
+redis.call('EXPIRE', KEYS[3], ARGV[2], 'NX')
 return 1
 """
 
-# KEYS: job hash, its events, the deadline set, its result stream
-# ARGV: final status, now, result, error, job id
+# KEYS: job hash -> 1 if flagged, 0 if the job is gone
+_FLAG_CANCEL = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'cancel_requested', 1)
+return 1
+"""
+
+# KEYS: job hash, its events, the deadline set, its result stream, its text
+# ARGV: final status, now, result, error, job id, then "" to keep the job's texts, or: the request
+# and the result without their texts, their SHA-256s, and how long followers may still read them
 # -> 1 if recorded, 0 if the job was already final, -1 if it is gone
 _FINISH = (
     _IS_FINAL
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if is_final(KEYS[1]) then return 0 end
+local ttl = redis.call('TTL', KEYS[1])
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'finished_at', ARGV[2],
            'result', ARGV[3], 'error', ARGV[4])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[1])
 redis.call('XADD', KEYS[2], '*', 'kind', 'result', 'result', ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], '*', 'kind', 'result', 'result', ARGV[3])
-redis.call('EXPIRE', KEYS[4], redis.call('TTL', KEYS[1]))
+if ARGV[6] ~= '' then
+  -- the texts leave the record now; the streams keep them for the followers still reading
+  redis.call('HSET', KEYS[1], 'request', ARGV[6], 'result', ARGV[7],
+             'request_sha256', ARGV[8], 'output_sha256', ARGV[9])
+  redis.call('DEL', KEYS[5])
+  ttl = math.min(ttl, tonumber(ARGV[10]))
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+redis.call('EXPIRE', KEYS[2], ttl, 'NX')
+redis.call('EXPIRE', KEYS[4], ttl)
 return 1
 """
 )
@@ -216,8 +254,14 @@ class JobStore:
         ttl_s: int,
         default_timeout_s: float | None = None,
         on_finished: Callable[[common_pb2.InferenceResult], None] | None = None,
+        store_text: bool = True,
+        write_patience_s: float = WRITE_PATIENCE_S,
     ) -> None:
         self.redis = redis
+        self.write_patience_s = write_patience_s
+        # False: a job's prompt and output leave Redis when it ends (EXPERT_STORE_REQUEST_TEXT):
+        # its record keeps their SHA-256s, and its streams the texts for FOLLOWER_GRACE_S only.
+        self.store_text = store_text
         self.ttl_s = ttl_s
         self.default_timeout_s = default_timeout_s  # for requests without timeout_ms
         # Told of each result this store records as a job's final one, whoever ended the job (the
@@ -228,6 +272,7 @@ class JobStore:
         self._finish = redis.register_script(_FINISH)
         self._append = redis.register_script(_APPEND)
         self._begin = redis.register_script(_BEGIN)
+        self._flag_cancel = redis.register_script(_FLAG_CANCEL)
 
     async def create(
         self,
@@ -270,9 +315,10 @@ class JobStore:
         discard earlier text) and, for a dispatcher taking it from the queue, the delivery; move it
         to `status` if given; return the record, in one step. None when the job is gone; a final
         job is returned as it is, not counted."""
-        reply = await self._begin(
+        reply = await self._write(
+            self._begin,
             keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
-            args=["" if status is None else status, repr(time.time()), "1" if delivery else "0"],
+            args=["" if status is None else status, repr(time.time()), "1" if delivery else "0", self.ttl_s],
         )
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
@@ -281,18 +327,24 @@ class JobStore:
 
     async def set_status(self, job_id: str, status: int) -> bool:
         """Move a live job to `status` and announce it; False when the job is already final (or gone)."""
-        changed = await self._set_status(
-            keys=[job_key(job_id), events_key(job_id)], args=[status, repr(time.time())]
+        changed = await self._write(
+            self._set_status,
+            keys=[job_key(job_id), events_key(job_id)],
+            args=[status, repr(time.time()), self.ttl_s],
         )
         return changed == 1
 
     async def append_text(self, job_id: str, text: str) -> None:
         """Add a chunk to the job's text and announce it (one command: this runs for every token)."""
-        await self._append(keys=[text_key(job_id), events_key(job_id)], args=[text.encode(), self.ttl_s])
+        await self._write(
+            self._append,
+            keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
+            args=[text.encode(), self.ttl_s],
+        )
 
     async def request_cancel(self, job_id: str) -> None:
         """Flag the job and tell every dispatcher (the one running it stops it)."""
-        await self.redis.hset(job_key(job_id), "cancel_requested", 1)
+        await self._flag_cancel(keys=[job_key(job_id)])
         await self.redis.publish(CANCEL_CHANNEL, job_id.encode())
 
     async def finish(self, job_id: str, result: common_pb2.InferenceResult) -> bool:
@@ -300,13 +352,61 @@ class JobStore:
         result and the result event are written in one step, so a reader that sees a final status
         also sees its result."""
         payload = result.SerializeToString()
-        changed = await self._finish(
-            keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id)],
-            args=[result.status, repr(time.time()), payload, result.error, job_id],
+        changed = await self._write(
+            self._finish,
+            keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id), text_key(job_id)],
+            args=[
+                result.status,
+                repr(time.time()),
+                payload,
+                result.error,
+                job_id,
+                *await self._redacted(result),
+            ],
         )
         if changed == 1 and self.on_finished is not None:
             self.on_finished(result)
         return changed == 1
+
+    async def _write(self, script, keys: list[str], args: list) -> object:
+        """Run one of a running job's writes, waiting out a Redis restart for up to
+        `write_patience_s` (the client retries only a moment): a job whose chunks or result cannot
+        be stored meanwhile would otherwise be lost or failed for an outage that Redis recovers
+        from. Admission does not wait: its caller gets UNAVAILABLE at once."""
+        deadline = time.monotonic() + self.write_patience_s
+        delay = 0.1
+        while True:
+            try:
+                return await script(keys=keys, args=args)
+            except (RedisConnectionError, RedisTimeoutError):
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _redacted(self, result: common_pb2.InferenceResult) -> list[bytes | str | int]:
+        """The _FINISH arguments that take the job's texts out of its record, or [""] to keep them."""
+        if self.store_text:
+            return [""]
+        stored = await self.redis.hget(job_key(result.job_id), "request")
+        request = common_pb2.InferenceRequest.FromString(stored or b"")
+        request_sha256 = hashlib.sha256(stored or b"").hexdigest()
+        for name in ("template", "body"):
+            request.ClearField(name)
+        request.prompt = ""
+        del request.messages[:]
+        kept = common_pb2.InferenceResult()
+        kept.CopyFrom(result)
+        kept.text = ""
+        kept.reasoning_trace = ""  # it quotes the prompt's features and the plan
+        kept.validation.error = ""  # a schema error quotes the output
+        return [
+            request.SerializeToString(),
+            kept.SerializeToString(),
+            request_sha256,
+            hashlib.sha256(result.text.encode()).hexdigest(),
+            FOLLOWER_GRACE_S,
+        ]
 
     async def follow(
         self, job_id: str, *, result_only: bool = False

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.errors import field_violations
 from libs.gen.expert.v1 import common_pb2, engine_pb2, postproc_pb2, preparation_pb2, router_pb2
@@ -190,6 +192,12 @@ class Pipeline:
             failure = exc
             outcome = self._partial(run)
             outcome.error = str(exc)
+        except (RedisConnectionError, RedisTimeoutError):
+            # The job's state could not be stored (Redis down longer than the store waits): it is
+            # not failed for that. Its queue entry stays unacknowledged, so a dispatcher reclaims it
+            # and runs it again once Redis is back; the saga has given its slot back meanwhile.
+            log.warning("Redis unreachable: the job is left for a dispatcher to run again", job_id=run.job_id)
+            raise
         except Exception as exc:  # a bug or an unreachable stage: fail this job, not the dispatcher
             log.exception("job failed", job_id=run.job_id)
             failure = JobFailed(f"{type(exc).__name__}: {exc}", "INTERNAL")

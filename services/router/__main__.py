@@ -6,13 +6,12 @@ import asyncio
 import contextlib
 
 import grpc
-import redis
 import torch
-from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
+from libs.redis_client import connect, connect_sync, map_redis_error
 from libs.redis_watch import watch_redis
 from services.router.config import RouterConfig
 from services.router.embedding import SentenceEncoder
@@ -39,11 +38,11 @@ async def main() -> None:
     # server), opened before serving so that a broken index stops start-up with its reason.
     client = ExpertIndex.connect(data_dir=config.data_dir, url=config.qdrant_url or None)
     # The feedback statistics: a synchronous client, used on the executor threads that select.
-    stats_redis = redis.Redis.from_url(config.redis_url)
+    stats_redis = connect_sync(config.redis_url)
     stats = ExpertStats(stats_redis, config.prior_success_rate)
     index = ExpertIndex(client, SentenceEncoder.from_package(), stats, config.floor, matching=config.matching)
     servicer = RouterServicer(Planner(index), RouterMetrics(), Registry(index))
-    feedback_redis = Redis.from_url(config.redis_url)
+    feedback_redis = connect(config.redis_url)
     learner = FeedbackLearner(feedback_redis, index, config.feedback_alpha)
     learning: asyncio.Task | None = None
 
@@ -78,7 +77,15 @@ async def main() -> None:
         stats_redis.close()
         client.close()
 
-    await serve("router", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
+    await serve(
+        "router",
+        config.server,
+        register,
+        health=health,
+        on_start=on_start,
+        on_stop=on_stop,
+        error_mapper=map_redis_error,
+    )
 
 
 def _warm_up_request():

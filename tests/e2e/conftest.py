@@ -48,7 +48,7 @@ def tiny_stack(tiny_llama, tmp_path):
     """A factory of stacks on the tiny model (for tests that kill services); all are stopped after."""
     stacks: list[LocalStack] = []
 
-    def make(**extra: str) -> LocalStack:
+    def make(*, redis_durable: bool = False, **extra: str) -> LocalStack:
         env = stack_env(
             tiny_llama,
             EXPERT_MAX_MODEL_LEN="1024",
@@ -56,7 +56,9 @@ def tiny_stack(tiny_llama, tmp_path):
             EXPERT_MAX_NUM_SEQS="4",
             **extra,
         )
-        stack = LocalStack.on_free_ports(tmp_path / f"stack-{len(stacks)}", env=env)
+        stack = LocalStack.on_free_ports(
+            tmp_path / f"stack-{len(stacks)}", env=env, redis_durable=redis_durable
+        )
         stacks.append(stack)
         stack.start()
         return stack

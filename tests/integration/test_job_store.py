@@ -5,6 +5,7 @@ dispatcher needs (reception time, whether a client streams)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 from redis.asyncio import Redis
@@ -120,5 +121,62 @@ def test_following_a_job_whose_record_expired_says_so(clean_redis_url):
         with pytest.raises(JobExpired):
             async for _ in jobs.follow("gone"):
                 pass
+
+    _run(clean_redis_url, scenario)
+
+
+def test_no_write_to_a_gone_job_leaves_a_key_without_a_ttl(clean_redis_url):
+    """A job whose record expired (or Redis lost) while it still ran: its late chunks, status
+    changes, cancel flag and result recreate nothing; a live job's evicted stream gets its TTL back."""
+
+    async def scenario(redis, jobs):
+        await jobs.append_text("gone", "late chunk")
+        assert not await jobs.set_status("gone", common_pb2.JOB_STATUS_RUNNING)
+        await jobs.request_cancel("gone")
+        assert not await jobs.finish("gone", common_pb2.InferenceResult(job_id="gone"))
+        assert await redis.keys("expert:job:gone*") == []
+        await jobs.create("live", common_pb2.InferenceRequest(prompt="hi"), 5)
+        await redis.delete(events_key("live"))  # as an eviction would
+        await jobs.append_text("live", "chunk")
+        assert 0 < await redis.ttl(events_key("live")) <= 60
+        ttls = {key: await redis.ttl(key) for key in await redis.keys("expert:job:*")}
+        assert all(ttl > 0 for ttl in ttls.values()), ttls
+
+    _run(clean_redis_url, scenario)
+
+
+def test_with_texts_not_stored_a_finished_job_keeps_only_their_hashes(clean_redis_url):
+    async def scenario(redis, _):
+        jobs = JobStore(redis, ttl_s=3600, store_text=False)
+        request = common_pb2.InferenceRequest(
+            prompt="my secret prompt",
+            body="secret body",
+            messages=[common_pb2.ChatMessage(role="user", content="secret turn")],
+            temperature=0.5,
+        )
+        await jobs.create("j", request, 5)
+        await jobs.append_text("j", "secret output")
+        while_running = await jobs.get("j")
+        assert while_running.request.prompt == "my secret prompt"  # the dispatcher needs it until the end
+        result = common_pb2.InferenceResult(
+            job_id="j", status=common_pb2.JOB_STATUS_COMPLETED, text="secret output", reasoning_trace="secret"
+        )
+        assert await jobs.finish("j", result)
+        # a follower reading now still gets the result with its text
+        async for kind, fields in jobs.follow("j", result_only=True):
+            assert kind == b"result"
+            assert common_pb2.InferenceResult.FromString(fields[b"result"]).text == "secret output"
+            break
+        record = await jobs.get("j")
+        assert (record.request.prompt, record.request.body, list(record.request.messages)) == ("", "", [])
+        assert record.request.temperature == 0.5 and record.result.status == common_pb2.JOB_STATUS_COMPLETED
+        assert (record.result.text, record.result.reasoning_trace) == ("", "")
+        assert await jobs.text("j") == ""
+        stored = await redis.hgetall(job_key("j"))
+        assert stored[b"output_sha256"].decode() == hashlib.sha256(b"secret output").hexdigest()
+        assert len(stored[b"request_sha256"]) == 64
+        assert b"secret" not in b"".join(stored.values())
+        for key in (events_key("j"), "expert:job:j:result"):
+            assert 0 < await redis.ttl(key) <= 60  # the streams that still hold it go within a minute
 
     _run(clean_redis_url, scenario)
