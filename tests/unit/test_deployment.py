@@ -349,12 +349,8 @@ def test_the_shared_settings_are_read_and_point_at_the_services(manifests):
             host, port = _host_port(value)
             assert (host, port) == (peer, DEFAULT_PORTS[peer])
             assert port in {p["port"] for p in services[peer]["spec"]["ports"]}
-    url = urlparse(data["EXPERT_REDIS_URL"])
-    assert url.hostname in services and url.port in {p["port"] for p in services["redis"]["spec"]["ports"]}
     for service in SERVICES:  # every service gets the addresses it reads from the ConfigMap
-        needed = {name for name in READS[service] if _TARGET.match(name)} | (
-            {"EXPERT_REDIS_URL"} & READS[service]
-        )
+        needed = {name for name in READS[service] if _TARGET.match(name)}
         assert needed <= data.keys(), service
 
 
@@ -431,12 +427,31 @@ def test_preparation_runs_as_one_replica(manifests):
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
 
-def test_redis_is_where_the_services_look(manifests):
+def test_redis_is_where_the_services_look_behind_its_password_on_a_volume(manifests):
     docs = manifests["redis.yaml"]
-    container = _container(_one(docs, "Deployment", "redis"))
+    redis = _one(docs, "Deployment", "redis")
+    container = _container(redis)
     assert REDIS_PORT in {p["containerPort"] for p in container["ports"]}
-    assert urlparse(_config_map(manifests)["EXPERT_REDIS_URL"]).hostname == "redis"
     assert _one(docs, "Service", "redis")
+    args = container["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-ttl"
+    secret = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"]}
+    assert secret == {"REDIS_PASSWORD": "redis-auth", "REDISCLI_AUTH": "redis-auth"}
+    (volume,) = redis["spec"]["template"]["spec"]["volumes"]
+    assert _one(docs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert "EXPERT_REDIS_URL" not in _config_map(manifests)  # it carries the password
+    for service in SERVICES:
+        env = {
+            e["name"]: e
+            for e in _container(_one(manifests[f"{service}.yaml"], "Deployment", service)).get("env", [])
+        }
+        if "EXPERT_REDIS_URL" not in READS[service]:
+            continue
+        url = urlparse(env["EXPERT_REDIS_URL"]["value"])
+        assert (url.hostname, url.port, url.password) == ("redis", REDIS_PORT, "$(REDIS_PASSWORD)"), service
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
 
 
 # --- Dockerfile -----------------------------------------------------------------------------------
