@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 GEN_STAMP := libs/gen/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench lint run chat experts kernels redis-server clean
+.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -58,6 +58,12 @@ bench: setup model
 	$(PY) bench/pipeline.py --model $(MODEL_DIR)
 	$(PY) bench/routing.py --model $(MODEL_DIR)
 	$(PY) bench/experts.py --model $(MODEL_DIR)
+
+# A bounded soak of the whole stack (docs/operations.md#benchmarks): SOAK_MINUTES of mixed traffic,
+# then what is left unfinished, RSS, Redis memory per job and KV at the end. Run it on an idle machine.
+SOAK_MINUTES ?= 10
+soak: setup model redis-server
+	$(PY) bench/soak.py --model $(MODEL_DIR) --minutes $(SOAK_MINUTES)
 
 lint: setup
 	$(VENV)/bin/ruff check .
