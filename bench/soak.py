@@ -51,6 +51,8 @@ from expert_system import (
 )
 from expert_system.results import FINAL_STATUSES
 from libs.gen.expert.v1 import engine_pb2, engine_pb2_grpc, preparation_pb2, preparation_pb2_grpc
+from libs.stack import REDIS, SERVICES, LocalStack
+from services.reception.jobs import PREFIX as JOB_PREFIX
 
 # Kind -> weight. Mostly plain traffic; cancels and timeouts are the paths that leak when wrong.
 KINDS = {"sync": 0.35, "stream": 0.25, "async": 0.20, "cancel": 0.10, "timeout": 0.10}
@@ -59,10 +61,8 @@ CANCEL_AFTER_S = (0.0, 1.0)  # the `cancel` kind: sometimes queued, sometimes ru
 POLL_S = 0.25  # get_job polling interval
 # A client-side bound on any one job, so that the soak itself always ends.
 JOB_DEADLINE_S = 300.0
-SERVICES = ("reception", "router", "preparation", "engine", "postproc")
 PROGRESS_EVERY_S = 15.0
 SETTLE_S = 10.0  # after the drain, for the KV to come back (a release may trail the final status)
-JOB_PREFIX = "expert:job:"
 
 PROMPTS = [
     "What is the capital of France?",
@@ -411,14 +411,11 @@ def warm_up(target: str) -> None:
             pass
 
 
-def stack_pids(stack: Any) -> dict[str, int]:
-    pids = {name: stack.processes[name].pid for name in SERVICES if name in stack.processes}
-    if stack._redis is not None:
-        pids["redis"] = stack._redis.pid
-    return pids
+def stack_pids(stack: LocalStack) -> dict[str, int]:
+    return {name: process.pid for name, process in stack.supervised().items()}
 
 
-def dead_services(stack: Any) -> dict[str, int]:
+def dead_services(stack: LocalStack) -> dict[str, int]:
     return {name: p.returncode for name, p in stack.processes.items() if p.poll() is not None}
 
 
@@ -526,7 +523,7 @@ def print_errors(jobs: list[JobRecord]) -> None:
 
 def print_rss(start: dict[str, int | None], end: dict[str, int | None]) -> None:
     print(f"\n{'RSS MiB':<14}{'start':>10}{'end':>10}{'change':>10}")
-    for name in [*SERVICES, "redis"]:
+    for name in [*SERVICES, REDIS]:
         a, b = start.get(name), end.get(name)
         if a is None or b is None:
             print(f"{name:<14}{'n/a':>10}{'n/a':>10}")
@@ -717,8 +714,6 @@ def main() -> int:
     if args.target:
         run = measure_and_soak(args, args.target, args.preparation, args.redis_url, {})
         return 0 if report(args, run, None, {}) else 1
-
-    from libs.stack import LocalStack
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-soak-"))
     env = stack_env(args.model, args.threads, args.max_num_seqs)

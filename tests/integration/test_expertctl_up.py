@@ -198,6 +198,17 @@ def up(tiny_llama, tmp_path) -> Iterator:
             process.wait()
 
 
+def _start_up(up, model: Path, log_dir: Path, settings: dict[str, str]):
+    """`expertctl up` on `model` with `settings`, once it printed its ready line: the process and
+    readers of its stdout and stderr."""
+    process = up("--model", str(model), "--log-dir", str(log_dir), *_flags(settings))
+    stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
+    if not stdout.wait_for(READY_LINE, START_TIMEOUT_S):
+        process.kill()
+        pytest.fail(f"no ready line; stdout:\n{stdout.rest()}\nstderr:\n{stderr.rest()}")
+    return process, stdout, stderr
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
@@ -205,12 +216,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     metrics_port = free_port()
     settings["EXPERT_RECEPTION_METRICS_PORT"] = str(metrics_port)
     log_dir = tmp_path / "logs"
-    process = up("--model", str(tiny_llama), "--log-dir", str(log_dir), *_flags(settings))
-    stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
-
-    if not stdout.wait_for(READY_LINE, START_TIMEOUT_S):
-        process.kill()
-        pytest.fail(f"no ready line; stdout:\n{stdout.rest()}\nstderr:\n{stderr.rest()}")
+    process, stdout, stderr = _start_up(up, tiny_llama, log_dir, settings)
     reception = f"localhost:{ports['reception']}"
     assert f"{READY_LINE}: the API (reception) is at {reception}." in "".join(stdout.seen)
     for service in SERVICES:
@@ -254,11 +260,7 @@ def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path
     (from the append-only file). Ctrl-C still stops everything, exits 0 and counts the restarts."""
     ports, settings = _up_settings(tmp_path)
     log_dir = tmp_path / "logs"
-    process = up("--model", str(tiny_llama), "--log-dir", str(log_dir), *_flags(settings))
-    stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
-    if not stdout.wait_for(READY_LINE, START_TIMEOUT_S):
-        process.kill()
-        pytest.fail(f"no ready line; stdout:\n{stdout.rest()}\nstderr:\n{stderr.rest()}")
+    process, _, stderr = _start_up(up, tiny_llama, log_dir, settings)
     engine = f"localhost:{ports['engine']}"
     others = {name: _child(process.pid, f"services.{name}") for name in SERVICES if name != "engine"}
     killed = _child(process.pid, "services.engine")
