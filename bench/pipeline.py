@@ -1,17 +1,21 @@
-"""The pipeline's own cost on the default model, measured in one run: per-stage latency at 1 and 16
-concurrent clients against the stage budgets (docs/design.md#stage-budgets), and the end-to-end
-overhead against calling `LLMEngine` directly with the same final input.
+"""The pipeline's own cost on the default model, measured in one run: per-stage latency against the
+stage budgets (docs/design.md#stage-budgets), the end-to-end overhead, tokens/s and time to first
+token, each against calling `LLMEngine` directly with the same final input.
 
-The same prompts run twice: first on an in-process `LLMEngine` (the peer), then through the whole
-stack (a redis-server and the five services as processes, libs.stack) with `ExpertClient.infer`.
-Greedy decoding makes both produce the same tokens, so the difference in wall time per request is
-what reception, the router, preparation, postproc, Redis and the gRPC hops add.
+The same requests run twice per wave of `clients` concurrent requests: first on an in-process
+`LLMEngine` (the peer, all of the wave submitted at once), then through the whole stack (a
+redis-server and the five services as processes, libs.stack), one streamed `ExpertClient.infer_stream`
+call per client. Greedy decoding makes both produce the same tokens, so the difference is what
+reception, the router, preparation, postproc, Redis and the gRPC hops add, streaming included.
 
 The stages are the job's InferenceMetrics: reception is the reception stage (validation,
 normalization, the job id); the enqueue that follows counts in the queue wait; router, preparation
 and postproc are measured inside those services. A stage passes when its p99 is within the budget.
+Tokens/s is the wave's generated tokens over its wall time, summed over the waves; the target is
+0.9x the peer at 32 clients. Time to first token is, through the stack, from the call to its first
+text chunk; in process, from the request's arrival to its first token.
 
-    python bench/pipeline.py --model data/models/SmolLM2-135M-Instruct
+    python bench/pipeline.py --model data/models/SmolLM2-135M-Instruct --clients 32
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,9 +40,10 @@ BUDGETS_MS = {
     "postproc": (1.0, 10.0),
 }
 OVERHEAD_TARGET_MS = 15.0  # p50 at 1 client
+THROUGHPUT_TARGET = 0.9  # of the peer's tokens/s, at 32 clients
 MAX_MODEL_LEN = 1024
 
-PROMPTS = [
+QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colours.",
     "Write one sentence about the sea.",
@@ -55,12 +61,37 @@ PROMPTS = [
     "What day comes after Monday?",
     "Tell me a fact about the moon.",
 ]
+# After the question, so that prompts share no prefix beyond the chat template's: with the
+# template's system turn, each prompt is about 130 tokens.
+NOTE = (
+    "\n\nAnswer in a few sentences. Some background that may or may not help: the reader is a "
+    "student preparing for a general knowledge quiz at school next week. They like short, clear "
+    "answers with one concrete example, and they prefer plain words to technical terms. If the "
+    "question has a single right answer, give it first and then explain it briefly; if it asks for "
+    "ideas, give a few and say which one you like best."
+)
+
+
+def prompts(count: int) -> list[str]:
+    return [QUESTIONS[i % len(QUESTIONS)] + NOTE for i in range(count)]
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+@dataclass
+class Wave:
+    """One wave's figures: its wall time, and per request the latency, TTFT and tokens."""
+
+    wall_s: float
+    latency_s: list[float]
+    ttft_s: list[float]
+    tokens: list[int]
+    prompt_tokens: list[int]
+    results: list  # the stack's InferenceResults (empty for the peer)
 
 
 class Direct:
@@ -73,15 +104,22 @@ class Direct:
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=1.0)
         self.wave(["Hello"])  # warm-up
 
-    def wave(self, prompts: list[str]) -> list[float]:
-        """Seconds per request for `prompts` run together (each request's latency is the wave's)."""
+    def wave(self, batch: list[str]) -> Wave:
         began = time.perf_counter()
-        self.engine.chat([[{"role": "user", "content": p}] for p in prompts], self.params)
-        return [time.perf_counter() - began] * len(prompts)
+        outs = self.engine.chat([[{"role": "user", "content": p}] for p in batch], self.params)
+        wall = time.perf_counter() - began
+        return Wave(
+            wall_s=wall,
+            latency_s=[o.metrics.e2e_latency for o in outs],
+            ttft_s=[o.metrics.ttft for o in outs],
+            tokens=[len(o.token_ids) for o in outs],
+            prompt_tokens=[len(o.prompt_token_ids) for o in outs],
+            results=[],
+        )
 
 
 class Through:
-    """The same requests through reception, one SDK call per client thread."""
+    """The same requests through reception, one streamed SDK call per client thread."""
 
     def __init__(self, target: str, max_tokens: int, clients: int) -> None:
         from expert_system import ExpertClient
@@ -91,32 +129,47 @@ class Through:
         self.pool = ThreadPoolExecutor(clients)
         self.one("Hello")  # warm-up: channels, the router's first plan, the engine's first request
 
-    def one(self, prompt: str) -> tuple:
+    def one(self, prompt: str) -> tuple[float, float, object]:
         began = time.perf_counter()
-        result = self.client.infer(
+        first = None
+        stream = self.client.infer_stream(
             prompt=prompt, temperature=0.0, max_tokens=self.max_tokens, repetition_penalty=1.0
         )
-        if result.status != "completed":
-            raise RuntimeError(f"job {result.job_id} ended {result.status}: {result.error}")
-        return time.perf_counter() - began, result
+        for chunk in stream:
+            if first is None and chunk.text:
+                first = time.perf_counter() - began
+        result = stream.result
+        if result is None or result.status != "completed":
+            raise RuntimeError(f"job ended {result and result.status}: {result and result.error}")
+        return time.perf_counter() - began, first or 0.0, result
 
-    def wave(self, prompts: list[str]) -> list[tuple]:
-        return list(self.pool.map(self.one, prompts))
+    def wave(self, batch: list[str]) -> Wave:
+        began = time.perf_counter()
+        runs = list(self.pool.map(self.one, batch))
+        wall = time.perf_counter() - began
+        return Wave(
+            wall_s=wall,
+            latency_s=[latency for latency, _, _ in runs],
+            ttft_s=[ttft for _, ttft, _ in runs],
+            tokens=[r.tokens_generated for _, _, r in runs],
+            prompt_tokens=[r.metrics.input_tokens for _, _, r in runs],
+            results=[r for _, _, r in runs],
+        )
 
     def close(self) -> None:
         self.pool.shutdown()
         self.client.close()
 
 
-def measure(direct: Direct, through: Through, prompts: list[str], clients: int) -> tuple[list, list]:
+def measure(direct: Direct, through: Through, batch: list[str], clients: int) -> tuple[list, list]:
     """Waves of `clients` requests, alternating between the peer and the pipeline so that the
     machine's drift (these machines are noisy) affects both alike. Only one side runs at a time:
     the other is idle."""
     peer, ours = [], []
-    for start in range(0, len(prompts), clients):
-        wave = prompts[start : start + clients]
-        peer += direct.wave(wave)
-        ours += through.wave(wave)
+    for start in range(0, len(batch), clients):
+        wave = batch[start : start + clients]
+        peer.append(direct.wave(wave))
+        ours.append(through.wave(wave))
     return peer, ours
 
 
@@ -132,12 +185,22 @@ def stage_ms(result) -> dict[str, float]:
     }
 
 
-def report(clients: int, direct: list[float], through: list[tuple]) -> bool:
+def flat(waves: list[Wave], name: str) -> list:
+    return [value for wave in waves for value in getattr(wave, name)]
+
+
+def tokens_per_second(waves: list[Wave]) -> float:
+    return sum(sum(w.tokens) for w in waves) / sum(w.wall_s for w in waves)
+
+
+def report(clients: int, peer: list[Wave], ours: list[Wave]) -> bool:
     stages: dict[str, list[float]] = {}
-    for _, result in through:
+    for result in flat(ours, "results"):
         for name, value in stage_ms(result).items():
             stages.setdefault(name, []).append(value)
-    print(f"\n{clients} client{'s' if clients > 1 else ''}, {len(through)} requests")
+    count = len(flat(ours, "results"))
+    prompt = statistics.mean(flat(peer, "prompt_tokens"))
+    print(f"\n{clients} client{'s' if clients > 1 else ''}, {count} requests, prompts of {prompt:.0f} tokens")
     print(f"{'stage':<14}{'p50 ms':>10}{'p99 ms':>10}   budget")
     ok = True
     for name, values in stages.items():
@@ -149,8 +212,8 @@ def report(clients: int, direct: list[float], through: list[tuple]) -> bool:
             ok &= within
             line += f"   {low:g}-{high:g} ms   {'PASS' if within else 'over'}"
         print(line)
-    walls = [wall * 1000 for wall, _ in through]
-    peers = [d * 1000 for d in direct]
+    walls = [s * 1000 for s in flat(ours, "latency_s")]
+    peers = [s * 1000 for s in flat(peer, "latency_s")]
     overheads = [w - d for w, d in zip(walls, peers, strict=True)]
     print(
         f"{'end to end':<14}{percentile(walls, 50):>10.1f}{percentile(walls, 99):>10.1f}"
@@ -162,6 +225,21 @@ def report(clients: int, direct: list[float], through: list[tuple]) -> bool:
         within = p50 <= OVERHEAD_TARGET_MS
         ok &= within
         line += f"   target p50 <= {OVERHEAD_TARGET_MS:g} ms   {'PASS' if within else 'over'}"
+    print(line)
+    ttft = [s * 1000 for s in flat(ours, "ttft_s")]
+    peer_ttft = [s * 1000 for s in flat(peer, "ttft_s")]
+    print(
+        f"{'TTFT':<14}{percentile(ttft, 50):>10.1f}{percentile(ttft, 99):>10.1f}"
+        f"   LLMEngine directly: p50 {percentile(peer_ttft, 50):.1f} ms, "
+        f"p99 {percentile(peer_ttft, 99):.1f} ms"
+    )
+    rate, peer_rate = tokens_per_second(ours), tokens_per_second(peer)
+    ratio = rate / peer_rate
+    line = f"tokens/s      through the stack {rate:.1f}, LLMEngine directly {peer_rate:.1f}: {ratio:.2f}x"
+    if clients == 32:
+        within = ratio >= THROUGHPUT_TARGET
+        ok &= within
+        line += f"   target >= {THROUGHPUT_TARGET:g}x   {'PASS' if within else 'under'}"
     print(line)
     return ok
 
@@ -181,16 +259,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from libs.stack import LocalStack
 
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    batch = prompts(max(args.requests, max(args.clients)))
     slots = max(args.clients)
     direct = Direct(args.model, slots, args.max_tokens)
     figures = {}
@@ -201,14 +279,14 @@ def main() -> None:
             for clients in args.clients:
                 through = Through(stack.target("reception"), args.max_tokens, clients)
                 try:
-                    figures[clients] = measure(direct, through, prompts, clients)
+                    figures[clients] = measure(direct, through, batch, clients)
                 finally:
                     through.close()
         finally:
             stack.stop()
     print(
         f"\npipeline overhead, {args.model}, fp32, CPU, {args.threads} engine threads: greedy, "
-        f"{args.max_tokens} new tokens, chat template; peer: LLMEngine in-process on the same input"
+        f"{args.max_tokens} new tokens, chat template, streamed; peer: LLMEngine in-process on the same input"
     )
     ok = all([report(c, *figures[c]) for c in args.clients])
     print(f"\n{'all within budget' if ok else 'some figures over budget'}")

@@ -216,3 +216,11 @@ class Fleet:
     def max_model_len(self) -> int:
         lengths = [e.info.model.max_model_len for e in self.engines.values() if e.info.model.max_model_len]
         return min(lengths) if lengths else 0
+
+    def sampling_defaults(self) -> common_pb2.SamplingDefaults:
+        """The model's recommended sampling, as the earliest-registered engine reports it (every
+        engine of a fleet serves the same checkpoint)."""
+        if not self.engines:
+            return common_pb2.SamplingDefaults()
+        first = min(self.engines.values(), key=lambda e: e.registered_at)
+        return first.info.model.sampling_defaults

@@ -102,6 +102,7 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             free_slots=capacity.free_slots,
             kv_blocks_free=capacity.kv_blocks_free,
             max_model_len=self.fleet.max_model_len(),
+            sampling_defaults=self.fleet.sampling_defaults(),
         )
 
     async def ListEngines(

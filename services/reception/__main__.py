@@ -42,7 +42,7 @@ async def main() -> None:
         jobs,
         GrpcStages(peers),
         config.engine_retries,
-        lambda: capacity.last.max_model_len,
+        lambda: capacity.last,
         stream_interval=config.stream_interval,
     )
     dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)

@@ -40,7 +40,7 @@ class ReceptionConfig:
             postproc_target=reader.address("EXPERT_POSTPROC_TARGET", "localhost:50055"),
             dispatch_enabled=reader.boolean("EXPERT_DISPATCH_ENABLED", True),
             dispatch=DispatchSettings(
-                workers=reader.integer("EXPERT_DISPATCH_WORKERS", 16, minimum=1),
+                max_jobs=reader.integer("EXPERT_DISPATCH_MAX_JOBS", 1024, minimum=1),
                 reclaim_idle_ms=reader.integer("EXPERT_DISPATCH_RECLAIM_IDLE_MS", 15_000, minimum=100),
                 max_deliveries=reader.integer("EXPERT_DISPATCH_MAX_DELIVERIES", 3, minimum=1),
                 default_timeout_s=default_timeout_ms / 1000 if default_timeout_ms else None,

@@ -1,11 +1,12 @@
-"""The dispatcher: async workers that pull jobs from the priority queue and run them.
+"""The dispatcher: pulls jobs from the priority queue and runs each in its own task.
 
-Workers take a job only while preparation reports free engine slots (backpressure), most important
-priority first. The queue entry is acknowledged only once the job reached a final state; while it
-runs, its entry's idle time is kept fresh, so only the entries of a dispatcher that died go idle:
-another dispatcher reclaims them and runs the job again. A job delivered `max_deliveries` times is
-moved to the dead-letter stream and marked FAILED with the reason. Cancellations arrive on a Redis
-channel; the worker running the job stops it.
+It takes a job whenever preparation reports a free engine slot that no job it already took is about
+to fill (backpressure), most important priority first, so the jobs in progress follow the fleet's
+free slots (up to `max_jobs`, a memory bound per reception). The queue entry is acknowledged only
+once the job reached a final state; while it runs, its entry's idle time is kept fresh, so only
+the entries of a dispatcher that died go idle: another dispatcher reclaims them and runs the job
+again. A job delivered `max_deliveries` times is moved to the dead-letter stream and marked FAILED
+with the reason. Cancellations arrive on a Redis channel; the task running the job stops it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class DispatchSettings:
-    workers: int
+    max_jobs: int  # jobs in progress at once in this reception, whatever the fleet's free slots
     reclaim_idle_ms: int
     max_deliveries: int
     default_timeout_s: float | None
@@ -64,23 +65,23 @@ class Dispatcher:
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._cancels: dict[str, asyncio.Event] = {}  # of the jobs this dispatcher runs
         self._unplaced = 0  # jobs taken but not yet placed: they will use slots preparation still shows free
-        self._reading = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
-        self._reclaimed: set[asyncio.Task] = set()
+        self._jobs: set[asyncio.Task] = set()  # one per job being handled
+        self._job_ended = asyncio.Event()  # a slot may have come back: the taker looks again at once
         self._draining = False
         self._active = 0  # jobs being handled
         self.on_finished: Callable[[float], None] | None = None  # told each finished job's duration
 
     async def start(self) -> None:
         await self.queue.setup()
-        self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.settings.workers)]
-        self._tasks += [
+        self._tasks = [
+            asyncio.create_task(self._taker()),
             asyncio.create_task(self._reclaimer()),
             asyncio.create_task(self._cancellations()),
             asyncio.create_task(self._expiry()),
             asyncio.create_task(self._queue_gauge()),
         ]
-        log.info("dispatcher started", consumer=self.consumer, workers=self.settings.workers)
+        log.info("dispatcher started", consumer=self.consumer, max_jobs=self.settings.max_jobs)
 
     async def drain(self, seconds: float) -> None:
         """Stop taking jobs and give the running ones `seconds` to end, then stop. A job still
@@ -97,7 +98,7 @@ class Dispatcher:
     async def stop(self) -> None:
         """Stop now: the jobs in flight are left to be reclaimed by another dispatcher."""
         self._draining = True
-        tasks = [*self._tasks, *self._reclaimed]
+        tasks = [*self._tasks, *self._jobs]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -105,20 +106,26 @@ class Dispatcher:
                 await task
         self._tasks = []
 
-    async def _worker(self, index: int) -> None:
+    async def _taker(self) -> None:
+        """Take jobs one after another, each handled in its own task, while slots are free."""
         while not self._draining:
             try:
                 entry = await self._take()
                 if entry is not None:
-                    await self._handle(entry, reserved=True)
+                    self._spawn(self._handle(entry, reserved=True))
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # Redis hiccups and the like: keep the worker alive
+            except Exception as error:  # Redis hiccups and the like: keep taking
                 if missing_group(error):
                     await self._restore_queue()
                     continue
-                log.exception("dispatcher worker error", worker=index)
+                log.exception("dispatcher error while taking a job")
                 await asyncio.sleep(0.5)
+
+    def _spawn(self, handling) -> None:
+        task = asyncio.create_task(handling)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
 
     async def _restore_queue(self) -> None:
         log.warning("the queue's consumer groups are gone (Redis lost its data): creating them again")
@@ -129,26 +136,27 @@ class Dispatcher:
             await asyncio.sleep(0.5)
 
     async def _take(self) -> Entry | None:
-        """The next job for an idle worker, reserved against a free slot; None if none came.
+        """The next job, reserved against a free slot; None if no slot is free or no job came.
 
-        Idle workers take turns: one at a time checks capacity and waits on the queue, so a new
-        job wakes one worker, not all of them (each wake-up is a round of Redis calls)."""
-        async with self._reading:
-            capacity = await self.capacity.get()
-            if capacity.free_slots - self._unplaced <= 0:
-                await asyncio.sleep(0.05)
-                return None
-            # Reserve the slot before reading, so that a lower priority never overtakes a higher
-            # one and a slot is never promised twice.
-            self._unplaced += 1
-            try:
-                entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
-            except BaseException:
-                self._unplaced -= 1
-                raise
-            if entry is None:
-                self._unplaced -= 1
-            return entry
+        Without a free slot it waits for one of its own jobs to end, or 50 ms (the slots other
+        receptions give back show in preparation's answer only)."""
+        capacity = await self.capacity.get()
+        if capacity.free_slots - self._unplaced <= 0 or len(self._jobs) >= self.settings.max_jobs:
+            self._job_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._job_ended.wait(), 0.05)
+            return None
+        # Reserve the slot before reading, so that a lower priority never overtakes a higher
+        # one and a slot is never promised twice.
+        self._unplaced += 1
+        try:
+            entry = await read_next(self.redis, STREAMS, GROUP, self.consumer, block_ms=500)
+        except BaseException:
+            self._unplaced -= 1
+            raise
+        if entry is None:
+            self._unplaced -= 1
+        return entry
 
     async def _handle(self, entry: Entry, reserved: bool = False) -> None:
         """Run the entry's job to a final state, then acknowledge the entry. With `reserved`, the
@@ -207,6 +215,8 @@ class Dispatcher:
                 self._unplaced -= 1
             self._cancels.pop(job_id, None)
             keeper.cancel()
+            self.capacity.invalidate()
+            self._job_ended.set()
             if final:
                 await self.queue.done(entry.stream, entry.id)
 
@@ -247,9 +257,7 @@ class Dispatcher:
                         dead_letter_stream=DEAD_LETTER,
                     ):
                         log.warning("reclaimed a job from a dispatcher that stopped", entry=entry.id)
-                        task = asyncio.create_task(self._handle(entry))
-                        self._reclaimed.add(task)
-                        task.add_done_callback(self._reclaimed.discard)
+                        self._spawn(self._handle(entry))
             except asyncio.CancelledError:
                 raise
             except Exception as error:

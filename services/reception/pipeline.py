@@ -118,14 +118,15 @@ class Pipeline:
         jobs: JobStore,
         stages: Stages,
         engine_retries: int,
-        max_model_len: Callable[[], int],
+        fleet: Callable[[], preparation_pb2.GetCapacityResponse],
         place_retry_s: float = 0.05,
         stream_interval: int = DEFAULT_STREAM_INTERVAL,
     ) -> None:
         self.jobs = jobs
         # Tokens per engine message for a job no client streams (a streamed job gets every token).
         self.stream_interval = stream_interval
-        self.max_model_len = max_model_len  # the fleet's context window, as preparation last reported it
+        # The fleet as preparation last reported it: its context window and its model's sampling.
+        self.fleet = fleet
         self.stages = stages
         self.engine_retries = engine_retries
         self.place_retry_s = place_retry_s
@@ -215,8 +216,12 @@ class Pipeline:
 
     async def _stages(self, run: JobRun) -> common_pb2.GenerationOutcome:
         # The dispatcher moved the job to PLANNING when it took it (JobStore.begin).
+        fleet = self.fleet()
         plan_request = router_pb2.PlanRequest(
-            job_id=run.job_id, request=run.record.request, max_model_len=self.max_model_len()
+            job_id=run.job_id,
+            request=run.record.request,
+            max_model_len=fleet.max_model_len,
+            model_defaults=fleet.sampling_defaults,
         )
         try:
             run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))

@@ -41,7 +41,7 @@ async def main() -> None:
     stats_redis = connect_sync(config.redis_url)
     stats = ExpertStats(stats_redis, config.prior_success_rate)
     index = ExpertIndex(client, SentenceEncoder.from_package(), stats, config.floor, matching=config.matching)
-    servicer = RouterServicer(Planner(index), RouterMetrics(), Registry(index))
+    servicer = RouterServicer(Planner(index, config.max_tokens_ceiling), RouterMetrics(), Registry(index))
     feedback_redis = connect(config.redis_url)
     learner = FeedbackLearner(feedback_redis, index, config.feedback_alpha)
     learning: asyncio.Task | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from libs.config import ConfigError, EnvReader, ServerConfig
 from services.router.calibration import CALIBRATED, FloorRule
 from services.router.matching import MatchRule
+from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING
 
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9152
@@ -25,6 +26,7 @@ class RouterConfig:
     encoder_threads: int  # torch threads of the sentence encoder
     floor: FloorRule  # the similarity retrieval needs (calibrated per expert, or fixed)
     matching: MatchRule  # the keyword boost and the topic gate
+    max_tokens_ceiling: int  # the tuned max_tokens at most, when the user set none
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -56,6 +58,9 @@ class RouterConfig:
                 companion_ratio=reader.number(
                     "EXPERT_ROUTER_COMPANION_RATIO", MatchRule.companion_ratio, minimum=0.0, maximum=1.0
                 ),
+            ),
+            max_tokens_ceiling=reader.integer(
+                "EXPERT_ROUTER_MAX_TOKENS_DEFAULT", DEFAULT_MAX_TOKENS_CEILING, minimum=1
             ),
         )
 

@@ -14,7 +14,7 @@ from services.router.features import Features, extract_features
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
 from services.router.selection import MAX_EXPERTS, Selection, select_experts
-from services.router.tuning import tune_parameters
+from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
 
 # Tokens a chat template adds around each message, for the KV budget's upper bound.
 TEMPLATE_OVERHEAD_BYTES = 64
@@ -51,13 +51,20 @@ class Planner:
     """Builds ExpertPlans: the reasoning stage over the expert index (without an index, or with
     nothing registered, every plan is the base-model fallback)."""
 
-    def __init__(self, index: ExpertIndex | None = None) -> None:
+    def __init__(
+        self, index: ExpertIndex | None = None, max_tokens_ceiling: int = DEFAULT_MAX_TOKENS_CEILING
+    ) -> None:
         self.index = index
+        self.max_tokens_ceiling = max_tokens_ceiling  # the default max_tokens at most
 
     async def plan(
-        self, request: common_pb2.InferenceRequest, max_model_len: int | None = None
+        self,
+        request: common_pb2.InferenceRequest,
+        max_model_len: int | None = None,
+        model_defaults: common_pb2.SamplingDefaults | None = None,
     ) -> tuple[common_pb2.ExpertPlan, Selection | None]:
-        """The plan, and the selection it came from (None when no expert was considered)."""
+        """The plan, and the selection it came from (None when no expert was considered).
+        `max_model_len` and `model_defaults` describe the fleet's model, as preparation reports it."""
         started = time.perf_counter()
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
         body = request.body if request.HasField("body") else None
@@ -71,7 +78,9 @@ class Planner:
         else:
             features = extract_features(text_for_features, body)
             selection = self._select(request, features, None)
-        params, tuning_trace = tune_parameters(features, request, max_model_len)
+        params, tuning_trace = tune_parameters(
+            features, request, max_model_len, model_defaults, self.max_tokens_ceiling
+        )
         model_in, text = model_input(request)
         trace = [
             f"features: language {features.language}, has_json {features.has_json}, "

@@ -47,6 +47,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.PlanRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PlanResponse:
         with bind_context(job_id=request.job_id):
-            plan, selection = await self.planner.plan(request.request, request.max_model_len or None)
+            plan, selection = await self.planner.plan(
+                request.request, request.max_model_len or None, request.model_defaults
+            )
             self.metrics.observe(plan, selection)
             return router_pb2.PlanResponse(plan=plan)

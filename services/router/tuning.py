@@ -1,9 +1,10 @@
-"""Parameter tuning (docs/design.md#parameter-tuning): defaults by task type, then the user's
-explicit values win."""
+"""Parameter tuning (docs/design.md#parameter-tuning): defaults by task type, over them the
+sampling the model's checkpoint recommends, a deployment's ceiling on the default max_tokens, then
+the user's explicit values win."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from libs.gen.expert.v1 import common_pb2
 from services.router.features import Features
@@ -39,23 +40,31 @@ _OVERRIDES = (
 )
 
 
+# Without a user max_tokens, no more than this (EXPERT_ROUTER_MAX_TOKENS_DEFAULT): the table's
+# budgets suit a large model, and a small one that misses its end token runs to them.
+DEFAULT_MAX_TOKENS_CEILING = 512
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
 def tune_parameters(
-    features: Features, request: common_pb2.InferenceRequest, max_model_len: int | None = None
+    features: Features,
+    request: common_pb2.InferenceRequest,
+    max_model_len: int | None = None,
+    model_defaults: common_pb2.SamplingDefaults | None = None,
+    max_tokens_ceiling: int = DEFAULT_MAX_TOKENS_CEILING,
 ) -> tuple[common_pb2.GenerationParams, list[str]]:
     """Generation parameters for the request, and one trace line per decision.
 
-    The task type's max_tokens is a budget, not a requirement: without an explicit max_tokens it is
-    capped at the context window the request or the model allows.
+    In order: the task type's row of the table; the model's own recommended sampling
+    (`model_defaults`, from its generation_config.json) over it; without an explicit max_tokens,
+    the deployment's ceiling and then the context window cap the table's budget; last, every value
+    the user set.
     """
     base = TASK_DEFAULTS.get(features.task_type, DEFAULT)
     trace = [
         f"tuning: task {features.task_type} -> temperature {base.temperature}, max_tokens {base.max_tokens}, "
-        f"top_p {base.top_p}, repetition_penalty {base.repetition_penalty}"
+        f"top_p {base.top_p}, repetition_penalty {base.repetition_penalty} (the task-type table)"
     ]
-    window = request.context_size if request.HasField("context_size") else max_model_len
-    if window and not request.HasField("max_tokens") and base.max_tokens > window // 2:
-        base = replace(base, max_tokens=max(1, window // 2))
-        trace.append(f"tuning: max_tokens capped at {base.max_tokens} (half the {window}-token context)")
     params = common_pb2.GenerationParams(
         temperature=base.temperature,
         max_tokens=base.max_tokens,
@@ -63,8 +72,35 @@ def tune_parameters(
         repetition_penalty=base.repetition_penalty,
         stop=list(request.stop),
     )
+    recommended = [n for n in _MODEL_DEFAULTS if model_defaults is not None and model_defaults.HasField(n)]
+    if recommended:
+        for name in recommended:
+            setattr(params, name, getattr(model_defaults, name))
+        trace.append(
+            "tuning: the model's generation_config.json sets "
+            + ", ".join(f"{n} {_shown(getattr(model_defaults, n))}" for n in recommended)
+            + " (over the table)"
+        )
+    if not request.HasField("max_tokens"):
+        if params.max_tokens > max_tokens_ceiling:
+            trace.append(
+                f"tuning: max_tokens {max_tokens_ceiling}, the deployment's ceiling "
+                f"(EXPERT_ROUTER_MAX_TOKENS_DEFAULT), under the table's {params.max_tokens}"
+            )
+            params.max_tokens = max_tokens_ceiling
+        window = request.context_size if request.HasField("context_size") else max_model_len
+        if window and params.max_tokens > window // 2:
+            params.max_tokens = max(1, window // 2)
+            trace.append(
+                f"tuning: max_tokens capped at {params.max_tokens} (half the {window}-token context)"
+            )
     for name in _OVERRIDES:
         if request.HasField(name):
             setattr(params, name, getattr(request, name))
             trace.append(f"tuning: {name} = {getattr(request, name)!r} (user)")
     return params, trace
+
+
+def _shown(value: float) -> str:
+    """A float32 field as the file wrote it (0.7, not 0.699999988079071)."""
+    return f"{value:.6g}"

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from libs.gen.expert.v1 import (
     common_pb2,
     postproc_pb2_grpc,
+    preparation_pb2,
     preparation_pb2_grpc,
     router_pb2_grpc,
 )
@@ -78,7 +79,12 @@ async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | Non
     async with serving(register) as target:
         jobs = JobStore(redis, ttl_s=60)
         peers = Peers(target, target, target)
-        pipeline = Pipeline(jobs, GrpcStages(peers), engine_retries=0, max_model_len=lambda: 1024)
+        pipeline = Pipeline(
+            jobs,
+            GrpcStages(peers),
+            engine_retries=0,
+            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+        )
         request = common_pb2.InferenceRequest(prompt="What is the capital of France?", max_tokens=8)
         if timeout_ms is not None:
             request.timeout_ms = timeout_ms

@@ -131,7 +131,13 @@ async def start(redis_url: str, stages: FakeStages, *, timeout_ms: int | None = 
         request.timeout_ms = timeout_ms
     await jobs.create("job-1", request, 5)
     run = JobRun(await jobs.get("job-1"))
-    saga = Pipeline(jobs, stages, engine_retries=retries, max_model_len=lambda: 1024, place_retry_s=0.01)
+    saga = Pipeline(
+        jobs,
+        stages,
+        engine_retries=retries,
+        fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+        place_retry_s=0.01,
+    )
     return redis, run, asyncio.create_task(saga.run(run))
 
 
@@ -304,9 +310,14 @@ def test_a_job_its_dispatchers_kept_dying_on_is_dead_lettered_and_ends_failed(cl
         await queue.setup()
         await jobs.create("poison", common_pb2.InferenceRequest(prompt="hi", max_tokens=4), 5, stream(5))
         await redis.hset(job_key("poison"), "deliveries", 3)  # three dispatchers died running it
-        pipeline = Pipeline(jobs, stages, engine_retries=0, max_model_len=lambda: 1024)
+        pipeline = Pipeline(
+            jobs,
+            stages,
+            engine_retries=0,
+            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+        )
         settings = DispatchSettings(
-            workers=1, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None
+            max_jobs=1, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None
         )
         dispatcher = Dispatcher(
             redis, jobs, queue, pipeline, Capacity(_FreeSlots()), settings, shared_metrics(ReceptionMetrics)
@@ -371,3 +382,65 @@ def test_a_deadline_exceeded_before_the_jobs_deadline_is_a_failure(clean_redis_u
     stages = FakeStages(errors={"plan": rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "router slow")})
     result = run_saga(clean_redis_url, stages, timeout_ms=60_000)
     assert (result.status, result.error_code) == (common_pb2.JOB_STATUS_FAILED, "DEADLINE_EXCEEDED")
+
+
+class _Slots:
+    """Preparation's capacity: `free` slots, fewer as jobs are placed (FakeStages counts them)."""
+
+    def __init__(self, total: int, stages: FakeStages) -> None:
+        self.total, self.stages = total, stages
+
+    async def GetCapacity(self, request, timeout=None, metadata=None):
+        held = sum(self.stages.placements.values()) - sum(self.stages.releases.values())
+        return preparation_pb2.GetCapacityResponse(free_slots=self.total - held)
+
+
+@pytest.mark.parametrize(("slots", "max_jobs", "running"), [(40, 1024, 40), (5, 1024, 5), (40, 12, 12)])
+def test_the_dispatcher_runs_as_many_jobs_as_the_fleet_has_free_slots(
+    clean_redis_url, slots, max_jobs, running
+):
+    """With 40 jobs queued whose generation hangs, the jobs in progress follow the fleet's free
+    slots (no fixed number of workers), bounded by EXPERT_DISPATCH_MAX_JOBS; once the generations
+    end, every job completes and every slot comes back."""
+
+    async def scenario():
+        redis = Redis.from_url(clean_redis_url)
+        jobs, stages = JobStore(redis, ttl_s=60), FakeStages(hang="generate")
+        queue = JobQueue(redis)
+        await queue.setup()
+        for i in range(40):
+            await jobs.create(
+                f"job-{i}", common_pb2.InferenceRequest(prompt="hi", max_tokens=4), 5, stream(5)
+            )
+        pipeline = Pipeline(
+            jobs,
+            stages,
+            engine_retries=0,
+            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+        )
+        settings = DispatchSettings(
+            max_jobs=max_jobs, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None
+        )
+        capacity = Capacity(_Slots(slots, stages), ttl_s=0.0)
+        dispatcher = Dispatcher(
+            redis, jobs, queue, pipeline, capacity, settings, shared_metrics(ReceptionMetrics)
+        )
+        await dispatcher.start()
+        try:
+            await asyncio.sleep(1.5)  # long enough to take every job it may
+            in_progress = sum(stages.placements.values())
+            stages.unblock.set()
+            for _ in range(400):
+                records = [await jobs.get(f"job-{i}") for i in range(40)]
+                if all(r.final for r in records):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await dispatcher.stop()
+        await redis.aclose()
+        return in_progress, records, stages
+
+    in_progress, records, stages = asyncio.run(scenario())
+    assert in_progress == running
+    assert [r.status for r in records] == [common_pb2.JOB_STATUS_COMPLETED] * 40
+    assert stages.releases == stages.placements
