@@ -30,11 +30,11 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from libs.config import ConfigError, ServerConfig
 from libs.grpc_client import KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES
 from libs.grpc_interceptors import ErrorMapper, server_interceptors
+from libs.grpc_reflection import enable_reflection
 from libs.logging import configure_logging, get_logger, is_configured
 from libs.metrics import start_metrics_server
 
@@ -125,7 +125,7 @@ async def serve(
     server = grpc.aio.server(interceptors=server_interceptors(service, error_mapper), options=SERVER_OPTIONS)
     names = list(register(server))
     await health.attach(server, names)
-    reflection.enable_server_reflection([*names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+    enable_reflection([*names, HEALTH_SERVICE_NAME], server)
     try:
         port = server.add_insecure_port(config.bind_address)
     except RuntimeError:

@@ -198,8 +198,13 @@ class LocalStack:
         self._redis_dir().mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path(REDIS), "ab") as log:  # the process has its own copy
+            # In a session of its own, like the services: a terminal's Ctrl-C reaches only the
+            # process that started the stack, which stops the services first and Redis last.
             self._redis = subprocess.Popen(
-                self._redis_command(program, port), stdout=log, stderr=subprocess.STDOUT
+                self._redis_command(program, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         return port

@@ -129,7 +129,12 @@ def _run(args: argparse.Namespace) -> int:
             stack.start(timeout=START_TIMEOUT_S)  # stops what it started if it fails or is stopped
             print(
                 how_to_call(
-                    stack.target("reception"), stack.target("preparation"), metrics_ports, args.log_dir
+                    stack.target("reception"),
+                    stack.target("preparation"),
+                    metrics_ports,
+                    args.log_dir,
+                    expertctl=local_command("expertctl"),
+                    python=local_command("python"),
                 )
             )
             sys.stdout.flush()
@@ -149,8 +154,16 @@ def _run(args: argparse.Namespace) -> int:
             raise
 
 
-def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, int], log_dir: Path) -> str:
-    """The block printed once the stack is up: the CLI, the SDK, grpcurl, metrics and logs."""
+def how_to_call(
+    reception: str,
+    preparation: str,
+    metrics_ports: Mapping[str, int],
+    log_dir: Path,
+    expertctl: str = "expertctl",
+    python: str = "python",
+) -> str:
+    """The block printed once the stack is up: the CLI, the SDK, grpcurl, metrics and logs.
+    `expertctl` and `python` are how the user runs them from here (local_command)."""
     # --target only when a service is not where the clients look by default.
     to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
     to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
@@ -161,13 +174,13 @@ def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, in
     lines = [
         f"{READY_LINE}: the API (reception) is at {reception}.",
         "",
-        f'  expertctl infer {to_reception}"What is the capital of France?"',
-        f'  expertctl stream {to_reception}"Tell me a story"',
-        f"  expertctl engines{to_preparation}",
+        f'  {expertctl} infer {to_reception}"What is the capital of France?"',
+        f'  {expertctl} stream {to_reception}"Tell me a story"',
+        f"  {expertctl} engines{to_preparation}",
         "",
-        "From Python:",
-        "  from expert_system import ExpertClient",
-        f'  {client}.infer(prompt="What is the capital of France?").text',
+        "From Python (or any Python after `pip install ./sdk/python`):",
+        f"  {python} -c 'from expert_system import ExpertClient; "
+        f'print({client}.infer(prompt="What is the capital of France?").text)\'',
         "",
         "With grpcurl (server reflection is on):",
         f"  grpcurl -plaintext {reception} list",
@@ -180,6 +193,22 @@ def how_to_call(reception: str, preparation: str, metrics_ports: Mapping[str, in
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def local_command(name: str) -> str:
+    """How to run the program `name` of this interpreter's environment (its bin directory) from
+    the current directory, as printed for the user to copy: bare when that is what PATH finds
+    (an activated venv), else its path, relative when it lies below here (.venv/bin/expertctl)."""
+    program = Path(os.path.abspath(sys.executable)).parent / name
+    if not program.is_file():
+        return name
+    found = shutil.which(name)
+    if found is not None and os.path.samefile(found, program):
+        return name
+    try:
+        return str(program.relative_to(Path.cwd()))
+    except ValueError:
+        return str(program)
 
 
 def service_settings(settings: Mapping[str, str], flags: list[str], model: Path) -> dict[str, str]:

@@ -228,6 +228,20 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert result.status == "completed", result
     assert 0 < result.tokens_generated <= 8
 
+    # The banner's commands work exactly as printed, from where `up` was started.
+    assert stdout.wait_for("Ctrl-C stops everything", 10)
+    commands = [
+        line.strip()
+        for line in stdout.seen
+        if line.startswith("  ") and (" infer " in line or " stream " in line or " -c " in line)
+    ]
+    assert len(commands) == 3, stdout.seen
+    for command in commands:
+        done = subprocess.run(
+            command, shell=True, env=_environment(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr)
+
     # Every listener is on 127.0.0.1 only: the services' gRPC and metrics ports, and Redis's.
     redis_port = int(_command_line(_child(process.pid, "redis-server")).split(":")[-1])
     for port in [*ports.values(), metrics_port, redis_port]:
@@ -250,6 +264,12 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert [pid for pid in children if _running(pid)] == []
     for service, port in ports.items():
         assert health_status(f"localhost:{port}", timeout=0.5) is None, f"{service} still answers"
+    # The services stopped before Redis, and none logged an error on the way out.
+    for service in SERVICES:
+        lines = (log_dir / f"{service}.log").read_text().splitlines()
+        errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
+        assert errors == [], f"{service}: {errors[:3]}"
+    assert "Received SIGTERM scheduling shutdown" in (log_dir / "redis.log").read_text()
 
 
 @pytest.mark.timeout(180)

@@ -5,7 +5,11 @@ the logs."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -61,6 +65,37 @@ def test_reflection_lists_the_services():
             assert {ROUTER, ENGINE, INFERENCE, "grpc.health.v1.Health"} <= names
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_reflection_v1_and_v1alpha_serve_an_outside_client(protocol):
+    """buf curl (a Go client, not grpcio) lists the services and methods over each reflection
+    protocol, then calls a method whose schema it downloaded that way."""
+    buf = Path(sys.executable).parent / "buf"
+
+    def curl(*args: str) -> str:
+        command = [str(buf), "curl", "--protocol", "grpc", "--http2-prior-knowledge"]
+        done = subprocess.run(
+            [*command, "--reflect-protocol", protocol, *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    async def scenario():
+        async with running() as server:
+            await server.health.set_serving(True)
+            base = f"http://{server.target}"
+            services = await asyncio.to_thread(curl, "--list-services", base)
+            methods = await asyncio.to_thread(curl, "--list-methods", base)
+            answer = await asyncio.to_thread(curl, "--data", "{}", f"{base}/grpc.health.v1.Health/Check")
+            return set(services.split()), methods.split(), json.loads(answer)
+
+    services, methods, answer = asyncio.run(scenario())
+    assert {ROUTER, ENGINE, INFERENCE, "grpc.health.v1.Health"} <= services
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert f"{ROUTER}/Plan" in methods
+    assert "grpc.reflection.v1.ServerReflection/ServerReflectionInfo" in methods
+    assert answer == {"status": "SERVING"}
 
 
 def test_a_service_error_becomes_its_status_with_field_violations():
