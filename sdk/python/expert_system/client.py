@@ -8,8 +8,7 @@ from typing import TypeVar, Unpack
 
 import grpc
 
-from libs.gen.expert.v1 import inference_pb2, inference_pb2_grpc
-
+from ._proto.expert.v1 import inference_pb2, inference_pb2_grpc
 from .errors import error_from_call
 from .request import RequestFields, build_request
 from .results import (

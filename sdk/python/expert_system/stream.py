@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
-from libs.gen.expert.v1 import inference_pb2
-
+from ._proto.expert.v1 import inference_pb2
 from .errors import ExpertSystemError, error_from_aio_call, error_from_call
 from .results import (
     InferenceResult,
