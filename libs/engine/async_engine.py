@@ -45,17 +45,28 @@ class RequestStream:
     """The outputs of one request as an async iterator; ends after the finished output."""
 
     def __init__(
-        self, request_id: str, output_kind: OutputKind = OutputKind.CUMULATIVE, max_pending: int = 64
+        self,
+        request_id: str,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        max_pending: int = 64,
+        on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.output_kind = output_kind
         self.max_pending = max_pending
+        self.on_finished = on_finished
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
         self.coalesced = 0  # outputs merged because the consumer was behind
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if self.on_finished is not None and isinstance(item, RequestOutput) and item.finished:
+            # On arrival, not when read: a consumer that went away (a cancelled call) never reads it.
+            try:
+                self.on_finished(item)
+            except Exception:
+                log.exception("on_finished of request %s failed", self.request_id)
         last = self._items[-1] if self._items else None
         if (
             len(self._items) >= self.max_pending
@@ -114,8 +125,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_pretrained(cls, model: str, *, max_pending: int = 64, **overrides: Any) -> AsyncLLMEngine:
-        """An engine that loads `model` on its own thread when started."""
-        return cls(lambda: LLMEngine.from_pretrained(model, **overrides), max_pending)
+        """An engine that loads `model` on its own thread when started; the settings are those of
+        `LLMEngine.from_pretrained` (dtype a torch.dtype or its name) and are checked here, at once."""
+        return cls.from_config(LLMEngine.pretrained_config(model, **overrides), max_pending=max_pending)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, max_pending: int = 64) -> AsyncLLMEngine:
@@ -167,12 +179,17 @@ class AsyncLLMEngine:
         priority: int = 0,
         experts: ExpertSpec | None = None,
         stream_interval: int = 1,
+        on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
         With `stream_interval` N > 1, the engine thread holds a request's outputs back until they
         carry N new tokens (merged into one), and always delivers the last: a caller that does not
         show tokens as they come then does not wake the event loop at every step.
+
+        `on_finished` is called on the event loop with the request's finished output when it reaches
+        the stream, whether or not anyone reads the stream any more: once for every request that
+        finishes, aborted ones (a cancelled caller, a deadline, shutdown) included.
 
         Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input.
         """
@@ -185,7 +202,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         request = self.engine.prepare_request(request_id, prompt, params, priority=priority, experts=experts)
-        stream = RequestStream(request_id, request.params.output_kind, self.max_pending)
+        stream = RequestStream(request_id, request.params.output_kind, self.max_pending, on_finished)
         self._streams[request_id] = stream
         self._inbox.put(("add", (request, stream_interval)))
         self._wake.set()

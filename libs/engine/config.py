@@ -10,6 +10,31 @@ from libs.config import ConfigError, EnvReader
 
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
 
+# dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+
+def canonical_dtype(value: Any) -> str:
+    """The canonical name ("auto", "float32", "bfloat16", "float16") of a dtype given by name (vLLM's
+    "float" and "half" too) or as a torch.dtype of those three; ConfigError naming `dtype` otherwise."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # no torch import here
+        name = str(value).removeprefix("torch.")
+        if name in ("float32", "bfloat16", "float16"):
+            return name
+    elif isinstance(value, str) and value in DTYPE_NAMES:
+        return DTYPE_NAMES[value]
+    raise ConfigError(
+        "dtype: expected auto, float32 (float), bfloat16, float16 (half) or one of torch.float32, "
+        f"torch.bfloat16, torch.float16, got {value!r}"
+    )
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -75,7 +100,9 @@ class AdapterConfig:
 class EngineConfig:
     """Everything the engine needs to start: the checkpoint, where to run, cache and scheduling.
 
-    device / dtype "auto": CUDA with bfloat16 when a GPU is present, else the CPU with float32.
+    device / dtype "auto": CUDA with bfloat16 when a GPU is present, else the CPU with float32. dtype
+    may be given as a torch.dtype or by vLLM's names ("float", "half"); it is kept as its canonical
+    name ("float32", "bfloat16", "float16" or "auto").
     kernels "auto": the native CPU kernels when they apply (CPU, float32), else torch operators.
     static_decode_shapes pads decode batches to fixed sizes (needed for CUDA-graph capture);
     "auto" turns it on for CUDA only, since on a CPU padding costs compute and buys nothing.
@@ -83,7 +110,7 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # also accepted: a torch.dtype or vLLM's names ("float", "half"), kept canonical
     kernels: str = "auto"
     num_threads: int | None = None
     max_model_len: int | None = None
@@ -94,8 +121,8 @@ class EngineConfig:
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         choices = {
-            "dtype": ("auto", "float32", "bfloat16", "float16"),
             "kernels": ("auto", "native", "torch"),
             "static_decode_shapes": ("auto", "on", "off"),
         }

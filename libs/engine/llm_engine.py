@@ -48,6 +48,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # fp32 is the fast dtype on CPUs without bf16 units; bf16 is the GPU serving default.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    # EngineConfig has already turned any accepted spelling or torch.dtype into one of these names.
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -131,12 +132,25 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str, device: str | None = None, dtype: str | None = None, **overrides: Any
+        cls,
+        model: str,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        **overrides: Any,
     ) -> LLMEngine:
         """An engine for the checkpoint directory `model`; other EngineConfig, CacheConfig or
-        SchedulerConfig fields can be given by name (e.g. num_blocks=64, max_num_seqs=8)."""
+        SchedulerConfig fields can be given by name (e.g. num_blocks=64, max_num_seqs=8). `dtype` is
+        a torch.dtype or its name ("float32", "bfloat16", "float16", vLLM's "float" and "half"), or
+        None / "auto" for the device's default."""
+        return cls(cls.pretrained_config(model, device, dtype, **overrides))
+
+    @staticmethod
+    def pretrained_config(
+        model: str, device: str | None = None, dtype: str | torch.dtype | None = None, **overrides: Any
+    ) -> EngineConfig:
+        """The EngineConfig `from_pretrained` builds (ConfigError naming the field for a bad value)."""
         overrides |= {"model": str(model), "device": device or "auto", "dtype": dtype or "auto"}
-        return cls(EngineConfig().with_overrides(**overrides))
+        return EngineConfig().with_overrides(**overrides)
 
     # -- requests ------------------------------------------------------------------------------
 

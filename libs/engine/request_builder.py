@@ -79,8 +79,18 @@ class RequestBuilder:
             experts=resolved.uses,
             adapter_key=resolved.adapter_key,
             num_virtual_tokens=resolved.num_virtual_tokens,
+            penalty_exempt_ids=self.penalty_exempt_ids(params),
         )
         return Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
+
+    def penalty_exempt_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a request's penalties leave alone: the tokenizer's control tokens (eos ids included,
+        whether or not the request ignores eos) and the request's stop ids. Empty without penalties."""
+        if not params.uses_penalties:
+            return ()
+        vocab = self.model_config.vocab_size
+        ids = self.tokenizer.control_token_ids.union(params.stop_token_ids)
+        return tuple(sorted(i for i in ids if i < vocab))
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

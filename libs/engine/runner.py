@@ -165,6 +165,7 @@ class ModelRunner:
             batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
             batch.prompt_tokens = self._padded([s.prompt_token_ids for s in seqs])
             batch.output_tokens = self._padded([s.output_token_ids for s in seqs])
+            batch.penalty_exempt = self._padded([list(s.penalty_exempt_ids) for s in seqs])
         return batch
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:

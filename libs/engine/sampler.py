@@ -35,6 +35,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None
     prompt_tokens: torch.Tensor | None = None  # [S, Lp] int64 padded with vocab_size
     output_tokens: torch.Tensor | None = None  # [S, Lo] int64 padded with vocab_size
+    # [S, Le] int64 padded with vocab_size: ids no penalty touches (EOS, stop ids, control tokens)
+    penalty_exempt: torch.Tensor | None = None
     num_logprobs: int = -1  # max top-N logprobs any row wants, -1 = none
     all_greedy: bool = False
     any_top_k: bool = False
@@ -74,8 +76,19 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor) ->
     return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
+def _token_mask(tokens: torch.Tensor, s: int, v: int) -> torch.Tensor:
+    """[S, V] bool: the ids of each row of `tokens` (padded with v)."""
+    mask = torch.zeros(s, v + 1, device=tokens.device, dtype=torch.bool)
+    mask.scatter_(1, tokens, True)
+    return mask[:, :v]
+
+
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's penalties, then each row's exempt ids (EOS, stop ids, control tokens) get their logits
+    back: no penalty can keep a model from ending its turn, however often the prompt holds the
+    end-of-turn token."""
     s, v = logits.shape
+    raw = logits
     if batch.output_tokens is not None:
         counts = torch.zeros(s, v + 1, device=logits.device, dtype=logits.dtype)
         counts.scatter_add_(1, batch.output_tokens, torch.ones_like(batch.output_tokens, dtype=logits.dtype))
@@ -85,9 +98,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if batch.repetition_penalty is not None:
         seen = counts > 0
         if batch.prompt_tokens is not None:
-            in_prompt = torch.zeros(s, v + 1, device=logits.device, dtype=torch.bool)
-            in_prompt.scatter_(1, batch.prompt_tokens, True)
-            seen = seen | in_prompt[:, :v]
+            seen = seen | _token_mask(batch.prompt_tokens, s, v)
         penalty = batch.repetition_penalty[:, None].expand_as(logits)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
@@ -95,6 +106,8 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         logits = logits - batch.frequency_penalty[:, None] * counts
     if batch.presence_penalty is not None:
         logits = logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    if batch.penalty_exempt is not None:
+        logits = torch.where(_token_mask(batch.penalty_exempt, s, v), raw, logits)
     return logits
 
 

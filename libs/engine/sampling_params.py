@@ -31,7 +31,8 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0 (or -1), top_p 1 and min_p 0 switch those filters off. Penalties
     follow vLLM: repetition divides positive / multiplies negative logits of tokens already in the
-    prompt or output; presence and frequency subtract per output-token occurrence. A seed makes the
+    prompt or output; presence and frequency subtract per output-token occurrence. Unlike vLLM, none
+    touches the eos ids, the stop_token_ids or the tokenizer's control tokens. A seed makes the
     sampled tokens reproducible whatever else shares the batch. `stop` strings never appear in the
     output text (unless include_stop_str_in_output). `logprobs` N returns the N most likely tokens
     per position (0: only the sampled token's).

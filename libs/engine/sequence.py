@@ -74,6 +74,7 @@ class Sequence:
         experts: tuple[ExpertUse, ...] = (),
         adapter_key: bytes = b"",
         num_virtual_tokens: int = 0,
+        penalty_exempt_ids: tuple[int, ...] = (),
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -83,6 +84,7 @@ class Sequence:
         self.token_ids = [0] * num_virtual_tokens + list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
+        self.penalty_exempt_ids = penalty_exempt_ids  # RequestBuilder.penalty_exempt_ids
         self.request_seed = request_seed
         self.seed = output_seed(request_seed, index)
         self.priority = priority
@@ -155,6 +157,7 @@ class Sequence:
             experts=self.experts,
             adapter_key=self.adapter_key,
             num_virtual_tokens=self.num_virtual_tokens,
+            penalty_exempt_ids=self.penalty_exempt_ids,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -84,6 +84,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             priority=request.priority,
             experts=experts or None,
             stream_interval=max(1, request.stream_interval),  # held back on the engine thread
+            on_finished=self._observe,  # every finished request once, a cancelled call's too
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
         try:
@@ -100,6 +101,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if not request.request_id:
             raise invalid_argument("request_id", "must not be empty")
         return engine_pb2.AbortResponse(found=self._ready().abort(request.request_id))
+
+    def _observe(self, output: RequestOutput) -> None:
+        self.metrics.observe_request(output.metrics, output.outputs[0].finish_reason or "stop")
 
     def _response(self, output: RequestOutput, timed_out: bool = False) -> engine_pb2.GenerateResponse:
         completion = output.outputs[0]
@@ -127,7 +131,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 )
                 for e in output.experts
             )
-            self.metrics.observe_request(m, completion.finish_reason or "stop")
         return response
 
     async def GetStats(

@@ -219,6 +219,29 @@ def test_aborting_an_unknown_request_is_a_no_op(engine):
     assert asyncio.run(main())[-1].finish_reason == "length"
 
 
+def test_on_finished_sees_each_finished_request_once_read_or_not(engine):
+    finished = []
+
+    async def main():
+        await engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            short = engine.add_request("read", "Hello", params, on_finished=finished.append)
+            await collect(short)
+            engine.add_request("unread", "Hello", LONG, on_finished=finished.append)  # never read
+            engine.abort("unread")
+            await wait_for(lambda: len(finished) == 2 and idle(engine))
+            await asyncio.sleep(0.2)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert [(o.request_id, o.finish_reason, o.finished) for o in finished] == [
+        ("read", "length", True),
+        ("unread", "abort", True),
+    ]
+
+
 def test_invalid_input_is_refused_when_the_request_is_added(engine):
     async def main():
         await engine.start()

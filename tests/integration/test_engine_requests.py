@@ -4,6 +4,7 @@ abort, mixed prompts, per-request metrics, engine statistics and priorities."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from libs.engine import InvalidRequestError, LLMEngine, SamplingParams
 
@@ -98,6 +99,23 @@ def test_a_sequence_that_could_never_fit_the_kv_pool_is_refused(tiny_llama):
         assert_idle(small)
     small.add_request("fits", [5] * 10, SamplingParams(max_tokens=22, ignore_eos=True))
     assert run_to_completion(small) == ["fits"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "float32", "float"])
+def test_from_pretrained_takes_a_torch_dtype_or_its_name(tiny_llama, engine, dtype):
+    built = LLMEngine.from_pretrained(
+        str(tiny_llama), dtype=dtype, max_model_len=MAX_MODEL_LEN, num_blocks=64
+    )
+    assert (built.dtype, built.config.dtype, built.kernels) == (torch.float32, "float32", engine.kernels)
+    assert built.generate(["Hello"], GREEDY)[0].token_ids == engine.generate(["Hello"], GREEDY)[0].token_ids
+
+
+def test_from_pretrained_with_bfloat16_runs_in_bfloat16(tiny_llama):
+    built = LLMEngine.from_pretrained(
+        str(tiny_llama), dtype=torch.bfloat16, max_model_len=MAX_MODEL_LEN, num_blocks=64
+    )
+    assert built.dtype == torch.bfloat16 and built.config.dtype == "bfloat16" and built.dtype_bytes == 2
+    assert len(built.generate(["Hello"], GREEDY)[0].token_ids) == GREEDY.max_tokens
 
 
 def test_max_model_len_is_capped_at_the_model_positions(tiny_llama):

@@ -3,6 +3,7 @@ stop ids and strings, lengths, EOS, logprobs against transformers, seeds, n, out
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import itertools
 import json
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from libs.engine import LLMEngine, OutputKind, RequestOutput, SamplingParams
+from libs.engine.sampler import _apply_penalties
 from tests.helpers.reference import hf_greedy, load_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -27,6 +29,13 @@ def engine(tiny_llama) -> LLMEngine:
 @pytest.fixture(scope="module")
 def default_engine(default_model) -> LLMEngine:
     return LLMEngine.from_pretrained(str(default_model), max_model_len=512, num_blocks=64)
+
+
+def complete_text(tokenizer, ids: list[int]) -> str:
+    """The text of byte-level `ids` less a character cut off at the end (Python's incremental UTF-8
+    decoder holds such trailing bytes back)."""
+    data = b"".join(tokenizer.token_bytes(i) for i in ids)
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)
 
 
 def one(engine: LLMEngine, prompt, params: SamplingParams) -> RequestOutput:
@@ -151,7 +160,53 @@ def test_the_text_is_the_decoded_token_ids(engine):
     for prompt in PROMPTS:
         for params in (GREEDY, SamplingParams(temperature=1.0, seed=9, max_tokens=32, ignore_eos=True)):
             out = one(engine, prompt, params)
-            assert out.text == engine.tokenizer.decode(out.token_ids)
+            assert out.text == complete_text(engine.tokenizer, out.token_ids)
+            assert engine.tokenizer.decode(out.token_ids).startswith(out.text)
+
+
+def cuts_inside_characters(engine: LLMEngine, prompt: str) -> tuple[list[int], list[int]]:
+    """The greedy output of `prompt` and the lengths at which it ends inside a character."""
+    ids = one(engine, prompt, dataclasses.replace(GREEDY, max_tokens=48)).token_ids
+    tokenizer = engine.tokenizer
+    return ids, [
+        k for k in range(1, len(ids)) if complete_text(tokenizer, ids[:k]) != tokenizer.decode(ids[:k])
+    ]
+
+
+def test_an_output_cut_by_max_tokens_inside_a_character_leaves_it_out_of_the_text(engine):
+    # The tiny model's greedy output is full of tokens that end inside a character: cut it there.
+    reached = 0
+    for prompt in PROMPTS:
+        ids, cuts = cuts_inside_characters(engine, prompt)
+        for k in cuts:
+            params = dataclasses.replace(GREEDY, max_tokens=k, output_kind=OutputKind.DELTA)
+            deltas = stream(engine, prompt, params, f"cut-{prompt}-{k}")
+            assert [t for d in deltas for t in d.outputs[0].token_ids] == ids[:k]  # every token id
+            assert deltas[-1].finish_reason == "length"
+            text = "".join(d.outputs[0].text for d in deltas)
+            assert engine.tokenizer.decode(ids[:k]).endswith("\ufffd")
+            assert text == complete_text(engine.tokenizer, ids[:k])
+            reached += 1
+    assert reached >= 10
+
+
+@pytest.mark.parametrize("ending", ["stop_token", "abort"])
+def test_an_output_stopped_or_aborted_inside_a_character_leaves_it_out_of_the_text(engine, ending):
+    ids, cuts = cuts_inside_characters(engine, "Hello")
+    k = next(k for k in cuts if ids[k] not in ids[:k])
+    params = dataclasses.replace(GREEDY, output_kind=OutputKind.DELTA)
+    if ending == "stop_token":
+        params.stop_token_ids = [ids[k]]
+    engine.add_request(f"cut-{ending}", "Hello", params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+        if ending == "abort" and sum(len(d.outputs[0].token_ids) for d in deltas) == k:
+            engine.abort_request(f"cut-{ending}")
+    tokens = [t for d in deltas for t in d.outputs[0].token_ids]
+    assert tokens == (ids[: k + 1] if ending == "stop_token" else ids[:k])
+    assert deltas[-1].finish_reason == ("stop" if ending == "stop_token" else "abort")
+    assert "".join(d.outputs[0].text for d in deltas) == complete_text(engine.tokenizer, ids[:k])
 
 
 def test_without_max_tokens_a_sequence_runs_to_max_model_len(engine):
@@ -231,6 +286,43 @@ def test_the_default_model_ignoring_eos_runs_to_max_tokens(default_engine):
     out = default_engine.chat(messages, params)[0]
     assert len(out.token_ids) == 20
     assert out.finish_reason == "length"
+
+
+# -- penalties ------------------------------------------------------------------------------------
+
+
+def test_penalties_leave_eos_stop_ids_and_chat_control_tokens_alone(engine):
+    # Through the engine's own path: the request's exempt ids, the runner's sampling batch, the
+    # sampler's penalties; a chat prompt and an output holding the control tokens many times.
+    tokenizer = engine.tokenizer
+    im_start, im_end = (tokenizer.backend.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    endoftext = tokenizer.backend.token_to_id("<|endoftext|>")
+    word, stop = tokenizer.encode("Hello")[0], tokenizer.encode(" world")[-1]
+    assert tokenizer.eos_token_ids == {im_end} and len({im_start, im_end, endoftext, word, stop}) == 5
+    params = SamplingParams(
+        repetition_penalty=1.3, presence_penalty=1.0, frequency_penalty=1.0, stop_token_ids=[stop]
+    )
+    conversation = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello"}] * 3
+    request = engine.prepare_request("exempt", conversation, params)
+    seq = request.seqs[0]
+    for token in [im_start, word, im_end, endoftext, stop] * 4:
+        seq.append_token(token)
+    assert {im_start, im_end, word} <= set(seq.prompt_token_ids)
+    logits = torch.linspace(-2.0, 2.0, engine.model_config.vocab_size)[None, :]
+    logits[0, [im_start, im_end, endoftext, stop, word]] = torch.tensor([1.0, 2.0, -1.0, 0.5, 1.5])
+    out = _apply_penalties(logits.clone(), engine.runner._sampling_batch([seq], [0]))
+    for token in (im_start, im_end, endoftext, stop):
+        assert out[0, token] == logits[0, token]
+    assert out[0, word] == pytest.approx(1.5 / 1.3 - 4 - 1)  # 4 times in the output
+
+
+@pytest.mark.default_model
+def test_the_default_model_with_a_repetition_penalty_still_ends_its_turn(default_engine):
+    # Seed 47 ran to its 2048-token cap before the end-of-turn token was exempted from penalties.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1, max_tokens=400, seed=47)
+    out = default_engine.chat(messages, params)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in default_engine.tokenizer.eos_token_ids
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import random
 import tracemalloc
 
@@ -44,6 +46,24 @@ def _stream(detokenizer: IncrementalDetokenizer, chunks: list[list[int]]) -> lis
     return [detokenizer.add(chunk) for chunk in chunks] + [detokenizer.flush()]
 
 
+def _complete_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """Reference: the text of byte-level `ids` less a character cut off at the end, by Python's
+    incremental UTF-8 decoder, which holds back exactly such trailing bytes."""
+    data = b"".join(tokenizer.token_bytes(i, skip_special_tokens) for i in ids)
+    assert data.decode("utf-8", errors="replace") == tokenizer.decode(ids, skip_special_tokens)
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)
+
+
+def _byte_ids(tokenizer: Tokenizer, data: bytes) -> list[int]:
+    """One single-byte token per byte (the byte-level alphabet or the <0xNN> byte-fallback tokens)."""
+    singles = {}
+    for i in range(tokenizer.vocab_size):
+        token_bytes = tokenizer.token_bytes(i)
+        if token_bytes is not None and len(token_bytes) == 1:
+            singles.setdefault(token_bytes, i)
+    return [singles[bytes([b])] for b in data]
+
+
 def _sample_ids(tokenizer: Tokenizer, rng: random.Random) -> list[int]:
     texts = rng.sample([*SAMPLE_TEXTS, MULTIBYTE_TEXT], k=4)
     return tokenizer.encode(" ".join(texts), add_special_tokens=False)
@@ -60,7 +80,7 @@ def test_deltas_concatenate_to_the_full_decode_for_random_ids(byte_level, skip_s
         ids = [rng.randrange(byte_level.vocab_size) for _ in range(rng.randint(1, 40))]
         detokenizer = IncrementalDetokenizer(byte_level, prompt, skip_special_tokens=skip_special_tokens)
         deltas = _stream(detokenizer, _random_chunks(ids, rng))
-        assert "".join(deltas) == byte_level.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == _complete_text(byte_level, ids, skip_special_tokens)
 
 
 def test_multibyte_characters_are_never_split(byte_level):
@@ -92,12 +112,56 @@ def test_a_character_completed_by_several_tokens_is_emitted_once_whole(byte_leve
     assert [detokenizer.add([i]) for i in ids] == [""] * (len(ids) - 1) + ["🦄"]
 
 
-def test_flush_releases_an_incomplete_character(byte_level):
-    ids = byte_level.encode("🦄", add_special_tokens=False)[:-1]
+def test_flush_leaves_out_a_character_the_sequence_never_finished(byte_level):
+    ids = byte_level.encode("ab", add_special_tokens=False) + _byte_ids(byte_level, "🦄".encode()[:3])
+    assert byte_level.decode(ids) == "ab" + REPLACEMENT
     detokenizer = IncrementalDetokenizer(byte_level, [])
-    assert detokenizer.add(ids) == ""
-    assert detokenizer.flush() == byte_level.decode(ids)
-    assert REPLACEMENT in byte_level.decode(ids)
+    assert detokenizer.add(ids) == "ab"
+    assert detokenizer.flush() == ""
+
+
+def test_a_cut_inside_a_token_that_also_holds_whole_characters_drops_only_the_cut_bytes(byte_level):
+    # Byte-level merges make tokens such as " \xf0\x9f": a space, then the first bytes of an emoji.
+    mixed = {}
+    for i in range(byte_level.vocab_size):
+        data = byte_level.token_bytes(i)
+        lead = next((k for k in range(1, 4) if len(data) > k and 0xC2 <= data[-k] <= 0xF4), None)
+        if lead is not None and data[-lead:].decode(errors="ignore") == "":
+            with contextlib.suppress(UnicodeDecodeError):
+                mixed[i] = data[:-lead].decode()
+    assert len(mixed) >= 5 and " " in mixed.values()
+    prompt_like = byte_level.encode("x", add_special_tokens=False)
+    for token, whole in mixed.items():
+        ids = [*prompt_like, token]
+        assert byte_level.decode(ids) == "x" + whole + REPLACEMENT
+        detokenizer = IncrementalDetokenizer(byte_level, [])
+        assert detokenizer.add(ids) + detokenizer.flush() == "x" + whole
+
+
+def test_a_replacement_character_the_model_wrote_is_kept_even_at_the_end(byte_level):
+    # U+FFFD as a character (EF BF BD) and bytes no continuation can make valid (FF, a lone C0).
+    for data, text in ((b"ab\xef\xbf\xbd", "ab" + REPLACEMENT), (b"ab\xff", "ab" + REPLACEMENT)):
+        ids = _byte_ids(byte_level, data)
+        assert "".join(_stream(IncrementalDetokenizer(byte_level, []), [[i] for i in ids])) == text
+    ids = _byte_ids(byte_level, b"\xc0ab\xe4\xb8")  # invalid in the middle, unfinished at the end
+    assert "".join(_stream(IncrementalDetokenizer(byte_level, []), [[i] for i in ids])) == REPLACEMENT + "ab"
+
+
+def test_sentencepiece_byte_fallback_cut_keeps_the_whole_characters_of_the_run(sentencepiece):
+    # Byte-fallback decoding shows a whole run of byte tokens as U+FFFD until it ends on a boundary.
+    ids = sentencepiece.encode("Hi", add_special_tokens=False) + _byte_ids(sentencepiece, "日本".encode()[:5])
+    assert sentencepiece.decode(ids).endswith(REPLACEMENT * 5)
+    deltas = _stream(IncrementalDetokenizer(sentencepiece, []), [[i] for i in ids])
+    assert "".join(deltas) == "Hi日"
+
+
+def test_a_character_unfinished_when_the_stall_limit_is_reached_is_not_emitted(byte_level):
+    # 63 bytes that can never be text, then a character in three tokens: the stall limit (64 tokens
+    # without progress) falls on its first byte, which must wait for the other two.
+    ids = _byte_ids(byte_level, b"\xff" * 63 + "中".encode())
+    deltas = _stream(IncrementalDetokenizer(byte_level, []), [[i] for i in ids])
+    assert "".join(deltas) == REPLACEMENT * 63 + "中"
+    assert deltas[63:] == [REPLACEMENT * 63, "", "中", ""]
 
 
 def test_a_prompt_ending_inside_a_character_does_not_corrupt_the_output(byte_level):
@@ -157,6 +221,9 @@ class _CountingTokenizer:
         self.sizes.append(len(ids))
         return self.tokenizer.decode(ids, **kwargs)
 
+    def token_bytes(self, token_id, skip_special_tokens=True):
+        return self.tokenizer.token_bytes(token_id, skip_special_tokens)
+
 
 def test_each_step_decodes_a_small_window_not_the_whole_output(byte_level):
     counting = _CountingTokenizer(byte_level)
@@ -185,6 +252,9 @@ class _ByteChunkTokenizer:
     def decode(self, ids, **kwargs):
         self.sizes.append(len(ids))
         return b"".join(self.chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id, skip_special_tokens=True):
+        return self.chunks[token_id]
 
 
 def test_text_before_an_incomplete_character_is_not_delayed():

@@ -201,6 +201,52 @@ def test_an_invalid_override_value_is_refused():
         EngineConfig().with_overrides(dtype="int8")
 
 
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("auto", "auto"),
+        ("float32", "float32"),
+        ("float", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+        ("half", "float16"),
+        ("torch.float32", None),
+        ("fp32", None),
+        ("int8", None),
+        (None, None),
+        (32, None),
+    ],
+)
+def test_dtype_takes_vllm_names_and_keeps_the_canonical_one(given, kept):
+    if kept is None:
+        with pytest.raises(ConfigError, match=r"^dtype: expected auto, float32 .* got "):
+            EngineConfig(dtype=given)
+    else:
+        assert EngineConfig(dtype=given).dtype == kept
+        assert EngineConfig().with_overrides(dtype=given) == EngineConfig(dtype=kept)
+
+
+def test_dtype_takes_a_torch_dtype():
+    torch = pytest.importorskip("torch")
+    for given, kept in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.half, "float16")):
+        assert EngineConfig(dtype=given).dtype == kept
+        assert EngineConfig().with_overrides(dtype=given) == EngineConfig(dtype=kept)
+    for refused in (torch.float64, torch.int8):
+        with pytest.raises(ConfigError, match=rf"^dtype: .* got {refused}$"):
+            EngineConfig(dtype=refused)
+
+
+def test_a_bad_dtype_given_to_from_pretrained_is_refused_before_anything_loads():
+    torch = pytest.importorskip("torch")
+    from libs.engine import AsyncLLMEngine, LLMEngine
+
+    for build in (LLMEngine.from_pretrained, AsyncLLMEngine.from_pretrained):
+        with pytest.raises(ConfigError, match=r"^dtype: "):
+            build("/nowhere", dtype=torch.int8)
+        with pytest.raises(ConfigError, match=r"^dtype: "):
+            build("/nowhere", dtype="fp8")
+
+
 def test_the_config_is_frozen():
     config = EngineConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

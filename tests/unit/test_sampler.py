@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from libs.engine.sampler import Sampler, SamplingBatch
+from libs.engine.sampler import Sampler, SamplingBatch, _apply_penalties
 
 DRAWS = 2000
 
@@ -42,6 +42,7 @@ def make_batch(
     frequency_penalty=None,
     prompt_tokens: Sequence[Sequence[int]] | None = None,
     output_tokens: Sequence[Sequence[int]] | None = None,
+    penalty_exempt: Sequence[Sequence[int]] | None = None,
     vocab_size: int | None = None,
     num_logprobs: int = -1,
 ) -> SamplingBatch:
@@ -75,6 +76,8 @@ def make_batch(
         batch.frequency_penalty = _column(frequency_penalty or 0.0, rows, torch.float32)
         batch.prompt_tokens = _padded(prompt_tokens or [[]] * rows, vocab_size)
         batch.output_tokens = _padded(output_tokens or [[]] * rows, vocab_size)
+        if penalty_exempt is not None:
+            batch.penalty_exempt = _padded(penalty_exempt, vocab_size)
     return batch
 
 
@@ -260,6 +263,63 @@ def test_penalties_of_one_row_do_not_touch_another():
         2, temperature=0.0, repetition_penalty=[2.0, 1.0], prompt_tokens=[[0], [0]], vocab_size=2
     )
     assert Sampler()(logits, batch).token_ids.tolist() == [1, 0]
+
+
+EOS, IM_START, IM_END, STOP, WORD, UNSEEN = range(6)
+# A chat history in which the end-of-turn, control and stop tokens occur many times, as in a
+# multi-turn prompt (and in an output that went on past them).
+HISTORY = [IM_START, WORD, IM_END, EOS, STOP, WORD] * 5
+STRONG = {"repetition_penalty": 1.3, "presence_penalty": 1.0, "frequency_penalty": 1.0}
+
+
+def test_penalties_leave_eos_stop_and_control_token_logits_unchanged():
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.7, 3.0, 0.5]])
+    batch = make_batch(
+        1,
+        prompt_tokens=[HISTORY],
+        output_tokens=[HISTORY],
+        penalty_exempt=[[EOS, IM_START, IM_END, STOP]],
+        vocab_size=6,
+        **STRONG,
+    )
+    out = _apply_penalties(logits, batch)
+    for token in (EOS, IM_START, IM_END, STOP, UNSEEN):
+        assert out[0, token] == logits[0, token]
+    # the ordinary word, 10 times in the output: 3.0 / 1.3 - 10 * 1.0 - 1.0
+    assert out[0, WORD] == pytest.approx(3.0 / 1.3 - 10 - 1)
+
+
+def test_without_exempt_ids_every_seen_token_is_penalized_as_vllm_does():
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.7, 3.0, 0.5]])
+    batch = make_batch(1, prompt_tokens=[HISTORY], output_tokens=[HISTORY], vocab_size=6, **STRONG)
+    out = _apply_penalties(logits, batch)
+    assert out[0, EOS] == pytest.approx(2.0 / 1.3 - 5 - 1)
+    assert out[0, IM_START] == pytest.approx(-1.0 * 1.3 - 5 - 1)
+    assert out[0, UNSEEN] == logits[0, UNSEEN]
+
+
+def test_exempt_ids_are_per_row():
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.7, 3.0, 0.5]] * 2)
+    batch = make_batch(
+        2,
+        prompt_tokens=[HISTORY] * 2,
+        output_tokens=[HISTORY] * 2,
+        penalty_exempt=[[EOS], [STOP]],
+        vocab_size=6,
+        **STRONG,
+    )
+    out = _apply_penalties(logits, batch)
+    assert out[0, EOS] == logits[0, EOS] and out[0, STOP] < logits[0, STOP]
+    assert out[1, STOP] == logits[1, STOP] and out[1, EOS] < logits[1, EOS]
+
+
+def test_a_model_that_wants_to_stop_still_stops_under_strong_penalties():
+    # EOS is the most likely token and has been seen 5 times: without the exemption the penalties
+    # would hand the pick to the unseen token.
+    logits = [2.0, -1.0, 1.5, 0.7, 0.0, 1.0]
+    settings = {"prompt_tokens": [HISTORY], "output_tokens": [HISTORY], **STRONG}
+    assert greedy_pick(logits, **settings) == UNSEEN
+    assert greedy_pick(logits, penalty_exempt=[[EOS, IM_START, IM_END, STOP]], **settings) == EOS
 
 
 # -- seeds ----------------------------------------------------------------------------------------

@@ -87,6 +87,38 @@ def test_special_token_ids_match_transformers(pair):
     assert ours.all_special_ids == ref.all_special_ids
 
 
+def test_control_token_ids_are_the_eos_ids_and_every_special_token(pair):
+    ours, ref = pair
+    special_added = {i for i, t in ref.added_tokens_decoder.items() if t.special}
+    assert ours.control_token_ids == ours.eos_token_ids | set(ref.all_special_ids) | special_added
+    assert ours.eos_token_ids <= ours.control_token_ids and special_added
+
+
+def test_a_generation_config_eos_that_is_not_special_is_a_control_token_too(tmp_path):
+    directory = build_byte_level_dir(tmp_path)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 300]}))
+    assert 300 in Tokenizer.from_dir(directory).control_token_ids
+
+
+def test_token_bytes_of_a_byte_level_vocabulary_concatenate_to_the_decoded_text(tmp_path):
+    ours = Tokenizer.from_dir(build_byte_level_dir(tmp_path))
+    rng = random.Random(5)
+    for _ in range(100):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            data = b"".join(ours.token_bytes(i, skip) for i in ids)
+            assert data.decode("utf-8", errors="replace") == ours.decode(ids, skip_special_tokens=skip)
+
+
+def test_token_bytes_of_a_byte_fallback_vocabulary_are_its_byte_tokens_only(tmp_path):
+    tokenizer = Tokenizer.from_dir(build_sentencepiece_dir(tmp_path))
+    byte_e4 = tokenizer.backend.token_to_id("<0xE4>")
+    assert tokenizer.token_bytes(byte_e4) == b"\xe4"
+    assert tokenizer.token_bytes(tokenizer.encode("Hello", add_special_tokens=False)[0]) is None
+    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # skipped when decoding
+    assert tokenizer.token_bytes(tokenizer.eos_token_id, skip_special_tokens=False) is None
+
+
 def test_stop_ids_are_the_union_of_every_declared_eos(tmp_path):
     directory = build_byte_level_dir(tmp_path, eos_token="<|endoftext|>")
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))

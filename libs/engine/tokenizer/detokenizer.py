@@ -6,7 +6,8 @@ space of the first token they see ("▁world" alone decodes to "world"). So each
 window, a few context tokens whose text is already out plus the new ones, and emits what the window
 added beyond that, holding back a trailing U+FFFD run until the character completes (the prefix /
 read offset technique). The context moves up after every step that decodes cleanly, so a call costs
-O(window), not O(sequence length).
+O(window), not O(sequence length). A character that never completes (the sequence was cut by
+max_tokens, a stop or an abort) never reaches the text: only its token ids are kept.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class IncrementalDetokenizer:
     """Turns the token ids of one sequence, as they are generated, into text deltas.
 
     `add(ids)` returns the text those ids completed. For byte-level BPE the deltas concatenate to
-    `tokenizer.decode(output_ids)`; after a prompt, SentencePiece text keeps the leading space the
-    full decode of prompt + output has (" Paris"). `flush()` releases a held incomplete character.
+    `tokenizer.decode(output_ids)` less a character cut off at its end; after a prompt, SentencePiece
+    text keeps the leading space the full decode of prompt + output has (" Paris"). `flush()`
+    releases what is held back, except the bytes of a character that was never finished.
     """
 
     def __init__(
@@ -65,25 +67,60 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         self._num_stalled += len(new_token_ids)
         text = self._decode(self._ids)
-        end = len(text)
-        if text.endswith(_REPLACEMENT) and self._num_stalled < _MAX_STALLED_TOKENS:
-            end = len(text.rstrip(_REPLACEMENT))
-        delta = text[self._num_emitted_chars : end]
-        if end == len(text):
+        held = text.endswith(_REPLACEMENT)
+        if held and self._num_stalled < _MAX_STALLED_TOKENS:
+            text = text.rstrip(_REPLACEMENT)
+        elif held:
+            # Stalled: a U+FFFD the model produced goes out, but never a character still unfinished.
+            complete = self._without_unfinished_character(self._ids, text)
+            held = complete != text
+            text = complete
+        delta = text[self._num_emitted_chars :]
+        if not held:
             self._settle()
             return delta
         if delta:
-            self._num_emitted_chars = end
+            self._num_emitted_chars = len(text)
             self._num_stalled = 0
         if len(self._ids) - self._num_context > _MAX_WINDOW_TOKENS:
             self._move_context()
         return delta
 
     def flush(self) -> str:
-        """At the end of the sequence, release held text (an incomplete character decodes as U+FFFD)."""
-        delta = self._decode(self._ids)[self._num_emitted_chars :]
+        """At the end of the sequence, release the held text; the bytes of a character the sequence
+        never finished are left out (they would decode as U+FFFD)."""
+        text = self._without_unfinished_character(self._ids, self._decode(self._ids))
+        delta = text[self._num_emitted_chars :]
         self._settle()
         return delta
+
+    def _without_unfinished_character(self, ids: list[int], text: str) -> str:
+        """`text`, the decode of `ids`, less a character cut off at its end: trailing bytes that begin a
+        UTF-8 character without finishing it. A U+FFFD that stands for bytes no continuation can make
+        valid, or for the character U+FFFD itself, stays."""
+        if not text.endswith(_REPLACEMENT):
+            return text
+        tail, pieces = b"", []  # the last bytes (at least 4 when there are), (index, size) per token
+        for index in range(len(ids) - 1, -1, -1):
+            data = self._tokenizer.token_bytes(ids[index], self._skip_special_tokens)
+            if data is None:  # a token of whole characters: a character boundary
+                break
+            tail = data + tail
+            pieces.append((index, len(data)))
+            if len(tail) >= 4:
+                break
+        unfinished = _unfinished_utf8(tail)
+        if not unfinished:
+            return text
+        size, cut = 0, len(ids)
+        for index, token_size in pieces:
+            size, cut = size + token_size, index
+            if size >= unfinished:
+                break
+        if size == unfinished:  # the unfinished bytes are whole tokens: the text without them
+            return self._decode(ids[:cut])
+        # They begin inside a token, which only byte-level BPE allows: its decoder shows them as one U+FFFD.
+        return text[:-1]
 
     def _settle(self) -> None:
         # All decoded text is out: the tokens after the old context become the new context.
@@ -104,6 +141,27 @@ class IncrementalDetokenizer:
             self._ids = self._ids[self._num_context :]
             self._num_context = len(context)
             return
+
+
+def _unfinished_utf8(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character without finishing it (0 to 3):
+    a lead byte and fewer continuation bytes than it announces, all of which some continuation
+    completes into a valid character."""
+    for size in range(1, min(len(data), 3) + 1):
+        lead = data[-size]
+        if 0x80 <= lead <= 0xBF:  # a continuation byte: the lead is further back
+            continue
+        need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        if size >= need:  # ASCII, a byte no character starts with, or a character already complete
+            return 0
+        if size == 1:
+            return 1
+        try:  # the second byte has lead-specific limits; later ones only need to be continuations
+            (data[-size:] + b"\x80" * (need - size)).decode("utf-8")
+        except UnicodeDecodeError:
+            return 0
+        return size
+    return 0
 
 
 class StopStringMatcher:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,26 @@ from .chat_template import ChatTemplate, ChatTemplateError
 from .checkpoint import TokenizerError, load_tokenizer_files
 
 __all__ = ["Tokenizer", "TokenizerError"]
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _decoder_types(state: Any) -> set[str]:
+    """Every decoder type named in a decoder's JSON, those inside a Sequence included."""
+    if isinstance(state, Mapping):
+        return {state.get("type"), *(t for d in state.get("decoders") or () for t in _decoder_types(d))}
+    return set()
 
 
 class Tokenizer:
@@ -45,6 +67,13 @@ class Tokenizer:
         self._chat_templates: dict[str, ChatTemplate] = {}
         eos_id = self._token_ids.get("eos_token")
         self._eos_token_ids = frozenset([*stop_token_ids, *([] if eos_id is None else [eos_id])])
+        # The ids `decode(skip_special_tokens=True)` leaves out: the added tokens marked special.
+        self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._control_token_ids = self._eos_token_ids.union(self._all_special_ids, self._skipped_ids)
+        decoder = backend.decoder
+        types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+        self._byte_level = "ByteLevel" in types
+        self._byte_fallback = "ByteFallback" in types
         # transformers skips this WordPiece-era cleanup for BPE models because it corrupts their text.
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
@@ -81,6 +110,13 @@ class Tokenizer:
         return self._eos_token_ids
 
     @property
+    def control_token_ids(self) -> frozenset[int]:
+        """The ids that structure text rather than say something: the eos ids, the named and extra
+        special tokens and every added token marked special (a chat template's `<|im_start|>`,
+        `<|im_end|>`, ...). No repetition, presence or frequency penalty touches them."""
+        return self._control_token_ids
+
+    @property
     def special_tokens(self) -> dict[str, str]:
         """Named special tokens as text, e.g. {"bos_token": "<s>", "eos_token": "</s>"}."""
         return dict(self._special_tokens)
@@ -109,6 +145,24 @@ class Tokenizer:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         clean_up = self._clean_up if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
         return _clean_up_tokenization(text) if clean_up else text
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes | None:
+        """The bytes a token adds to the decoded text, for the tokens whose text can end inside a
+        UTF-8 character: every token of a byte-level decoder and the `<0xNN>` tokens of a byte-fallback
+        one (b"" for a special token that decoding skips). None for a token that always decodes to
+        whole characters, or under a decoder of another kind."""
+        if skip_special_tokens and token_id in self._skipped_ids:
+            return b""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return None
+        if self._byte_level:
+            # As the ByteLevel decoder does: a token outside the alphabet (an added token) is its UTF-8.
+            raw = [_BYTE_LEVEL.get(char) for char in token]
+            return token.encode() if None in raw else bytes(raw)
+        if self._byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
+            return bytes([int(match[1], 16)])
+        return None
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         """Vocabulary strings of `ids` (None for an id outside the vocabulary)."""
