@@ -15,6 +15,7 @@ from libs.redis_client import connect, connect_sync, map_redis_error
 from libs.redis_watch import watch_redis
 from services.router.config import RouterConfig
 from services.router.embedding import SentenceEncoder
+from services.router.features import language_model
 from services.router.feedback import FeedbackLearner
 from services.router.index import ExpertIndex
 from services.router.metrics import RouterMetrics
@@ -54,8 +55,9 @@ async def main() -> None:
 
     async def on_start() -> None:
         nonlocal learning
-        # Loads langdetect's profiles, runs the encoder once and encodes the floors' background
-        # corpus before the first job.
+        # Loads the language model, runs the encoder once and encodes the floors' background corpus
+        # before the first job.
+        language_model()
         await servicer.planner.plan(_warm_up_request())
         index.encoder.encode(["Warm up the router."])
         if index.floor.fixed is None:

@@ -69,7 +69,7 @@ class Planner:
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
         body = request.body if request.HasField("body") else None
         if self._can_select(request):
-            # CPU work (langdetect in Python, the encoder in torch) and the index's Qdrant and Redis
+            # CPU work (the language model in numpy, the encoder in torch) and the index's Qdrant and Redis
             # reads: off the event loop, in one executor call, since splitting the CPU work only makes
             # its parts contend for the GIL.
             features, selection = await asyncio.get_running_loop().run_in_executor(
