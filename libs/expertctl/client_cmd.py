@@ -405,7 +405,19 @@ def _heartbeat_age(engine, now: datetime) -> float | None:
 
 def _engine_dict(engine, now: datetime) -> dict[str, Any]:
     def scalars(message) -> dict[str, Any]:
-        return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+        """The fields as JSON values: nested messages as objects, unset optional fields left out,
+        float32 values as written (0.7, not 0.699999988079071)."""
+        values: dict[str, Any] = {}
+        for field in message.DESCRIPTOR.fields:
+            if field.has_presence and not message.HasField(field.name):
+                continue
+            value = getattr(message, field.name)
+            if field.message_type is not None:
+                value = scalars(value)
+            elif field.type == field.TYPE_FLOAT:
+                value = float(f"{value:.7g}")
+            values[field.name] = value
+        return values
 
     def iso(field: str) -> str | None:
         has = engine.HasField(field)

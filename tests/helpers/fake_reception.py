@@ -227,7 +227,12 @@ def sample_engines(now: datetime | None = None) -> list[common_pb2.EngineInfo]:
     """Two engines, the first heard from 2 s before `now`, the second never."""
     now = now or datetime.now(UTC)
     model = common_pb2.ModelSpec(
-        name="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=2048
+        name="SmolLM2-135M-Instruct",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        max_model_len=2048,
+        sampling_defaults=common_pb2.SamplingDefaults(temperature=0.7, top_k=20),
     )
     return [
         common_pb2.EngineInfo(

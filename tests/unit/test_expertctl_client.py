@@ -241,6 +241,8 @@ def test_engines_json(run):
     engines = json.loads(out)
     assert status == 0 and [e["engine_id"] for e in engines] == ["engine-a", "engine-b"]
     assert engines[0]["load"]["kv_blocks_free"] == 1500 and engines[0]["model"]["num_layers"] == 30
+    # The checkpoint's sampling as the file wrote it, and only what it set.
+    assert engines[0]["model"]["sampling_defaults"] == {"temperature": 0.7, "top_k": 20}
     assert 1.0 < engines[0]["heartbeat_age_s"] < 60 and engines[1]["last_heartbeat"] is None
 
 

@@ -322,6 +322,24 @@ def test_tokenizer_config_names_the_special_tokens_and_the_chat_template(smollm)
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
+def test_the_files_recommended_sampling_and_the_callers_go_into_generation_config(tmp_path):
+    """llama.cpp's general.sampling.* keys become generation_config.json's sampling values (what
+    the engine reports and the router tunes with); `sampling` adds what the file lacks."""
+    from libs.engine.models.generation_config import sampling_defaults
+
+    kv = {"general.sampling.temp": 0.7, "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.05}
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", kv=kv)
+    out = import_gguf(tiny.path, tmp_path / "hf", sampling={"top_p": 0.9})
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["top_k"], generation["top_p"]) == (2, 20, 0.9)
+    assert sampling_defaults(out) == {
+        "temperature": pytest.approx(0.7),
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": pytest.approx(1.05),
+    }
+
+
 def test_add_bos_token_puts_bos_first(converted):
     from transformers import AutoTokenizer
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from libs.engine.models.gguf.reader import GGUFImportError, Metadata
@@ -80,14 +81,30 @@ def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
     return scaling
 
 
-def generation_config(meta: Metadata) -> dict[str, Any]:
-    """generation_config.json: the special token ids, with every token that ends generation."""
+# The sampling a model's authors recommend, under llama.cpp's keys (its converter writes them from the
+# checkpoint's generation_config.json) and generation_config.json's names.
+SAMPLING_KEYS = {
+    "general.sampling.temp": ("temperature", float),
+    "general.sampling.top_p": ("top_p", float),
+    "general.sampling.top_k": ("top_k", int),
+    "general.sampling.penalty_repeat": ("repetition_penalty", float),
+}
+
+
+def generation_config(meta: Metadata, sampling: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """generation_config.json: the special token ids, with every token that ends generation, and the
+    recommended sampling the file carries; `sampling` adds to it (for a file that carries none)."""
     eos = meta.get("tokenizer.ggml.eos_token_id", None)
     # llama.cpp also ends generation on the end-of-turn / end-of-message tokens when the file names them.
     stops = [eos] + [meta.get(f"tokenizer.ggml.{key}", None) for key in ("eot_token_id", "eom_token_id")]
     stops = list(dict.fromkeys(token_id for token_id in stops if token_id is not None))
-    return {
+    config = {
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": stops[0] if len(stops) == 1 else (stops or None),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", None),
     }
+    for key, (name, kind) in SAMPLING_KEYS.items():
+        if meta.has(key):
+            config[name] = kind(meta.get(key))
+    config.update(sampling or {})
+    return config

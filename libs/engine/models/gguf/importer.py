@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,15 @@ from libs.engine.models.gguf.weights import tensor_plan, write_safetensors
 
 
 def import_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    sampling: Mapping[str, float] | None = None,
 ) -> Path:
     """Convert the Llama-family GGUF at `gguf_path` into an HF checkpoint directory at `out_dir`.
+    `sampling` (generation_config.json's names: temperature, top_p, top_k, repetition_penalty) is
+    the recommended sampling to write for a file that does not carry its own.
 
     Everything is written into a hidden sibling directory that is renamed into place at the end, so
     an interrupted conversion never leaves a partial `out_dir`. An existing `out_dir` is an error
@@ -46,7 +53,7 @@ def import_gguf(
         write_safetensors(staging / "model.safetensors", plan)
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
-        _write_json(staging / "generation_config.json", generation_config(meta))
+        _write_json(staging / "generation_config.json", generation_config(meta, sampling))
         _write_json(staging / "config.json", config)
         _publish(staging, out_dir)
     except BaseException:
