@@ -33,6 +33,10 @@ from services.reception.queue import DEAD_LETTER, GROUP, STREAMS, JobQueue
 
 log = get_logger(__name__)
 
+# While the fleet has no free slot, how long the taker waits before asking preparation again.
+FULL_WAIT_MIN_S = 0.05
+FULL_WAIT_MAX_S = 0.4
+
 
 @dataclass(frozen=True)
 class DispatchSettings:
@@ -68,6 +72,7 @@ class Dispatcher:
         self._tasks: list[asyncio.Task] = []
         self._jobs: set[asyncio.Task] = set()  # one per job being handled
         self._job_ended = asyncio.Event()  # a slot may have come back: the taker looks again at once
+        self._full_wait_s = FULL_WAIT_MIN_S  # how long the taker waits before it asks again (_take)
         self._draining = False
         self._active = 0  # jobs being handled
         self.on_finished: Callable[[float], None] | None = None  # told each finished job's duration
@@ -138,14 +143,19 @@ class Dispatcher:
     async def _take(self) -> Entry | None:
         """The next job, reserved against a free slot; None if no slot is free or no job came.
 
-        Without a free slot it waits for one of its own jobs to end, or 50 ms (the slots other
-        receptions give back show in preparation's answer only)."""
+        Without a free slot it waits for one of its own jobs to end (at once), or for the next look
+        at preparation's answer, where only the slots other receptions give back show: 50 ms after
+        the fleet filled, doubling to 400 ms while it stays full, so that a full fleet is not asked
+        twenty times a second for as long as its jobs run."""
         capacity = await self.capacity.get()
         if capacity.free_slots - self._unplaced <= 0 or len(self._jobs) >= self.settings.max_jobs:
             self._job_ended.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._job_ended.wait(), 0.05)
+                await asyncio.wait_for(self._job_ended.wait(), self._full_wait_s)
+            self._full_wait_s = min(self._full_wait_s * 2, FULL_WAIT_MAX_S)
+            self.capacity.invalidate()
             return None
+        self._full_wait_s = FULL_WAIT_MIN_S
         # Reserve the slot before reading, so that a lower priority never overtakes a higher
         # one and a slot is never promised twice.
         self._unplaced += 1
