@@ -45,5 +45,5 @@ RUN python -m libs.engine.kernels build
 
 # gRPC: reception 50051, router 50052, preparation 50053, engine 50054, postproc 50055;
 # Prometheus metrics on 9151-9155 in the same order.
-EXPOSE 50051 50052 50053 50054 50055 9151 9152 9153 9154 9155
+EXPOSE 50051 50052 50053 50054 50055 9151 9152 9153 9154 9155 8080
 CMD ["python", "-m", "services.reception"]

@@ -46,6 +46,8 @@ DEFAULT_METRICS_PORTS = {
     "engine": 9154,
     "postproc": 9155,
 }
+# The services that also serve HTTP (reception: the OpenAI API and the probes), by default here.
+DEFAULT_HTTP_PORTS = {"reception": 8080}
 REDIS = "redis"  # the name of this stack's redis-server among its processes (its log: redis.log)
 DEFAULT_REDIS_MAXMEMORY = "512mb"
 
@@ -106,6 +108,7 @@ class LocalStack:
     env: Mapping[str, str] = field(default_factory=dict)  # extra EXPERT_* settings for every service
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
     metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
+    http_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_HTTP_PORTS))  # 0: HTTP off
     redis_url: str | None = None  # an existing Redis; None starts a redis-server
     redis_durable: bool = False  # the redis-server it starts keeps an append-only file
     redis_dir: Path | None = None  # where that file goes; None: log_dir/redis
@@ -125,11 +128,19 @@ class LocalStack:
             env=env,
             ports={s: free_port() for s in SERVICES},
             metrics_ports=dict.fromkeys(SERVICES, 0),
+            http_ports={s: free_port() for s in DEFAULT_HTTP_PORTS},
             **kwargs,
         )
 
     def target(self, service: str) -> str:
         return f"localhost:{self.ports[service]}"
+
+    def http_url(self, service: str = "reception") -> str:
+        """The base URL of a service's HTTP server (reception's OpenAI API: http_url() + "/v1")."""
+        port = self.http_ports.get(service, 0)
+        if not port:
+            raise StackError(f"{service} serves no HTTP in this stack")
+        return f"http://localhost:{port}"
 
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
@@ -137,6 +148,8 @@ class LocalStack:
             name = service.upper()
             env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
             env[f"EXPERT_{name}_METRICS_PORT"] = str(self.metrics_ports[service])
+        for service, port in self.http_ports.items():
+            env[f"EXPERT_{service.upper()}_HTTP_PORT"] = str(port)
         env |= {
             "EXPERT_ROUTER_TARGET": self.target("router"),
             "EXPERT_PREPARATION_TARGET": self.target("preparation"),

@@ -15,6 +15,7 @@ records and events), never the queue. Each service writes its JSON logs to LOG_D
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -93,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from libs.stack import DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack, StackError
+    from libs.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack, StackError
     from libs.supervisor import Supervisor
 
     settings = _settings(os.environ, args.env)
     ports, metrics_ports = _ports(settings, SERVICES)
+    http_ports = {
+        service: _port(settings, f"EXPERT_{service.upper()}_HTTP_PORT", port, minimum=0)
+        for service, port in DEFAULT_HTTP_PORTS.items()
+    }
     redis_url = settings.get("EXPERT_REDIS_URL") or None
     model = args.model or Path(settings.get("EXPERT_MODEL_PATH") or DEFAULT_MODEL_DIR)
     if not (model / "config.json").is_file():
@@ -109,13 +114,14 @@ def _run(args: argparse.Namespace) -> int:
             "or set EXPERT_REDIS_URL to a running Redis"
         )
     env = service_settings(settings, args.env, model)
-    _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"])
+    _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"], http_ports)
 
     stack = LocalStack(
         args.log_dir,
         env=env,
         ports=ports,
         metrics_ports=metrics_ports,
+        http_ports=http_ports,
         redis_url=redis_url,
         redis_durable=True,
         redis_dir=args.redis_dir or args.log_dir.parent / "redis",
@@ -133,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
                     stack.target("preparation"),
                     metrics_ports,
                     args.log_dir,
+                    http=stack.http_url() if http_ports["reception"] else None,
+                    model=model.resolve().name,
                     expertctl=local_command("expertctl"),
                     python=local_command("python"),
                 )
@@ -159,11 +167,14 @@ def how_to_call(
     preparation: str,
     metrics_ports: Mapping[str, int],
     log_dir: Path,
+    http: str | None = None,
+    model: str = "",
     expertctl: str = "expertctl",
     python: str = "python",
 ) -> str:
-    """The block printed once the stack is up: the CLI, the SDK, grpcurl, metrics and logs.
-    `expertctl` and `python` are how the user runs them from here (local_command)."""
+    """The block printed once the stack is up: the CLI, the SDK, grpcurl, the HTTP API (at `http`,
+    serving `model`; None: off), metrics and logs. `expertctl` and `python` are how the user runs
+    them from here (local_command)."""
     # --target only when a service is not where the clients look by default.
     to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
     to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
@@ -187,12 +198,26 @@ def how_to_call(
         f'  grpcurl -plaintext -d \'{{"request": {{"prompt": "Hello"}}}}\' {reception} '
         "expert.v1.InferenceService/Infer",
         "",
+        *_http_lines(http, model),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
         f"Logs:    {log_dir}/<service>.log",
         "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def _http_lines(http: str | None, model: str) -> list[str]:
+    if http is None:
+        return []
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    )
+    return [
+        f"With curl or any OpenAI client (the OpenAI API is at {http}/v1):",
+        f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        "",
+    ]
 
 
 def local_command(name: str) -> str:
@@ -277,12 +302,18 @@ def _port(settings: Mapping[str, str], name: str, default: int, minimum: int) ->
     return int(raw)
 
 
-def _check_ports_free(ports: Mapping[str, int], metrics_ports: Mapping[str, int], host: str) -> None:
+def _check_ports_free(
+    ports: Mapping[str, int],
+    metrics_ports: Mapping[str, int],
+    host: str,
+    http_ports: Mapping[str, int] | None = None,
+) -> None:
     """Fail before starting anything when a port is taken on `host`, where the services will listen
     (most often: a stack is already running). A listener on every address (0.0.0.0) takes the port
     on 127.0.0.1 too, and binding here fails on it."""
     wanted = {f"EXPERT_{s.upper()}_PORT": p for s, p in ports.items()}
     wanted |= {f"EXPERT_{s.upper()}_METRICS_PORT": p for s, p in metrics_ports.items() if p}
+    wanted |= {f"EXPERT_{s.upper()}_HTTP_PORT": p for s, p in (http_ports or {}).items() if p}
     for variable, port in wanted.items():
         try:
             family, kind, proto, _, address = socket.getaddrinfo(

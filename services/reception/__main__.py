@@ -13,6 +13,7 @@ from libs.redis_watch import watch_redis
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
 from services.reception.dispatcher import Dispatcher
+from services.reception.http import HttpServer, ServedModels, create_app
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers
@@ -48,6 +49,13 @@ async def main() -> None:
     dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)
     dispatcher.on_finished = servicer.observe_job
 
+    # The HTTP front (OpenAI's API, the probes) calls the same servicer: one admission path.
+    http = None
+    if config.http_port:
+        app = create_app(servicer, capacity, ServedModels(peers.preparation), map_redis_error)
+        http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
+        http.bind()  # a taken port fails the start at once, like the gRPC port
+
     def register(server: grpc.aio.Server) -> list[str]:
         return [add_to_server(servicer, server)]
 
@@ -59,17 +67,23 @@ async def main() -> None:
         await queue.setup()
         if config.dispatch_enabled:
             await dispatcher.start()
+        if http is not None:
+            await http.start()
         await health.set_serving(True)
         watch = asyncio.create_task(watch_redis(redis, health, restore=queue.setup))
 
     async def drain() -> None:
         # Jobs that end within the drain answer their callers; the rest are handed back.
         servicer.stop_following()
-        await dispatcher.drain(config.drain_s)
+        await asyncio.gather(
+            dispatcher.drain(config.drain_s), http.stop() if http is not None else asyncio.sleep(0)
+        )
 
     async def on_stop() -> None:
         if watch is not None:
             watch.cancel()
+        if http is not None:
+            await http.stop()  # after a failed start (the drain stopped it otherwise)
         await dispatcher.stop()
         await peers.close()
         await redis.aclose()

@@ -11,11 +11,13 @@ from services.reception.pipeline import DEFAULT_STREAM_INTERVAL
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
+DEFAULT_HTTP_PORT = 8080
 
 
 @dataclass(frozen=True)
 class ReceptionConfig:
     server: ServerConfig
+    http_port: int  # the HTTP API (OpenAI's), on the server's bind host; 0: off
     redis_url: str
     router_target: str
     preparation_target: str
@@ -34,6 +36,9 @@ class ReceptionConfig:
         default_timeout_ms = reader.integer("EXPERT_JOB_DEFAULT_TIMEOUT_MS", 600_000, minimum=0)
         return cls(
             server=ServerConfig.from_env("reception", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            http_port=reader.integer(
+                "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
+            ),
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
             router_target=reader.address("EXPERT_ROUTER_TARGET", "localhost:50052"),
             preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),

@@ -9,6 +9,7 @@ cancels its job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -119,23 +120,37 @@ class ReceptionServicer:
     async def Infer(
         self, request: inference_pb2.InferRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.InferResponse:
-        job_id, _, _ = await self._admit(_inner(request))
+        return inference_pb2.InferResponse(result=await self.infer(_inner(request)))
+
+    async def InferStream(
+        self, request: inference_pb2.InferStreamRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.InferStreamResponse]:
+        async with contextlib.aclosing(self.infer_stream(_inner(request))) as messages:
+            async for message in messages:
+                yield message
+
+    async def infer(self, request: common_pb2.InferenceRequest | Undecodable) -> common_pb2.InferenceResult:
+        """Admit a job and wait for its result: Infer, for every front (gRPC and HTTP). Cancelled
+        (the caller went away), it cancels the job; a ServiceError is the refusal to send."""
+        job_id, _, _ = await self._admit(request)
         with bind_context(job_id=job_id):
             try:
                 async for kind, fields in self._events(job_id, result_only=True):
                     if kind == b"result":
                         result = common_pb2.InferenceResult.FromString(fields[b"result"])
                         _raise_client_error(result)
-                        return inference_pb2.InferResponse(result=result)
+                        return result
             except asyncio.CancelledError:
                 self._cancel_in_background(job_id)
                 raise
         raise ServiceError(grpc.StatusCode.INTERNAL, f"job {job_id} ended without a result")
 
-    async def InferStream(
-        self, request: inference_pb2.InferStreamRequest | Undecodable, context: grpc.aio.ServicerContext
+    async def infer_stream(
+        self, request: common_pb2.InferenceRequest | Undecodable
     ) -> AsyncIterator[inference_pb2.InferStreamResponse]:
-        job_id, submitted_at, priority = await self._admit(_inner(request), streaming=True)
+        """Admit a job and follow it: InferStream's messages, for every front (gRPC and HTTP).
+        Closed or cancelled before the result (the caller went away), it cancels the job."""
+        job_id, submitted_at, priority = await self._admit(request, streaming=True)
         finished = False
         try:
             yield inference_pb2.InferStreamResponse(

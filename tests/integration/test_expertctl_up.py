@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import queue
 import signal
@@ -23,7 +24,8 @@ import redis
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from libs.expertctl.up_cmd import READY_LINE, _settings, service_settings
+from libs.expertctl.errors import UsageError
+from libs.expertctl.up_cmd import READY_LINE, _check_ports_free, _settings, service_settings
 from libs.gen.expert.v1 import common_pb2
 from libs.stack import SERVICES, free_port, health_status
 from libs.supervisor import Backoff
@@ -141,10 +143,12 @@ def _listening_on(port: int) -> set[str]:
 
 
 def _up_settings(tmp_path: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Free gRPC ports for the five services, metrics off, the tiny model's settings, and the
-    router's data (its embedded Qdrant) in the test's directory rather than the repository's."""
+    """Free gRPC ports for the five services and reception's HTTP, metrics off, the tiny model's
+    settings, and the router's data (its embedded Qdrant) in the test's directory rather than the
+    repository's."""
     ports = {service: free_port() for service in SERVICES}
     settings = {**TINY_SETTINGS, "EXPERT_DATA_DIR": str(tmp_path / "data")}
+    settings["EXPERT_RECEPTION_HTTP_PORT"] = str(free_port())
     for service, port in ports.items():
         settings[f"EXPERT_{service.upper()}_PORT"] = str(port)
         settings[f"EXPERT_{service.upper()}_METRICS_PORT"] = "0"
@@ -236,15 +240,19 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
         if line.startswith("  ") and (" infer " in line or " stream " in line or " -c " in line)
     ]
     assert len(commands) == 3, stdout.seen
-    for command in commands:
+    http_port = int(settings["EXPERT_RECEPTION_HTTP_PORT"])
+    curls = [line.strip() for line in stdout.seen if line.startswith("  curl ")]
+    assert len(curls) == 1 and f"http://localhost:{http_port}/v1/chat/completions" in curls[0], stdout.seen
+    for command in commands + curls:
         done = subprocess.run(
             command, shell=True, env=_environment(), capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr)
+    assert json.loads(done.stdout)["object"] == "chat.completion", done.stdout  # the curl line's answer
 
     # Every listener is on 127.0.0.1 only: the services' gRPC and metrics ports, and Redis's.
     redis_port = int(_command_line(_child(process.pid, "redis-server")).split(":")[-1])
-    for port in [*ports.values(), metrics_port, redis_port]:
+    for port in [*ports.values(), metrics_port, http_port, redis_port]:
         assert _listening_on(port) == {"127.0.0.1"}, port
     # Redis keeps an append-only file beside the logs, and may only evict keys that expire.
     with redis.Redis(port=redis_port, decode_responses=True) as client:
@@ -377,3 +385,13 @@ def test_up_reports_a_busy_port_before_starting_anything(tiny_llama, tmp_path):
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"expertctl: error: port {port} (EXPERT_ROUTER_PORT) is in use"), message
     assert not (tmp_path / "logs").exists()
+
+
+def test_up_checks_that_the_http_port_is_free_too():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ports = {service: free_port() for service in SERVICES}
+        with pytest.raises(UsageError, match=rf"port {port} \(EXPERT_RECEPTION_HTTP_PORT\) is in use"):
+            _check_ports_free(ports, {}, "127.0.0.1", {"reception": port})

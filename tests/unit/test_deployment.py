@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from libs.engine.config import ENV_VARIABLES as ENGINE_ENV_VARIABLES
-from libs.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
+from libs.stack import DEFAULT_HTTP_PORTS, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
 from services.engine.config import EngineServiceConfig
 from services.postproc.config import PostprocConfig
 from services.preparation.config import PreparationConfig
@@ -132,6 +132,7 @@ def test_the_default_ports_are_the_config_classes_defaults():
     for service, config in CONFIGS.items():
         server = config.from_env({}).server
         assert (server.port, server.metrics_port) == (DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service])
+    assert {"reception": ReceptionConfig.from_env({}).http_port} == DEFAULT_HTTP_PORTS
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -226,14 +227,19 @@ def test_compose_mounts_the_expert_store_and_the_trusted_keys_where_they_are_rea
 def test_compose_ports_are_the_defaults(compose, service):
     spec = compose["services"][service]
     ports = {_container_port(p) for p in [*spec.get("ports", []), *spec.get("expose", [])]}
-    assert ports == {DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service]}
-    for published in spec.get("ports", []):
-        assert _container_port(published) == DEFAULT_PORTS[service]
+    http = {DEFAULT_HTTP_PORTS[service]} if service in DEFAULT_HTTP_PORTS else set()
+    assert ports == {DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service], *http}
+    for published in spec.get("ports", []):  # the APIs; metrics stay inside the network
+        assert _container_port(published) in {DEFAULT_PORTS[service], *http}
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_compose_health_checks_ask_the_service_itself(compose, service):
     check = compose["services"][service]["healthcheck"]
+    if service in DEFAULT_HTTP_PORTS:  # its HTTP readiness probe
+        assert check["test"][:3] == ["CMD", "python", "-c"]
+        assert f"http://localhost:{DEFAULT_HTTP_PORTS[service]}/readyz" in check["test"][3]
+        return
     assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"localhost:{DEFAULT_PORTS[service]}"]
 
 
@@ -359,9 +365,14 @@ def test_manifest_ports_and_probes_are_the_services_own(manifests, service):
     docs = manifests[f"{service}.yaml"]
     container = _container(_one(docs, "Deployment", service))
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": DEFAULT_PORTS[service], "metrics": DEFAULT_METRICS_PORTS[service]}
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == DEFAULT_PORTS[service], probe
+    http = {"http": DEFAULT_HTTP_PORTS[service]} if service in DEFAULT_HTTP_PORTS else {}
+    assert ports == {"grpc": DEFAULT_PORTS[service], "metrics": DEFAULT_METRICS_PORTS[service], **http}
+    if http:  # reception: its HTTP probes
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": http["http"]}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http["http"]}
+    else:
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == DEFAULT_PORTS[service], probe
     k8s_service = _one(docs, "Service", service)
     assert {p["port"] for p in k8s_service["spec"]["ports"]} == set(ports.values())
     assert {p["targetPort"] for p in k8s_service["spec"]["ports"]} <= set(ports) | set(ports.values())
@@ -484,7 +495,9 @@ def test_the_dockerfile_builds_what_the_services_need():
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in {"root", "0"}
     exposed = {int(p) for line in lines if line.startswith("EXPOSE ") for p in line.split()[1:]}
-    assert exposed == set(DEFAULT_PORTS.values()) | set(DEFAULT_METRICS_PORTS.values())
+    assert exposed == set(DEFAULT_PORTS.values()) | set(DEFAULT_METRICS_PORTS.values()) | set(
+        DEFAULT_HTTP_PORTS.values()
+    )
 
 
 def test_the_image_and_make_setup_install_the_same_embedding_model():

@@ -1,0 +1,306 @@
+"""The FastAPI app: the probes and OpenAI's chat, completions and models endpoints over the gRPC
+servicer's own `infer` / `infer_stream` (admission, validation, the job record, the queue and the
+job's event stream); responses and server-sent events in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from libs.errors import ServiceError
+from libs.gen.expert.v1 import common_pb2
+from libs.logging import get_logger
+from services.reception.capacity import Capacity
+from services.reception.http.errors import (
+    HTTP_STATUS,
+    HttpError,
+    error_response,
+    from_service_error,
+    not_supported,
+    validation_error,
+)
+from services.reception.http.models import ServedModels
+from services.reception.http.openai_request import to_request
+from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.reception.server import ReceptionServicer
+
+log = get_logger(__name__)
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TIMEOUT: "length",  # cut short by timeout_ms: a limit, like max_tokens
+    common_pb2.FINISH_REASON_ABORT: "abort",  # cancelled (CancelJob) while it ran
+}
+
+
+def create_app(
+    servicer: ReceptionServicer,
+    capacity: Capacity,
+    models: ServedModels,
+    error_mapper: Callable[[BaseException], ServiceError | None] | None = None,
+) -> FastAPI:
+    app = FastAPI(title="Expert System", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(HttpError)
+    async def http_error(request: Request, exc: HttpError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(404)
+    async def no_route(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(HttpError(404, f"no such endpoint: {request.method} {request.url.path}"))
+
+    @app.exception_handler(405)
+    async def no_method(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(HttpError(405, f"method {request.method} is not allowed on {request.url.path}"))
+
+    def as_http_error(exc: BaseException, body) -> HttpError:
+        if not isinstance(exc, ServiceError) and error_mapper is not None:
+            exc = error_mapper(exc) or exc
+        if isinstance(exc, ServiceError):
+            return from_service_error(exc, body)
+        log.exception("HTTP request failed", exc_info=exc)
+        return HttpError(500, "internal error", code="internal")
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        engines = (await capacity.get()).engines
+        ready = engines > 0
+        return JSONResponse(
+            {"status": "ready" if ready else "not ready", "engines": engines},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        engines = (await capacity.get()).engines
+        return {"status": "ok" if engines > 0 else "degraded", "engines": engines}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        data = [
+            {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
+            for name in await models.names()
+        ]
+        return {"object": "list", "data": data}
+
+    async def check_model(model: str) -> None:
+        if ":" in model:
+            raise not_supported("model", f"model {model!r}: choosing an expert by model name")
+        served = await models.names()
+        if served and model not in served:  # none known yet: the job waits for an engine, as on gRPC
+            raise HttpError(
+                404,
+                f"the model {model!r} does not exist; served: {', '.join(served)}",
+                "model",
+                "model_not_found",
+            )
+
+    async def complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool):
+        await check_model(body.model)
+        inference = to_request(body)
+        if body.stream:
+            return await _stream(inference, body, chat)
+        work = asyncio.ensure_future(servicer.infer(inference))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client hung up: cancelling the call cancels the job
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+        if work.cancelled():
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        try:
+            result = work.result()
+        except Exception as exc:
+            return error_response(as_http_error(exc, body))
+        failure = _failure(result)
+        if failure is not None:
+            return error_response(failure)
+        return _response(result, body, chat)
+
+    async def _stream(inference, body, chat: bool) -> StreamingResponse | JSONResponse:
+        messages = servicer.infer_stream(inference)
+        try:
+            submitted = (await anext(messages)).submitted  # admission: its refusal is the HTTP answer
+        except Exception as exc:
+            await messages.aclose()
+            return error_response(as_http_error(exc, body))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _sse(messages, submitted.job_id, body, chat, include_usage, as_http_error)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await complete(request, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await complete(request, body, chat=False)
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _failure(result: common_pb2.InferenceResult) -> HttpError | None:
+    """The error for a job that ended without an answer (a refusal was raised before)."""
+    if result.status != common_pb2.JOB_STATUS_FAILED:
+        return None
+    code = getattr(grpc.StatusCode, result.error_code, None) if result.error_code else None
+    status = HTTP_STATUS.get(code, 500) if code is not None else 500
+    return HttpError(
+        status, result.error or "the job failed", code=(result.error_code or "job_failed").lower()
+    )
+
+
+def _usage(result: common_pb2.InferenceResult) -> dict[str, int]:
+    prompt = result.metrics.input_tokens
+    completion = result.metrics.output_tokens or result.tokens_generated
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(result: common_pb2.InferenceResult) -> str:
+    return _FINISH_REASONS.get(result.finish_reason, "stop")
+
+
+def _extra(result: common_pb2.InferenceResult) -> dict[str, Any]:
+    """What the Expert System adds to OpenAI's response: the job and the experts it applied."""
+    return {"job_id": result.job_id, "experts": list(result.experts_used)}
+
+
+def _response(result: common_pb2.InferenceResult, body, chat: bool) -> dict[str, Any]:
+    created = int(result.metrics.submitted_at.seconds) or int(time.time())
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": _finish_reason(result),
+        }
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
+        kind, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + result.job_id,
+        "object": kind,
+        "created": created,
+        "model": body.model,
+        "choices": [choice],
+        "usage": _usage(result),
+        "expert_system": _extra(result),
+    }
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _sse(
+    messages, job_id: str, body, chat: bool, include_usage: bool, as_http_error
+) -> AsyncIterator[str]:
+    """The job's InferStream messages as OpenAI's server-sent chunks, then `data: [DONE]`. Closed
+    early (the client went away), `messages` is closed, which cancels the job."""
+    created = int(time.time())
+    kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
+
+    def chunk(delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            content: dict[str, Any] = {"role": "assistant"} if role else {}
+            if delta is not None:
+                content["content"] = delta
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+        data = {
+            "id": prefix + job_id,
+            "object": kind,
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+        }
+        if include_usage:
+            data["usage"] = None
+        return data
+
+    def error(failure: HttpError) -> str:
+        return _event(
+            {
+                "error": {
+                    "message": failure.message,
+                    "type": failure.type,
+                    "param": failure.param,
+                    "code": failure.code,
+                }
+            }
+        )
+
+    async with contextlib.aclosing(messages):
+        sent = False
+        if chat:
+            yield _event(chunk("", role=True))
+        try:
+            async for message in messages:
+                which = message.WhichOneof("event")
+                if which == "text" and message.text:
+                    sent = True
+                    yield _event(chunk(message.text))
+                elif which == "restarted_attempt" and sent:
+                    # The job started over on another engine: the text sent cannot be taken back.
+                    yield error(HttpError(503, "the job restarted after part of its output was streamed"))
+                    return
+                elif which == "result":
+                    failure = _failure(message.result)
+                    if failure is not None:
+                        yield error(failure)
+                        return
+                    yield _event(
+                        {
+                            **chunk(None if chat else "", _finish_reason(message.result)),
+                            "expert_system": _extra(message.result),
+                        }
+                    )
+                    if include_usage:
+                        yield _event(
+                            {
+                                "id": prefix + job_id,
+                                "object": kind,
+                                "created": created,
+                                "model": body.model,
+                                "choices": [],
+                                "usage": _usage(message.result),
+                            }
+                        )
+                    yield "data: [DONE]\n\n"
+                    return
+        except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
+            yield error(as_http_error(exc, body))

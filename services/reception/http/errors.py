@@ -1,0 +1,101 @@
+"""OpenAI's error body: a gRPC ServiceError or a refused body as `{"error": {message, type, param, code}}`
+with the HTTP status that goes with it, the field named as the client sent it."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from libs.errors import ServiceError
+from services.reception.http.openai_schema import (
+    FIELD_NAMES,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+# The HTTP status of a gRPC status; any other is 500.
+# The HTTP status of a gRPC status; any other is 500.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+class HttpError(Exception):
+    """An OpenAI error to answer with."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = {
+            400: "invalid_request_error",
+            404: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable_error",
+        }.get(status, "server_error")
+
+
+def not_supported(param: str, what: str) -> HttpError:
+    return HttpError(400, f"{what} is not supported yet", param, "unsupported_parameter")
+
+
+def param_of(field: str, body: ChatCompletionRequest | CompletionRequest | None) -> str | None:
+    """The OpenAI name of a field a violation names ("request.temperature" -> "temperature")."""
+    name = field.removeprefix("request.").removeprefix("request")
+    if not name:
+        return None
+    head = re.match(r"[a-z_]+", name)
+    rest = name[head.end() :] if head else ""
+    base = head.group(0) if head else name
+    if base == "user_id":
+        base = "user"
+    elif base == "prompt" and isinstance(body, ChatCompletionRequest):
+        base = "messages"  # a chat has no prompt: an empty one is an empty conversation
+    elif base == "max_tokens" and isinstance(body, ChatCompletionRequest):
+        base = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return base + rest
+
+
+def error_response(error: HttpError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    return JSONResponse(body, status_code=error.status)
+
+
+def from_service_error(
+    error: ServiceError, body: ChatCompletionRequest | CompletionRequest | None
+) -> HttpError:
+    status = HTTP_STATUS.get(error.code, 500)
+    param = param_of(error.violations[0][0], body) if error.violations else None
+    message = error.message
+    if error.violations:  # name the fields as the client sent them
+        message = "; ".join(f"{param_of(f, body) or 'request'}: {d}" for f, d in error.violations)
+    return HttpError(status, message, param, error.code.name.lower())
+
+
+def validation_error(exc: RequestValidationError) -> HttpError:
+    errors = exc.errors()
+    if not errors:
+        return HttpError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return HttpError(400, f"the body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
+    parts = list(first.get("loc", ()))[1:]  # after "body"
+    unknown = first.get("type") == "extra_forbidden"
+    param = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in FIELD_NAMES or (unknown and i == len(parts) - 1):  # not pydantic's type tags
+            param += f".{part}" if param else part
+    if unknown:
+        return HttpError(
+            400, f"unrecognized request argument supplied: {param}", param or None, "unknown_parameter"
+        )
+    message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+    return HttpError(400, message, param or None, "invalid_type")

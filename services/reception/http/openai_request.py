@@ -1,0 +1,96 @@
+"""An OpenAI chat or completions body as the InferenceRequest the pipeline runs, refusing (400, the
+param named) what this API does not support yet rather than ignoring it."""
+
+from __future__ import annotations
+
+from libs.gen.expert.v1 import common_pb2
+from services.reception.http.errors import HttpError, not_supported
+from services.reception.http.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    SamplingFields,
+)
+
+
+def _refuse_unsupported(body: SamplingFields) -> None:
+    if body.n not in (None, 1):
+        raise not_supported("n", f"n={body.n} (more than one choice)")
+    if body.logprobs not in (None, False, 0):
+        raise not_supported("logprobs", "logprobs")
+    if body.top_logprobs not in (None, 0):
+        raise not_supported("top_logprobs", "top_logprobs")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise not_supported("response_format", f"response_format {body.response_format.get('type')!r}")
+    if body.logit_bias:
+        raise not_supported("logit_bias", "logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(body, name) not in (None, [], "none"):
+                raise not_supported(name, f"{name} (tool calling)")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise not_supported("echo", "echo")
+        if body.suffix:
+            raise not_supported("suffix", "suffix")
+        if body.best_of not in (None, 1):
+            raise not_supported("best_of", f"best_of={body.best_of}")
+    if body.stream_options is not None and not body.stream:
+        raise HttpError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
+def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
+    """The InferenceRequest for an OpenAI request (refusing what this API does not support yet)."""
+    _refuse_unsupported(body)
+    request = common_pb2.InferenceRequest()
+    if isinstance(body, ChatCompletionRequest):
+        for i, message in enumerate(body.messages):
+            request.messages.append(
+                common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i))
+            )
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise not_supported("prompt", "a list of several prompts (batched completions)")
+        request.prompt = prompts[0]
+        request.raw = True
+        max_tokens = body.max_tokens
+    if max_tokens is not None:
+        request.max_tokens = max_tokens
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "max_experts",
+        "priority",
+    ):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(request, name, value)
+    if body.top_k == -1:  # vLLM's "off"
+        request.top_k = 0
+    if body.stop is not None:
+        request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    request.force_experts.extend(body.force_experts or [])
+    request.exclude_experts.extend(body.exclude_experts or [])
+    if body.user is not None:
+        request.user_id = body.user
+    return request
+
+
+def _role(role: str) -> str:
+    return "system" if role == "developer" else role  # OpenAI's newer name for the system role
+
+
+def _text(message: Message, index: int) -> str:
+    if message.content is None:
+        raise HttpError(400, "a message without content is not supported yet", f"messages[{index}].content")
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)

@@ -1,0 +1,80 @@
+"""The request bodies of OpenAI's chat and completions endpoints, as reception accepts them: unknown
+fields are refused, and the numbers are bounded to what an InferenceRequest holds."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32 = 2**31 - 1
+UINT64 = 2**64 - 1
+
+
+class _Body(BaseModel):
+    # An argument the API does not know is refused (as OpenAI does), never silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """The fields chat and completions share: OpenAI's, then vLLM-style extras."""
+
+    model: str
+    max_tokens: int | None = Field(None, le=INT32)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=UINT64)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM-style extras (extra_body in the openai client)
+    top_k: int | None = Field(None, ge=-1, le=INT32)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    force_experts: list[str] | None = None
+    exclude_experts: list[str] | None = None
+    max_experts: int | None = Field(None, ge=-INT32, le=INT32)
+    priority: int | None = Field(None, ge=-INT32, le=INT32)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, le=INT32)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+FIELD_NAMES |= set(Message.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)

@@ -1,0 +1,160 @@
+"""Reception's HTTP front in process, over a fake servicer: the mapping of OpenAI's fields onto an
+InferenceRequest, and of every error onto OpenAI's error body (tests/e2e/test_openai_api.py runs
+it against a real stack)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+
+from libs.errors import ServiceError, invalid_arguments
+from libs.gen.expert.v1 import common_pb2, preparation_pb2
+from services.reception.http import create_app
+from services.reception.http.openai_request import to_request
+from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+
+
+class FakeServicer:
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.result = common_pb2.InferenceResult(
+            job_id="j1",
+            status=common_pb2.JOB_STATUS_COMPLETED,
+            text="Paris",
+            finish_reason=common_pb2.FINISH_REASON_TIMEOUT,
+            metrics=common_pb2.InferenceMetrics(input_tokens=7, output_tokens=2),
+        )
+        self.requests: list[common_pb2.InferenceRequest] = []
+
+    async def infer(self, request):
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class FakeCapacity:
+    engines = 1
+
+    async def get(self):
+        return preparation_pb2.GetCapacityResponse(engines=self.engines)
+
+
+class FakeModels:
+    async def names(self):
+        return ["base"]
+
+
+@pytest.fixture
+def parts():
+    servicer, capacity = FakeServicer(), FakeCapacity()
+    return servicer, capacity, TestClient(create_app(servicer, capacity, FakeModels()))
+
+
+CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_chat_answer_has_usage_and_a_timeout_finishes_with_length(parts):
+    _, _, http = parts
+    body = http.post("/v1/chat/completions", json=CHAT).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["id"] == "chatcmpl-j1" and body["expert_system"]["job_id"] == "j1"
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+def test_service_errors_become_openai_errors(parts, code, status):
+    servicer, _, http = parts
+    servicer.error = ServiceError(code, "no")
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_unexpected_failure_is_a_500_in_openais_shape(parts):
+    servicer, _, http = parts
+    servicer.error = RuntimeError("boom")
+    response = http.post("/v1/completions", json={"model": "base", "prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    "field, body, param",
+    [
+        ("request.user_id", CHAT, "user"),
+        ("request.prompt", CHAT, "messages"),
+        ("request.messages[0].role", CHAT, "messages[0].role"),
+        ("request.max_tokens", {**CHAT, "max_completion_tokens": 9}, "max_completion_tokens"),
+        ("request.max_tokens", {"model": "base", "prompt": "x"}, "max_tokens"),
+    ],
+)
+def test_a_violation_names_the_field_as_the_client_sent_it(parts, field, body, param):
+    servicer, _, http = parts
+    servicer.error = invalid_arguments([(field, "bad")])
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = http.post(path, json=body).json()["error"]
+    assert error["param"] == param and error["message"] == f"{param}: bad"
+
+
+def test_bad_bodies_and_unknown_paths_answer_in_openais_shape(parts):
+    _, _, http = parts
+    for response, status in [
+        (http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}), 400),
+        (http.post("/v1/chat/completions", json={**CHAT, "stop": 3}), 400),
+        (http.post("/v1/chat/completions", json={"model": "base"}), 400),
+        (http.get("/v1/nothing"), 404),
+    ]:
+        assert response.status_code == status
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert http.post("/v1/chat/completions", json={**CHAT, "stop": 3}).json()["error"]["param"] == "stop"
+    assert http.post("/v1/chat/completions", json={"model": "base"}).json()["error"]["param"] == "messages"
+
+
+def test_readyz_waits_for_an_engine(parts):
+    _, capacity, http = parts
+    capacity.engines = 0
+    assert http.get("/readyz").status_code == 503
+    assert http.get("/healthz").json() == {"status": "degraded", "engines": 0}
+    assert http.get("/livez").status_code == 200
+    capacity.engines = 2
+    assert http.get("/readyz").json() == {"status": "ready", "engines": 2}
+
+
+def test_openai_fields_map_onto_the_inference_request():
+    chat = ChatCompletionRequest(
+        model="base",
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+        max_tokens=5,
+        max_completion_tokens=6,
+        temperature=0.5,
+        stop="x",
+        seed=3,
+        user="u",
+        top_k=-1,
+        force_experts=["e"],
+        priority=7,
+    )
+    request = to_request(chat)
+    assert [(m.role, m.content) for m in request.messages] == [("system", "ab")]
+    assert (request.max_tokens, request.temperature, list(request.stop), request.seed) == (6, 0.5, ["x"], 3)
+    assert (request.user_id, request.top_k, list(request.force_experts), request.priority) == (
+        "u",
+        0,
+        ["e"],
+        7,
+    )
+    assert not request.HasField("top_p") and not request.raw
+    completion = to_request(CompletionRequest(model="base", prompt=["p"], stop=["a", "b"]))
+    assert (completion.prompt, completion.raw, list(completion.stop)) == ("p", True, ["a", "b"])
