@@ -16,6 +16,10 @@ Tokens/s is the waves' generated tokens over their wall time; the target is 0.9x
 clients, for `infer` calls. Time to first token is, streamed through the stack, from the call to its
 first text chunk; in process, from the request's arrival to its first token.
 
+Last, the HTTP front against gRPC: the same one-token job on a cached prompt, `ExpertClient.infer`
+against POST /v1/chat/completions (httpx), alternating by wave at 1 and 16 clients; the target is
+that HTTP adds at most 2 ms at p50.
+
     python bench/pipeline.py --model data/models/SmolLM2-135M-Instruct --clients 32
 """
 
@@ -259,6 +263,71 @@ def report(clients: int, peer: list[Wave], ours: list[Wave], streamed: list[Wave
     return ok
 
 
+class Fronts:
+    """The HTTP front against gRPC on the same tiny job (one new token, a prompt every engine step has
+    cached): what is left is each front's own cost per request. The two alternate by wave."""
+
+    def __init__(self, target: str, http_url: str, clients: int) -> None:
+        import httpx
+
+        from expert_system import ExpertClient
+
+        self.client = ExpertClient(target)
+        self.http = httpx.Client(base_url=http_url, limits=httpx.Limits(max_connections=clients), timeout=60)
+        self.model = self.http.get("/v1/models").json()["data"][0]["id"]
+        self.pool = ThreadPoolExecutor(clients)
+        self.clients = clients
+        for front in ("grpc", "http"):
+            self.one(front)  # warm-up: connections, the prompt's blocks in the prefix cache
+
+    def one(self, front: str) -> float:
+        began = time.perf_counter()
+        if front == "grpc":
+            result = self.client.infer(prompt=FRONT_PROMPT, temperature=0.0, max_tokens=1)
+            if result.status != "completed":
+                raise RuntimeError(f"job ended {result.status}: {result.error}")
+        else:
+            response = self.http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": FRONT_PROMPT}],
+                    "temperature": 0.0,
+                    "max_tokens": 1,
+                },
+            )
+            response.raise_for_status()
+        return (time.perf_counter() - began) * 1000
+
+    def measure(self, requests: int) -> dict[str, list[float]]:
+        latencies: dict[str, list[float]] = {"grpc": [], "http": []}
+        for _ in range(max(1, requests // self.clients)):
+            for front, values in latencies.items():
+                values += self.pool.map(lambda _, front=front: self.one(front), range(self.clients))
+        return latencies
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.http.close()
+        self.client.close()
+
+
+FRONT_PROMPT = "Say one word."
+HTTP_OVERHEAD_TARGET_MS = 2.0  # p50, HTTP against gRPC
+
+
+def report_fronts(clients: int, latencies: dict[str, list[float]]) -> bool:
+    grpc_p50, http_p50 = (statistics.median(latencies[f]) for f in ("grpc", "http"))
+    added = http_p50 - grpc_p50
+    within = added <= HTTP_OVERHEAD_TARGET_MS
+    print(
+        f"HTTP front, {clients} client{'s' if clients > 1 else ''}, {len(latencies['http'])} requests of one "
+        f"token: gRPC p50 {grpc_p50:.1f} ms, HTTP p50 {http_p50:.1f} ms: +{added:.1f} ms   "
+        f"target <= {HTTP_OVERHEAD_TARGET_MS:g} ms   {'PASS' if within else 'over'}"
+    )
+    return within
+
+
 def stack_env(model: str, threads: int, max_num_seqs: int) -> dict[str, str]:
     return {
         "EXPERT_MODEL_PATH": str(Path(model).resolve()),
@@ -277,6 +346,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--front-clients", type=int, nargs="*", default=[1, 16], help="HTTP against gRPC")
+    parser.add_argument("--front-requests", type=int, default=64, help="per front and client count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -286,9 +357,11 @@ def main() -> None:
     batch = prompts(max(args.requests, max(args.clients)))
     slots = max(args.clients)
     direct = Direct(args.model, slots, args.max_tokens)
-    figures = {}
+    figures, front_figures = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as logs:
-        stack = LocalStack.on_free_ports(Path(logs), env=stack_env(args.model, args.threads, slots))
+        stack = LocalStack.on_free_ports(
+            Path(logs), env=stack_env(args.model, args.threads, max(slots, *args.front_clients))
+        )
         stack.start(timeout=600)
         try:
             for clients in args.clients:
@@ -297,6 +370,12 @@ def main() -> None:
                     figures[clients] = measure(direct, through, batch, clients)
                 finally:
                     through.close()
+            for clients in args.front_clients:
+                fronts = Fronts(stack.target("reception"), stack.http_url("reception"), clients)
+                try:
+                    front_figures[clients] = fronts.measure(args.front_requests)
+                finally:
+                    fronts.close()
         finally:
             stack.stop()
     print(
@@ -304,6 +383,8 @@ def main() -> None:
         f"{args.max_tokens} new tokens, chat template; peer: LLMEngine in-process on the same input"
     )
     ok = all([report(c, *figures[c]) for c in args.clients])
+    print()
+    ok = all([report_fronts(c, front_figures[c]) for c in args.front_clients]) and ok
     print(f"\n{'all within budget' if ok else 'some figures over budget'}")
 
 
