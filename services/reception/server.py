@@ -104,8 +104,12 @@ class ReceptionServicer:
     async def Submit(
         self, request: inference_pb2.SubmitRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.SubmitResponse:
-        job_id, submitted_at, priority = await self._admit(_inner(request))
-        return inference_pb2.SubmitResponse(submission=await self._submission(job_id, submitted_at, priority))
+        return inference_pb2.SubmitResponse(submission=await self.submit(_inner(request)))
+
+    async def submit(self, request: common_pb2.InferenceRequest | Undecodable) -> common_pb2.JobSubmission:
+        """Admit a job and return at once: Submit, for every front (gRPC and HTTP)."""
+        job_id, submitted_at, priority = await self._admit(request)
+        return await self._submission(job_id, submitted_at, priority)
 
     async def _submission(self, job_id: str, submitted_at: float, priority: int) -> common_pb2.JobSubmission:
         ahead = await self.queue.depth_at_or_above(priority)
@@ -185,7 +189,11 @@ class ReceptionServicer:
     async def GetJob(
         self, request: inference_pb2.GetJobRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetJobResponse:
-        return inference_pb2.GetJobResponse(job=await self._job(_job_id(request)))
+        return inference_pb2.GetJobResponse(job=await self.get_job(_job_id(request)))
+
+    async def get_job(self, job_id: str) -> common_pb2.Job:
+        """A job's record: GetJob, for every front (gRPC and HTTP)."""
+        return await self._job(job_id)
 
     async def _job(self, job_id: str) -> common_pb2.Job:
         if not job_id:
@@ -200,9 +208,13 @@ class ReceptionServicer:
     async def CancelJob(
         self, request: inference_pb2.CancelJobRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CancelJobResponse:
-        job = await self._job(_job_id(request))
+        return inference_pb2.CancelJobResponse(job=await self.cancel_job(_job_id(request)))
+
+    async def cancel_job(self, job_id: str) -> common_pb2.Job:
+        """Stop a job and return its record as read right after: CancelJob, for every front."""
+        job = await self._job(job_id)
         await self._cancel(job)
-        return inference_pb2.CancelJobResponse(job=await self._job(job.job_id))
+        return await self._job(job.job_id)
 
     async def _cancel(self, job: common_pb2.Job) -> None:
         if job.status in (

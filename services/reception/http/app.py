@@ -1,6 +1,7 @@
-"""The FastAPI app: the probes and OpenAI's chat, completions and models endpoints over the gRPC
-servicer's own `infer` / `infer_stream` (admission, validation, the job record, the queue and the
-job's event stream); responses and server-sent events in OpenAI's shapes."""
+"""The FastAPI app: the probes, the REST API's `/v1/infer` and `/v1/jobs` (rest.py), and OpenAI's
+chat, completions and models endpoints over the gRPC servicer's own `infer` / `infer_stream`
+(admission, validation, the job record, the queue and the job's event stream); responses and
+server-sent events in OpenAI's shapes."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from services.reception.http.errors import (
 from services.reception.http.models import ServedModels
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.reception.http.rest import add_rest_routes
 from services.reception.server import ReceptionServicer
 
 log = get_logger(__name__)
@@ -75,6 +77,8 @@ def create_app(
             return from_service_error(exc, body)
         log.exception("HTTP request failed", exc_info=exc)
         return HttpError(500, "internal error", code="internal")
+
+    add_rest_routes(app, servicer, as_http_error)
 
     @app.get("/livez")
     async def livez() -> dict:

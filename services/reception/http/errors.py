@@ -15,8 +15,8 @@ from services.reception.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.reception.http.rest_schema import FIELD_NAMES as REST_FIELD_NAMES
 
-# The HTTP status of a gRPC status; any other is 500.
 # The HTTP status of a gRPC status; any other is 500.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -45,16 +45,17 @@ def not_supported(param: str, what: str) -> HttpError:
     return HttpError(400, f"{what} is not supported yet", param, "unsupported_parameter")
 
 
-def param_of(field: str, body: ChatCompletionRequest | CompletionRequest | None) -> str | None:
-    """The OpenAI name of a field a violation names ("request.temperature" -> "temperature")."""
+def param_of(field: str, body: object) -> str | None:
+    """The name of a field a violation names as the client sent it ("request.temperature" ->
+    "temperature"); `body` is the request's body (OpenAI's, or the REST API's with proto names)."""
     name = field.removeprefix("request.").removeprefix("request")
     if not name:
         return None
     head = re.match(r"[a-z_]+", name)
     rest = name[head.end() :] if head else ""
     base = head.group(0) if head else name
-    if base == "user_id":
-        base = "user"
+    if base == "user_id" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
+        base = "user"  # OpenAI's name; the REST API keeps the proto's
     elif base == "prompt" and isinstance(body, ChatCompletionRequest):
         base = "messages"  # a chat has no prompt: an empty one is an empty conversation
     elif base == "max_tokens" and isinstance(body, ChatCompletionRequest):
@@ -67,9 +68,7 @@ def error_response(error: HttpError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status)
 
 
-def from_service_error(
-    error: ServiceError, body: ChatCompletionRequest | CompletionRequest | None
-) -> HttpError:
+def from_service_error(error: ServiceError, body: object) -> HttpError:
     status = HTTP_STATUS.get(error.code, 500)
     param = param_of(error.violations[0][0], body) if error.violations else None
     message = error.message
@@ -91,7 +90,9 @@ def validation_error(exc: RequestValidationError) -> HttpError:
     for i, part in enumerate(parts):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in FIELD_NAMES or (unknown and i == len(parts) - 1):  # not pydantic's type tags
+        elif (
+            part in FIELD_NAMES or part in REST_FIELD_NAMES or (unknown and i == len(parts) - 1)
+        ):  # not pydantic's type tags
             param += f".{part}" if param else part
     if unknown:
         return HttpError(

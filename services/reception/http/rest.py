@@ -1,0 +1,170 @@
+"""The Expert System's own REST API (docs/api.md#the-rest-api): `/v1/infer` and `/v1/jobs` over the
+gRPC servicer's own methods (`infer`, `infer_stream`, `submit`, `get_job`, `cancel_job`), with the
+proto messages as JSON under their proto field names; enums are their short lower-case names
+(`completed`, `stop`), timestamps RFC 3339 strings and 64-bit integers numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from libs.gen.expert.v1 import common_pb2
+from services.reception.http.errors import HttpError, error_response
+from services.reception.http.rest_schema import InferBody, JobBody
+from services.reception.server import ReceptionServicer
+
+_INT64 = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+_TIMESTAMP = "google.protobuf.Timestamp"
+
+
+def to_request(body: JobBody) -> common_pb2.InferenceRequest:
+    """The InferenceRequest a REST body spells out field for field (its unset fields stay unset)."""
+    fields = body.model_dump(exclude_none=True, exclude={"stream"})
+    try:
+        return json_format.ParseDict(fields, common_pb2.InferenceRequest())
+    except json_format.ParseError as exc:  # e.g. a float beyond float32's range
+        found = re.search(r"at InferenceRequest\.([\w.\[\]]+)", str(exc))
+        param = found.group(1) if found else None
+        raise HttpError(400, f"{param or 'body'}: {exc}", param, "invalid_type") from None
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    """A proto message as the REST API's JSON: every field under its proto name (those without
+    presence always, those with it when set), enums short and lower-case, 64-bit integers as
+    numbers."""
+    data = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    _tidy(data, message.DESCRIPTOR)
+    return data
+
+
+def _tidy(data: dict[str, Any], descriptor: Descriptor) -> None:
+    for field in descriptor.fields:
+        if field.name not in data:
+            continue
+        repeated = field.is_repeated
+        values = data[field.name] if repeated else [data[field.name]]
+        if field.message_type is not None and field.message_type.full_name != _TIMESTAMP:
+            for value in values:
+                _tidy(value, field.message_type)
+            continue
+        if field.enum_type is not None:
+            prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", field.enum_type.name).upper() + "_"
+            values = [v.removeprefix(prefix).lower() if isinstance(v, str) else v for v in values]
+        elif field.type in _INT64:
+            values = [int(v) for v in values]
+        else:
+            continue
+        data[field.name] = values if repeated else values[0]
+
+
+def add_rest_routes(
+    app: FastAPI,
+    servicer: ReceptionServicer,
+    as_http_error: Callable[[BaseException, object], HttpError],
+) -> None:
+    @app.post("/v1/infer")
+    async def infer(request: Request, body: InferBody):
+        inference = to_request(body)
+        if body.stream:
+            return await _stream(inference, body)
+        work = asyncio.ensure_future(servicer.infer(inference))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client hung up: cancelling the call cancels the job
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+        if work.cancelled():
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        try:
+            result = work.result()
+        except Exception as exc:
+            return error_response(as_http_error(exc, body))
+        return to_json(result)
+
+    async def _stream(inference: common_pb2.InferenceRequest, body: InferBody):
+        messages = servicer.infer_stream(inference)
+        try:
+            first = await anext(messages)  # admission: its refusal is the HTTP answer
+        except Exception as exc:
+            await messages.aclose()
+            return error_response(as_http_error(exc, body))
+        return StreamingResponse(
+            _events(first, messages, body, as_http_error),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit(body: JobBody):
+        inference = to_request(body)
+        try:
+            submission = await servicer.submit(inference)
+        except Exception as exc:
+            return error_response(as_http_error(exc, body))
+        return JSONResponse(
+            to_json(submission),
+            status_code=202,
+            headers={"Location": f"/v1/jobs/{submission.job_id}"},
+        )
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str):
+        try:
+            return to_json(await servicer.get_job(job_id))
+        except Exception as exc:
+            return error_response(as_http_error(exc, None))
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str):
+        try:
+            return to_json(await servicer.cancel_job(job_id))
+        except Exception as exc:
+            return error_response(as_http_error(exc, None))
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(first, messages, body: InferBody, as_http_error) -> AsyncIterator[str]:
+    """InferStream's messages as server-sent events: `event: <kind>` and `data: {"<kind>": …}`,
+    ending after the result. A refusal after the start is one `error` event. Closed early (the
+    client went away), `messages` is closed, which cancels the job."""
+    async with contextlib.aclosing(messages):
+        yield _sse("submitted", to_json(first))
+        try:
+            async for message in messages:
+                yield _sse(message.WhichOneof("event"), to_json(message))
+        except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
+            failure = as_http_error(exc, body)
+            error = {"message": failure.message, "type": failure.type, "param": failure.param}
+            yield _sse("error", {"error": {**error, "code": failure.code}})

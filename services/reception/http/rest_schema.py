@@ -1,0 +1,57 @@
+"""The request body of the Expert System's own REST API (`/v1/infer`, `/v1/jobs`): the fields of an
+InferenceRequest under their proto names. Unknown fields are refused, and the integers are bounded
+to what the proto's fields hold; every other bound is reception's validation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessageBody(_Body):
+    role: str
+    content: str
+
+
+class JobBody(_Body):
+    """An InferenceRequest as JSON (docs/api.md#inferencerequest); unset fields are left unset."""
+
+    prompt: str = ""
+    template: str | None = None
+    body: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    force_experts: list[str] = []
+    exclude_experts: list[str] = []
+    max_experts: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    context_size: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    user_id: str = ""
+    priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    timeout_ms: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: list[str] = []
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    messages: list[ChatMessageBody] = []
+    raw: bool = False
+    json_schema: str | None = None
+
+
+class InferBody(JobBody):
+    """`POST /v1/infer`: the request, and `stream` for server-sent events instead of one answer."""
+
+    stream: bool = False
+
+
+FIELD_NAMES = set(InferBody.model_fields) | set(ChatMessageBody.model_fields)

@@ -1,0 +1,204 @@
+"""The REST API (`/v1/infer`, `/v1/jobs`) in process, over a fake servicer: the JSON <-> proto
+mapping and the errors (tests/e2e/test_rest_api.py runs it against a real stack)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+
+from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
+from libs.gen.expert.v1 import common_pb2, inference_pb2, preparation_pb2
+from libs.timestamps import timestamp
+from services.reception.http import create_app
+from services.reception.http.rest import to_json, to_request
+from services.reception.http.rest_schema import JobBody
+
+RESULT = common_pb2.InferenceResult(
+    job_id="j1",
+    status=common_pb2.JOB_STATUS_COMPLETED,
+    text="Paris",
+    tokens_generated=2,
+    experts_used=["english"],
+    latency_ms=850.0,
+    finish_reason=common_pb2.FINISH_REASON_STOP,
+    metrics=common_pb2.InferenceMetrics(vram_peak_mb=12, submitted_at=timestamp(0.0)),
+)
+
+
+class FakeServicer:
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.requests: list[common_pb2.InferenceRequest] = []
+        self.asked: list[tuple[str, str]] = []
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def infer(self, request):
+        self.requests.append(request)
+        self._check()
+        return RESULT
+
+    async def infer_stream(self, request):
+        self.requests.append(request)
+        self._check()
+        yield inference_pb2.InferStreamResponse(
+            submitted=common_pb2.JobSubmission(job_id="j1", status=common_pb2.JOB_STATUS_QUEUED)
+        )
+        yield inference_pb2.InferStreamResponse(status=common_pb2.JOB_STATUS_RUNNING)
+        yield inference_pb2.InferStreamResponse(text="Par")
+        yield inference_pb2.InferStreamResponse(text="is")
+        yield inference_pb2.InferStreamResponse(result=RESULT)
+
+    async def submit(self, request):
+        self.requests.append(request)
+        self._check()
+        return common_pb2.JobSubmission(
+            job_id="j1", status=common_pb2.JOB_STATUS_QUEUED, estimated_wait_ms=1500
+        )
+
+    async def get_job(self, job_id):
+        self.asked.append(("get", job_id))
+        self._check()
+        return common_pb2.Job(job_id=job_id, status=common_pb2.JOB_STATUS_RUNNING, text="Pa")
+
+    async def cancel_job(self, job_id):
+        self.asked.append(("cancel", job_id))
+        self._check()
+        return common_pb2.Job(job_id=job_id, status=common_pb2.JOB_STATUS_CANCELLED)
+
+
+class FakeCapacity:
+    async def get(self):
+        return preparation_pb2.GetCapacityResponse(engines=1)
+
+
+class FakeModels:
+    async def names(self):
+        return ["base"]
+
+
+@pytest.fixture
+def parts():
+    servicer = FakeServicer()
+    return servicer, TestClient(create_app(servicer, FakeCapacity(), FakeModels()))
+
+
+def test_every_field_maps_onto_the_request_under_its_proto_name():
+    fields = {
+        "prompt": "p",
+        "template": "t {prompt}",
+        "body": "b",
+        "temperature": 0.5,
+        "max_tokens": 9,
+        "top_p": 0.5,
+        "top_k": 3,
+        "min_p": 0.25,
+        "repetition_penalty": 1.5,
+        "force_experts": ["a"],
+        "exclude_experts": ["b"],
+        "max_experts": 2,
+        "context_size": 100,
+        "user_id": "u",
+        "priority": 7,
+        "timeout_ms": 2**40,
+        "stop": ["\n"],
+        "seed": 2**63,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "messages": [{"role": "system", "content": "s"}],
+        "raw": False,
+        "json_schema": "{}",
+    }
+    request = to_request(JobBody(**fields))
+    assert to_json(request) == fields
+
+
+def test_unset_fields_stay_unset():
+    request = to_request(JobBody(prompt="p"))
+    assert not request.HasField("temperature") and not request.HasField("priority")
+
+
+def test_results_use_short_enums_numbers_and_timestamps():
+    data = to_json(RESULT)
+    assert data["status"] == "completed" and data["finish_reason"] == "stop"
+    assert data["metrics"]["vram_peak_mb"] == 12 and data["metrics"]["submitted_at"].endswith("Z")
+    assert {"job_id", "text", "tokens_generated", "experts_used", "latency_ms"} <= set(data)
+
+
+def test_infer_returns_the_result(parts):
+    servicer, http = parts
+    response = http.post("/v1/infer", json={"prompt": "hi", "max_tokens": 4})
+    assert response.status_code == 200 and response.json() == to_json(RESULT)
+    assert servicer.requests[0].max_tokens == 4
+
+
+def test_stream_sends_each_event(parts):
+    _, http = parts
+    response = http.post("/v1/infer", json={"prompt": "hi", "stream": True})
+    blocks = [b for b in response.text.split("\n\n") if b]
+    events = [(b.split("\n")[0].removeprefix("event: "), json.loads(b.split("\n")[1][6:])) for b in blocks]
+    assert [kind for kind, _ in events] == ["submitted", "status", "text", "text", "result"]
+    assert events[1][1] == {"status": "running"} and events[2][1] == {"text": "Par"}
+    assert events[-1][1]["result"]["text"] == "Paris"
+
+
+def test_jobs_submit_get_and_cancel(parts):
+    servicer, http = parts
+    response = http.post("/v1/jobs", json={"prompt": "hi"})
+    assert response.status_code == 202 and response.headers["location"] == "/v1/jobs/j1"
+    assert response.json()["status"] == "queued" and response.json()["estimated_wait_ms"] == 1500
+    assert http.get("/v1/jobs/j1").json()["text"] == "Pa"
+    assert http.delete("/v1/jobs/j1").json()["status"] == "cancelled"
+    assert servicer.asked == [("get", "j1"), ("cancel", "j1")]
+
+
+@pytest.mark.parametrize(
+    "error, status, param",
+    [
+        (invalid_arguments([("request.user_id", "bad")]), 400, "user_id"),
+        (invalid_argument("job_id", "too long"), 400, "job_id"),
+        (not_found("job 'x' does not exist (or expired)"), 404, None),
+        (ServiceError(grpc.StatusCode.UNAVAILABLE, "redis"), 503, None),
+    ],
+)
+def test_service_errors_keep_the_proto_field_names(parts, error, status, param):
+    servicer, http = parts
+    servicer.error = error
+    for response in (
+        http.post("/v1/infer", json={"prompt": "hi"}),
+        http.post("/v1/infer", json={"prompt": "hi", "stream": True}),
+        http.post("/v1/jobs", json={"prompt": "hi"}),
+        http.get("/v1/jobs/x"),
+        http.delete("/v1/jobs/x"),
+    ):
+        assert response.status_code == status
+        assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"prompt": "hi", "temperature": "hot"}, "temperature", "invalid_type"),
+        ({"prompt": "hi", "temperature": 1e300}, "temperature", "invalid_type"),
+        ({"prompt": "hi", "max_tokens": 2**31}, "max_tokens", "invalid_type"),
+        ({"prompt": "hi", "stop": "x"}, "stop", "invalid_type"),
+        ({"prompt": "hi", "model": "x"}, "model", "unknown_parameter"),
+    ],
+)
+def test_bad_bodies_are_400_naming_the_field(parts, body, param, code):
+    _, http = parts
+    for path in ("/v1/infer", "/v1/jobs"):
+        response = http.post(path, json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == code
+
+
+def test_jobs_take_no_stream_field(parts):
+    _, http = parts
+    response = http.post("/v1/jobs", json={"prompt": "hi", "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
