@@ -156,6 +156,8 @@ class LocalStack:
             "EXPERT_POSTPROC_TARGET": self.target("postproc"),
             "EXPERT_ENGINE_ADVERTISE_ADDRESS": self.target("engine"),
         }
+        if not env.get("EXPERT_AUDIT_LOG", "").strip():  # beside the logs, not in reception's
+            env["EXPERT_AUDIT_LOG"] = str(Path(self.log_dir).resolve() / "audit.log")
         return env
 
     def start(self, timeout: float = 180.0) -> None:

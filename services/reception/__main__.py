@@ -10,6 +10,7 @@ from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
+from services.reception.audit import AuditLog
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
 from services.reception.dispatcher import Dispatcher
@@ -30,12 +31,16 @@ async def main() -> None:
     redis = connect(config.redis_url)
     peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
+    served = ServedModels(peers.preparation)
+    # The model's name as the HTTP front last listed it (no call per job; null until then).
+    audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text, model=served.last)
     jobs = JobStore(
         redis,
         config.job_ttl_s,
         config.dispatch.default_timeout_s,
         on_finished=metrics.finished,
         store_text=config.store_text,
+        audit=audit,
     )
     capacity = Capacity(peers.preparation)
     servicer = ReceptionServicer(jobs, queue, capacity, metrics)
@@ -52,7 +57,7 @@ async def main() -> None:
     # The HTTP front (OpenAI's API, the probes) calls the same servicer: one admission path.
     http = None
     if config.http_port:
-        app = create_app(servicer, capacity, ServedModels(peers.preparation), map_redis_error)
+        app = create_app(servicer, capacity, served, map_redis_error)
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
 
@@ -87,6 +92,7 @@ async def main() -> None:
         await dispatcher.stop()
         await peers.close()
         await redis.aclose()
+        audit.close()
 
     await serve(
         "reception",

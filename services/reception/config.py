@@ -29,6 +29,8 @@ class ReceptionConfig:
     job_ttl_s: int
     drain_s: float  # on SIGTERM: how long the jobs running get to end before they are handed back
     store_text: bool  # keep prompts and outputs in the job records after the jobs end
+    audit_log: str  # where the audit log goes: "off", "stdout" or a file path
+    audit_clear_text: bool  # the audit lines carry the prompt and output, not only their SHA-256s
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -58,4 +60,11 @@ class ReceptionConfig:
             job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
             drain_s=reader.number("EXPERT_RECEPTION_DRAIN_SECONDS", 10.0, minimum=0.0),
             store_text=reader.boolean("EXPERT_STORE_REQUEST_TEXT", True),
+            audit_log=_audit_destination(reader.text("EXPERT_AUDIT_LOG", "stdout")),
+            audit_clear_text=reader.boolean("EXPERT_AUDIT_CLEAR_TEXT", False),
         )
+
+
+def _audit_destination(value: str) -> str:
+    """EXPERT_AUDIT_LOG: `off` and `stdout` in any case, else a file path as given."""
+    return value.lower() if value.lower() in ("off", "stdout") else value

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.gen.expert.v1 import common_pb2
 from libs.timestamps import timestamp
+from services.reception.audit import AuditLog
 
 PREFIX = "expert:job:"
 CANCEL_CHANNEL = "expert:cancel"
@@ -256,8 +257,11 @@ class JobStore:
         on_finished: Callable[[common_pb2.InferenceResult], None] | None = None,
         store_text: bool = True,
         write_patience_s: float = WRITE_PATIENCE_S,
+        audit: AuditLog | None = None,
     ) -> None:
         self.redis = redis
+        # Given each job's final result once, with its request (docs/operations.md#audit-log).
+        self.audit = audit
         self.write_patience_s = write_patience_s
         # False: a job's prompt and output leave Redis when it ends (EXPERT_STORE_REQUEST_TEXT):
         # its record keeps their SHA-256s, and its streams the texts for FOLLOWER_GRACE_S only.
@@ -352,6 +356,12 @@ class JobStore:
         result and the result event are written in one step, so a reader that sees a final status
         also sees its result."""
         payload = result.SerializeToString()
+        # Read before the script, which takes the texts out of the record without store_text.
+        stored = None
+        if not self.store_text or (self.audit is not None and self.audit.enabled):
+            stored = await self._write(
+                lambda keys, args: self.redis.hget(keys[0], args[0]), keys=[job_key(job_id)], args=["request"]
+            )
         changed = await self._write(
             self._finish,
             keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id), text_key(job_id)],
@@ -361,11 +371,14 @@ class JobStore:
                 payload,
                 result.error,
                 job_id,
-                *await self._redacted(result),
+                *self._redacted(result, stored),
             ],
         )
         if changed == 1 and self.on_finished is not None:
             self.on_finished(result)
+        if changed == 1 and self.audit is not None and self.audit.enabled:
+            request = common_pb2.InferenceRequest.FromString(stored) if stored is not None else None
+            self.audit.record(job_id, request, result)
         return changed == 1
 
     async def _write(self, script, keys: list[str], args: list) -> object:
@@ -384,11 +397,11 @@ class JobStore:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def _redacted(self, result: common_pb2.InferenceResult) -> list[bytes | str | int]:
-        """The _FINISH arguments that take the job's texts out of its record, or [""] to keep them."""
+    def _redacted(self, result: common_pb2.InferenceResult, stored: bytes | None) -> list[bytes | str | int]:
+        """The _FINISH arguments that take the job's texts out of its record (`stored`: its
+        request as stored), or [""] to keep them."""
         if self.store_text:
             return [""]
-        stored = await self.redis.hget(job_key(result.job_id), "request")
         request = common_pb2.InferenceRequest.FromString(stored or b"")
         request_sha256 = hashlib.sha256(stored or b"").hexdigest()
         for name in ("template", "body"):

@@ -231,6 +231,9 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
         result = client.infer(prompt="Hello", max_tokens=8, temperature=0.0, timeout=60)
     assert result.status == "completed", result
     assert 0 < result.tokens_generated <= 8
+    # Its audit line goes to the log directory, not into reception's log (docs/operations.md#audit-log).
+    assert _wait_for_line(log_dir / "audit.log", result.job_id)
+    assert '"key_id"' not in (log_dir / "reception.log").read_text()
 
     # The banner's commands work exactly as printed, from where `up` was started.
     assert stdout.wait_for("Ctrl-C stops everything", 10)
@@ -278,6 +281,15 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
         errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
         assert errors == [], f"{service}: {errors[:3]}"
     assert "Received SIGTERM scheduling shutdown" in (log_dir / "redis.log").read_text()
+
+
+def _wait_for_line(path: Path, text: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.mark.timeout(180)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 import pytest
 from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
+from services.reception.audit import AuditLog
 from services.reception.jobs import JobExpired, JobStore, events_key, job_key
 
 
@@ -68,6 +70,36 @@ def test_every_recorded_final_result_is_reported_once_whoever_ended_the_job(clea
         assert seen == [("late", common_pb2.JOB_STATUS_TIMED_OUT), ("done", common_pb2.JOB_STATUS_COMPLETED)]
 
     _run(clean_redis_url, scenario)
+
+
+def test_every_final_state_gives_one_audit_line_with_the_request_even_without_stored_text(
+    clean_redis_url, tmp_path
+):
+    path = tmp_path / "audit.log"
+
+    async def scenario(redis, _):
+        jobs = JobStore(redis, ttl_s=60, store_text=False, audit=AuditLog(str(path)))
+        await jobs.create("late", common_pb2.InferenceRequest(prompt="late one", timeout_ms=1), 5)
+        await jobs.create("done", common_pb2.InferenceRequest(prompt="my secret", user_id="bob"), 5)
+        await asyncio.sleep(0.01)
+        assert await jobs.sweep_overdue(30.0) == [("late", common_pb2.JOB_STATUS_QUEUED)]
+        completed = common_pb2.InferenceResult(
+            job_id="done", status=common_pb2.JOB_STATUS_COMPLETED, text="the answer"
+        )
+        cancelled = common_pb2.InferenceResult(job_id="done", status=common_pb2.JOB_STATUS_CANCELLED)
+        assert await jobs.finish("done", completed) and not await jobs.finish("done", cancelled)
+        assert not await jobs.finish("gone", cancelled)  # no record: nothing recorded, no line
+
+    _run(clean_redis_url, scenario)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["job_id"], line["status"]) for line in lines] == [
+        ("late", "TIMED_OUT"),
+        ("done", "COMPLETED"),
+    ]
+    assert lines[1]["user"] == "bob"
+    assert lines[1]["prompt_sha256"] == hashlib.sha256(b"my secret").hexdigest()
+    assert lines[1]["output_sha256"] == hashlib.sha256(b"the answer").hexdigest()
+    assert "my secret" not in path.read_text() and "the answer" not in path.read_text()
 
 
 def test_the_queue_depth_counts_the_entries_no_dispatcher_took_by_priority(clean_redis_url):

@@ -27,6 +27,10 @@ class ServedModels:
         self._at = float("-inf")
         self._lock = asyncio.Lock()
 
+    def last(self) -> str | None:
+        """The fleet's model as last listed, without asking (None: not listed yet, or several)."""
+        return self._names[0] if len(self._names) == 1 else None
+
     async def names(self) -> list[str]:
         async with self._lock:
             if time.monotonic() - self._at > MODELS_TTL_S:
