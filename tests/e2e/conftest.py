@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from expert_system import ExpertClient
@@ -112,3 +114,25 @@ def client_engines(stack) -> list:
     with grpc.insecure_channel(stack.target("preparation")) as channel:
         stub = preparation_pb2_grpc.PreparationServiceStub(channel)
         return list(stub.ListEngines(preparation_pb2.ListEnginesRequest()).engines)
+
+
+def wait_ready(stack: LocalStack, timeout: float = 60.0) -> None:
+    """Until reception's HTTP /readyz answers 200 (an engine is registered)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(stack.http_url() + "/readyz", timeout=5).status_code == 200:
+            return
+        time.sleep(0.2)
+    pytest.fail("reception's /readyz never answered 200")
+
+
+def wait_rest_job(http: httpx.Client, job_id: str, done, timeout: float = 30.0) -> dict:
+    """The job from GET /v1/jobs/{id} once `done(job)`."""
+    deadline = time.monotonic() + timeout
+    job: dict = {}
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/jobs/{job_id}").json()
+        if done(job):
+            return job
+        time.sleep(0.02)
+    pytest.fail(f"job {job_id} never got there: {job}")

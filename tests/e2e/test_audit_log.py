@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from libs.stack import LocalStack
-from tests.e2e.conftest import LONG, stack_env
+from tests.e2e.conftest import LONG, stack_env, wait_ready, wait_rest_job
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 PROMPT = "What is the capital of France? (audited)"
@@ -24,25 +24,6 @@ FIELDS = {
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _wait_ready(stack: LocalStack, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(stack.http_url() + "/readyz", timeout=5).status_code == 200:
-            return
-        time.sleep(0.2)
-    pytest.fail("reception's /readyz never answered 200")
-
-
-def _wait(http: httpx.Client, job_id: str, done, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = http.get(f"/v1/jobs/{job_id}").json()
-        if done(job):
-            return job
-        time.sleep(0.02)
-    pytest.fail(f"job {job_id} never got there: {job}")
 
 
 def _lines(path: Path, job_id: str, timeout: float = 10.0) -> list[dict]:
@@ -73,7 +54,7 @@ def audited(tiny_llama, tmp_path_factory) -> tuple[LocalStack, Path]:
     stack = LocalStack.on_free_ports(root / "stack", env=env)
     stack.start()
     try:
-        _wait_ready(stack)
+        wait_ready(stack)
         yield stack, audit
     finally:
         stack.stop()
@@ -91,14 +72,14 @@ def test_each_final_job_gives_one_line_with_hashes_only(audited, long_prompt):
             "/v1/jobs",
             json={"prompt": long_prompt, "raw": True, "temperature": 0.0, "max_tokens": LONG},
         ).json()
-        _wait(http, running["job_id"], lambda job: job["status"] == "running")
+        wait_rest_job(http, running["job_id"], lambda job: job["status"] == "running")
         assert http.delete(f"/v1/jobs/{running['job_id']}").status_code == 200
-        cancelled = _wait(http, running["job_id"], lambda job: job["status"] in FINAL)
+        cancelled = wait_rest_job(http, running["job_id"], lambda job: job["status"] in FINAL)
         assert cancelled["status"] == "cancelled"
 
         refused = http.post("/v1/jobs", json={"prompt": PROMPT, "force_experts": ["no-such-expert"]})
         assert refused.status_code == 202
-        failed = _wait(http, refused.json()["job_id"], lambda job: job["status"] in FINAL)
+        failed = wait_rest_job(http, refused.json()["job_id"], lambda job: job["status"] in FINAL)
         assert failed["status"] == "failed"
 
     [line] = _lines(audit, completed["job_id"])
@@ -127,7 +108,7 @@ def test_each_final_job_gives_one_line_with_hashes_only(audited, long_prompt):
 
 def test_clear_text_puts_the_prompt_and_output_in_the_line(tiny_stack):
     stack = tiny_stack(EXPERT_AUDIT_CLEAR_TEXT="true")  # the audit log left to LocalStack's default
-    _wait_ready(stack)
+    wait_ready(stack)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
     with httpx.Client(base_url=stack.http_url(), timeout=60) as http:
         result = http.post(

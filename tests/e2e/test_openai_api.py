@@ -11,7 +11,7 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.stack import LocalStack
-from tests.e2e.conftest import stack_env
+from tests.e2e.conftest import stack_env, wait_ready
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 FINAL = ("cancelled", "completed", "failed", "timed_out")
@@ -25,19 +25,10 @@ def stack(tiny_llama, tmp_path_factory) -> LocalStack:
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("openai-stack"), env=env)
     stack.start()
     try:
-        _wait_ready(stack)
+        wait_ready(stack)
         yield stack
     finally:
         stack.stop()
-
-
-def _wait_ready(stack: LocalStack, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(stack.http_url() + "/readyz", timeout=5).status_code == 200:
-            return
-        time.sleep(0.2)
-    pytest.fail("reception's /readyz never answered 200")
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from expert_system import ExpertClient
 from libs.stack import LocalStack
-from tests.e2e.conftest import LONG, stack_env
+from tests.e2e.conftest import LONG, stack_env, wait_ready, wait_rest_job
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 QUESTION = {"prompt": "What is the capital of France?", "temperature": 0.0, "max_tokens": 8}
@@ -25,35 +24,16 @@ def stack(tiny_llama, tmp_path_factory) -> LocalStack:
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("rest-stack"), env=env)
     stack.start()
     try:
-        _wait_ready(stack)
+        wait_ready(stack)
         yield stack
     finally:
         stack.stop()
-
-
-def _wait_ready(stack: LocalStack, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(stack.http_url() + "/readyz", timeout=5).status_code == 200:
-            return
-        time.sleep(0.2)
-    pytest.fail("reception's /readyz never answered 200")
 
 
 @pytest.fixture(scope="module")
 def http(stack) -> httpx.Client:
     with httpx.Client(base_url=stack.http_url(), timeout=60) as client:
         yield client
-
-
-def _wait(http: httpx.Client, job_id: str, done, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = http.get(f"/v1/jobs/{job_id}").json()
-        if done(job):
-            return job
-        time.sleep(0.02)
-    pytest.fail(f"job {job_id} never got there: {job}")
 
 
 def test_infer_answers_with_the_result(http):
@@ -103,7 +83,7 @@ def test_a_submitted_job_is_polled_until_final(http):
     assert submission["status"] == "queued" and isinstance(submission["estimated_wait_ms"], int)
     assert submission["submitted_at"].endswith("Z")
     assert response.headers["location"] == f"/v1/jobs/{submission['job_id']}"
-    job = _wait(http, submission["job_id"], lambda job: job["status"] in FINAL)
+    job = wait_rest_job(http, submission["job_id"], lambda job: job["status"] in FINAL)
     assert job["status"] == "completed" and job["result"]["status"] == "completed"
     assert job["text"] == job["result"]["text"] and job["finished_at"] >= job["submitted_at"]
 
@@ -119,10 +99,10 @@ def test_delete_cancels_a_running_job(http, long_prompt):
             "repetition_penalty": 1.0,
         },
     ).json()
-    _wait(http, submission["job_id"], lambda job: job["status"] == "running")
+    wait_rest_job(http, submission["job_id"], lambda job: job["status"] == "running")
     response = http.delete(f"/v1/jobs/{submission['job_id']}")
     assert response.status_code == 200 and response.json()["job_id"] == submission["job_id"]
-    job = _wait(http, submission["job_id"], lambda job: job["status"] in FINAL)
+    job = wait_rest_job(http, submission["job_id"], lambda job: job["status"] in FINAL)
     assert job["status"] == "cancelled" and job["result"]["finish_reason"] == "abort"
     assert job["result"]["tokens_generated"] < LONG
 
@@ -186,5 +166,5 @@ def test_a_client_that_leaves_the_stream_cancels_the_job(http, long_prompt):
         first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
         job_id = first["submitted"]["job_id"]
         next(line for line in lines if line.startswith("event: text"))
-    job = _wait(http, job_id, lambda job: job["status"] in FINAL)
+    job = wait_rest_job(http, job_id, lambda job: job["status"] in FINAL)
     assert job["status"] == "cancelled" and job["result"]["tokens_generated"] < LONG

@@ -5,7 +5,6 @@ server-sent events in OpenAI's shapes."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -21,6 +20,7 @@ from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import get_logger
 from services.reception.capacity import Capacity
+from services.reception.http.calls import unless_disconnected
 from services.reception.http.errors import (
     HTTP_STATUS,
     HttpError,
@@ -123,22 +123,12 @@ def create_app(
         inference = to_request(body)
         if body.stream:
             return await _stream(inference, body, chat)
-        work = asyncio.ensure_future(servicer.infer(inference))
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():  # the client hung up: cancelling the call cancels the job
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-        if work.cancelled():
-            return JSONResponse({}, status_code=499)  # nobody reads it
-        try:
-            result = work.result()
+            result = await unless_disconnected(request, servicer.infer(inference))
         except Exception as exc:
             return error_response(as_http_error(exc, body))
+        if result is None:  # the client hung up, and its job is cancelled
+            return JSONResponse({}, status_code=499)  # nobody reads it
         failure = _failure(result)
         if failure is not None:
             return error_response(failure)
@@ -166,13 +156,6 @@ def create_app(
         return await complete(request, body, chat=False)
 
     return app
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _failure(result: common_pb2.InferenceResult) -> HttpError | None:

@@ -5,7 +5,6 @@ proto messages as JSON under their proto field names; enums are their short lowe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
@@ -19,6 +18,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from libs.gen.expert.v1 import common_pb2
+from services.reception.http.calls import unless_disconnected
 from services.reception.http.errors import HttpError, error_response
 from services.reception.http.rest_schema import InferBody, JobBody
 from services.reception.server import ReceptionServicer
@@ -85,22 +85,12 @@ def add_rest_routes(
         inference = to_request(body)
         if body.stream:
             return await _stream(inference, body)
-        work = asyncio.ensure_future(servicer.infer(inference))
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():  # the client hung up: cancelling the call cancels the job
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-        if work.cancelled():
-            return JSONResponse({}, status_code=499)  # nobody reads it
-        try:
-            result = work.result()
+            result = await unless_disconnected(request, servicer.infer(inference))
         except Exception as exc:
             return error_response(as_http_error(exc, body))
+        if result is None:  # the client hung up, and its job is cancelled
+            return JSONResponse({}, status_code=499)  # nobody reads it
         return to_json(result)
 
     async def _stream(inference: common_pb2.InferenceRequest, body: InferBody):
@@ -142,13 +132,6 @@ def add_rest_routes(
             return to_json(await servicer.cancel_job(job_id))
         except Exception as exc:
             return error_response(as_http_error(exc, None))
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _sse(kind: str, data: dict[str, Any]) -> str:
