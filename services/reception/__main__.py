@@ -31,7 +31,7 @@ async def main() -> None:
     redis = connect(config.redis_url)
     peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
-    served = ServedModels(peers.preparation)
+    served = ServedModels(peers.preparation, peers.router)
     # The model's name as the HTTP front last listed it (no call per job; null until then).
     audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text, model=served.last)
     jobs = JobStore(

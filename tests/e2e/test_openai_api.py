@@ -183,10 +183,11 @@ def test_what_is_not_supported_yet_is_refused_naming_the_param(client, model, ex
     assert caught.value.body["param"] == param
 
 
-def test_an_expert_in_the_model_name_is_refused(client, model):
-    with pytest.raises(openai.BadRequestError) as caught:
+def test_an_expert_in_the_model_name_that_is_not_registered_is_not_found(client, model):
+    # `<base>:<expert>` forces the expert (tests/e2e/test_openai_experts.py); none is registered here.
+    with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model=f"{model}:json-parser", messages=MESSAGES)
-    assert caught.value.body["param"] == "model"
+    assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_found"
 
 
 def test_an_unknown_model_is_not_found(client):

@@ -45,6 +45,9 @@ class FakeModels:
     async def names(self):
         return ["base"]
 
+    async def experts(self):
+        return ["json", "sql"]
+
 
 @pytest.fixture
 def parts():
@@ -158,3 +161,44 @@ def test_openai_fields_map_onto_the_inference_request():
     assert not request.HasField("top_p") and not request.raw
     completion = to_request(CompletionRequest(model="base", prompt=["p"], stop=["a", "b"]))
     assert (completion.prompt, completion.raw, list(completion.stop)) == ("p", True, ["a", "b"])
+
+
+def test_models_lists_each_registered_expert_after_the_base_model(parts):
+    _, _, http = parts
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert ids == ["base", "base:json", "base:sql"]
+
+
+def test_an_expert_in_the_model_name_is_forced_first_and_merged_with_force_experts(parts):
+    servicer, _, http = parts
+    body = {**CHAT, "model": "base:json", "force_experts": ["sql", "json"]}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.json()["model"] == "base:json"
+    assert list(servicer.requests[-1].force_experts) == ["json", "sql"]
+    unknown_base = http.post("/v1/chat/completions", json={**CHAT, "model": "other:json"})
+    assert unknown_base.status_code == 404 and unknown_base.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    "field, detail, status, param, code",
+    [
+        (
+            "request.force_experts[0]",
+            "unknown expert 'nope' (not registered)",
+            404,
+            "model",
+            "model_not_found",
+        ),
+        ("request.force_experts[0]", "must not be empty", 400, "model", "invalid_argument"),
+        ("request.force_experts[1]", "unknown expert 'sql' (not registered)", 400, "force_experts[0]", None),
+    ],
+)
+def test_a_refused_expert_from_the_model_name_names_model(parts, field, detail, status, param, code):
+    servicer, _, http = parts
+    servicer.error = invalid_arguments([(field, detail)])
+    body = {**CHAT, "model": "base:nope", "force_experts": ["sql"]}
+    response = http.post("/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == status and error["param"] == param
+    assert error["message"] == f"{param}: {detail}"
+    assert code is None or error["code"] == code

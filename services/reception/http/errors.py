@@ -60,7 +60,25 @@ def param_of(field: str, body: object) -> str | None:
         base = "messages"  # a chat has no prompt: an empty one is an empty conversation
     elif base == "max_tokens" and isinstance(body, ChatCompletionRequest):
         base = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    elif base == "force_experts" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
+        return _forced_param(rest, body)
     return base + rest
+
+
+def _forced_param(rest: str, body: ChatCompletionRequest | CompletionRequest) -> str:
+    """`force_experts[i]` of the request as the client sent it: `model` for the expert `model` named
+    (`<base>:<expert>`, forced first), else its place in the body's `force_experts`."""
+    if body.model_expert is None:
+        return "force_experts" + rest
+    given = list(body.force_experts or [])
+    index = re.fullmatch(r"\[(\d+)\]", rest)
+    if index is None:  # the list as a whole
+        return "force_experts" + rest if given else "model"
+    forced = body.forced_experts()
+    i = int(index.group(1))
+    if i == 0 or i >= len(forced):
+        return "model"
+    return f"force_experts[{given.index(forced[i])}]"
 
 
 def error_response(error: HttpError) -> JSONResponse:
@@ -74,7 +92,10 @@ def from_service_error(error: ServiceError, body: object) -> HttpError:
     message = error.message
     if error.violations:  # name the fields as the client sent them
         message = "; ".join(f"{param_of(f, body) or 'request'}: {d}" for f, d in error.violations)
-    return HttpError(status, message, param, error.code.name.lower())
+    code = error.code.name.lower()
+    if param == "model" and error.violations[0][1].startswith("unknown expert"):
+        status, code = 404, "model_not_found"  # `<base>:<expert>` with an expert not registered
+    return HttpError(status, message, param, code)
 
 
 def validation_error(exc: RequestValidationError) -> HttpError:

@@ -77,7 +77,7 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
         request.top_k = 0
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
-    request.force_experts.extend(body.force_experts or [])
+    request.force_experts.extend(body.forced_experts())  # `<base>:<expert>`'s expert first
     request.exclude_experts.extend(body.exclude_experts or [])
     if body.user is not None:
         request.user_id = body.user

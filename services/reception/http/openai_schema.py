@@ -59,6 +59,22 @@ class SamplingFields(_Body):
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)
     priority: int | None = Field(None, ge=-INT32, le=INT32)
 
+    @property
+    def base_model(self) -> str:
+        """The base model `model` names (`<base>` or `<base>:<expert>`, as vLLM and SGLang name adapters)."""
+        return self.model.split(":", 1)[0]
+
+    @property
+    def model_expert(self) -> str | None:
+        """The expert `model` names after its colon, forced on the job (None: the base model alone)."""
+        return self.model.split(":", 1)[1] if ":" in self.model else None
+
+    def forced_experts(self) -> list[str]:
+        """The experts to force: the one `model` names first, then `force_experts` (without it again)."""
+        given = list(self.force_experts or [])
+        expert = self.model_expert
+        return given if expert is None else [expert, *(e for e in given if e != expert)]
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
