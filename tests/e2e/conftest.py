@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import pytest
 
 from expert_system import ExpertClient
@@ -45,19 +48,29 @@ def client(stack: LocalStack) -> ExpertClient:
         yield client
 
 
+# What every stack on the tiny model runs with.
+TINY_SETTINGS = {"EXPERT_MAX_MODEL_LEN": "1024", "EXPERT_KV_NUM_BLOCKS": "160", "EXPERT_MAX_NUM_SEQS": "4"}
+
+
+@contextlib.contextmanager
+def ready_tiny_stack(model: Path, root: Path, **extra: str) -> Iterator[LocalStack]:
+    """A stack on the tiny `model` under `root`, once its HTTP front reports ready; stopped after."""
+    stack = LocalStack.on_free_ports(root, env=stack_env(model, **TINY_SETTINGS, **extra))
+    stack.start()
+    try:
+        wait_ready(stack)
+        yield stack
+    finally:
+        stack.stop()
+
+
 @pytest.fixture
 def tiny_stack(tiny_llama, tmp_path):
     """A factory of stacks on the tiny model (for tests that kill services); all are stopped after."""
     stacks: list[LocalStack] = []
 
     def make(*, redis_durable: bool = False, **extra: str) -> LocalStack:
-        env = stack_env(
-            tiny_llama,
-            EXPERT_MAX_MODEL_LEN="1024",
-            EXPERT_KV_NUM_BLOCKS="160",
-            EXPERT_MAX_NUM_SEQS="4",
-            **extra,
-        )
+        env = stack_env(tiny_llama, **TINY_SETTINGS, **extra)
         stack = LocalStack.on_free_ports(
             tmp_path / f"stack-{len(stacks)}", env=env, redis_durable=redis_durable
         )
@@ -136,3 +149,8 @@ def wait_rest_job(http: httpx.Client, job_id: str, done, timeout: float = 30.0) 
             return job
         time.sleep(0.02)
     pytest.fail(f"job {job_id} never got there: {job}")
+
+
+def openai_client(stack: LocalStack) -> openai.OpenAI:
+    """The real `openai` client on the stack's HTTP front (no key is checked yet; no retries)."""
+    return openai.OpenAI(base_url=stack.http_url() + "/v1", api_key="anything", max_retries=0)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from libs.stack import LocalStack
-from tests.e2e.conftest import LONG, stack_env, wait_ready, wait_rest_job
+from tests.e2e.conftest import LONG, ready_tiny_stack, wait_ready, wait_rest_job
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 PROMPT = "What is the capital of France? (audited)"
@@ -44,20 +44,8 @@ def _lines(path: Path, job_id: str, timeout: float = 10.0) -> list[dict]:
 def audited(tiny_llama, tmp_path_factory) -> tuple[LocalStack, Path]:
     root = tmp_path_factory.mktemp("audit-stack")
     audit = root / "audit" / "jobs.log"
-    env = stack_env(
-        tiny_llama,
-        EXPERT_MAX_MODEL_LEN="1024",
-        EXPERT_KV_NUM_BLOCKS="160",
-        EXPERT_MAX_NUM_SEQS="4",
-        EXPERT_AUDIT_LOG=str(audit),
-    )
-    stack = LocalStack.on_free_ports(root / "stack", env=env)
-    stack.start()
-    try:
-        wait_ready(stack)
+    with ready_tiny_stack(tiny_llama, root / "stack", EXPERT_AUDIT_LOG=str(audit)) as stack:
         yield stack, audit
-    finally:
-        stack.stop()
 
 
 def test_each_final_job_gives_one_line_with_hashes_only(audited, long_prompt):

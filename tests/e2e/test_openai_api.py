@@ -11,7 +11,7 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.stack import LocalStack
-from tests.e2e.conftest import stack_env, wait_ready
+from tests.e2e.conftest import openai_client, ready_tiny_stack
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 FINAL = ("cancelled", "completed", "failed", "timed_out")
@@ -19,21 +19,13 @@ FINAL = ("cancelled", "completed", "failed", "timed_out")
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    env = stack_env(
-        tiny_llama, EXPERT_MAX_MODEL_LEN="1024", EXPERT_KV_NUM_BLOCKS="160", EXPERT_MAX_NUM_SEQS="4"
-    )
-    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("openai-stack"), env=env)
-    stack.start()
-    try:
-        wait_ready(stack)
+    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("openai-stack")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key="anything", max_retries=0) as client:
+    with openai_client(stack) as client:
         yield client
 
 

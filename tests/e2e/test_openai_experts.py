@@ -11,7 +11,7 @@ import pytest
 
 from libs.expertctl.main import main as expertctl
 from libs.stack import LocalStack
-from tests.e2e.conftest import stack_env, wait_ready
+from tests.e2e.conftest import openai_client, ready_tiny_stack
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_lora_adapter
 
@@ -26,29 +26,17 @@ def stack(tiny_llama, tmp_path_factory) -> LocalStack:
     package = publisher.pack(
         write_lora_adapter(tiny_llama, root / "peft", seed=0), tiny_llama, root / f"{EXPERT}.expert", EXPERT
     )
-    env = stack_env(
-        tiny_llama,
-        EXPERT_MAX_MODEL_LEN="1024",
-        EXPERT_KV_NUM_BLOCKS="160",
-        EXPERT_MAX_NUM_SEQS="4",
-        EXPERT_STORE=str(root / "store"),
-        EXPERT_TRUSTED_KEYS=str(publisher.trusted),
-    )
-    stack = LocalStack.on_free_ports(root, env=env)
-    stack.start()
-    try:
-        wait_ready(stack)
+    settings = {"EXPERT_STORE": str(root / "store"), "EXPERT_TRUSTED_KEYS": str(publisher.trusted)}
+    with ready_tiny_stack(tiny_llama, root, **settings) as stack:
         args = ["expert", "install", str(package), "--store", str(root / "store")]
         args += ["--trusted", str(publisher.trusted), "--model", str(tiny_llama)]
         assert expertctl([*args, "--router", stack.target("router")]) == 0, "installing the expert failed"
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key="anything", max_retries=0) as client:
+    with openai_client(stack) as client:
         yield client
 
 

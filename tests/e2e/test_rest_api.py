@@ -10,7 +10,7 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.stack import LocalStack
-from tests.e2e.conftest import LONG, stack_env, wait_ready, wait_rest_job
+from tests.e2e.conftest import LONG, ready_tiny_stack, wait_rest_job
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 QUESTION = {"prompt": "What is the capital of France?", "temperature": 0.0, "max_tokens": 8}
@@ -18,16 +18,8 @@ QUESTION = {"prompt": "What is the capital of France?", "temperature": 0.0, "max
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    env = stack_env(
-        tiny_llama, EXPERT_MAX_MODEL_LEN="1024", EXPERT_KV_NUM_BLOCKS="160", EXPERT_MAX_NUM_SEQS="4"
-    )
-    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("rest-stack"), env=env)
-    stack.start()
-    try:
-        wait_ready(stack)
+    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("rest-stack")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
