@@ -22,6 +22,7 @@ from libs.engine.errors import InvalidRequestError
 from libs.engine.kernels import select_ops
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.decoder import DecoderModel
+from libs.engine.models.generation_config import sampling_defaults
 from libs.engine.models.loader import load_weights
 from libs.engine.outputs import EngineStats, RequestOutput
 from libs.engine.request import Request
@@ -68,6 +69,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
+        # The checkpoint's recommended sampling (generation_config.json), read once with the rest of
+        # the checkpoint: the engine service reports it, and a broken file fails the load.
+        self.sampling_defaults = sampling_defaults(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

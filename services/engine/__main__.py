@@ -15,7 +15,6 @@ from libs.engine.adapters.registry import (
 )
 from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from libs.engine.errors import InvalidRequestError
-from libs.engine.models.generation_config import sampling_defaults
 from libs.engine.sampling_params import SamplingParams
 from libs.errors import (
     ServiceError,
@@ -71,9 +70,6 @@ async def main() -> None:
     async def on_start() -> None:
         # The model loads (seconds) on the engine's own thread, which keeps all of torch's work there.
         engine = AsyncLLMEngine.from_config(config.engine, max_pending=config.stream_buffer)
-        # Registration reports the checkpoint's recommended sampling: a broken generation_config.json
-        # stops the start here, like any other broken checkpoint file, not each registration later.
-        sampling_defaults(config.engine.model)
         await engine.start()
         inner = engine.engine
         servicer.engine = engine

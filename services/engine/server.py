@@ -13,7 +13,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from libs.engine.adapters.manager import ExpertHoldings
 from libs.engine.adapters.registry import ExpertNotFoundError
 from libs.engine.async_engine import AsyncLLMEngine
-from libs.engine.models.generation_config import sampling_defaults
 from libs.engine.outputs import RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.errors import invalid_argument, not_found, unavailable
@@ -274,5 +273,5 @@ def model_spec(engine: AsyncLLMEngine) -> common_pb2.ModelSpec:
         dtype_bytes=inner.dtype_bytes,
         max_model_len=inner.max_model_len,
         block_size=inner.config.cache.block_size,
-        sampling_defaults=common_pb2.SamplingDefaults(**sampling_defaults(inner.config.model)),
+        sampling_defaults=common_pb2.SamplingDefaults(**inner.sampling_defaults),
     )

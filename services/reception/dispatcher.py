@@ -153,8 +153,7 @@ class Dispatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._job_ended.wait(), self._full_wait_s)
             self._full_wait_s = min(self._full_wait_s * 2, FULL_WAIT_MAX_S)
-            self.capacity.invalidate()
-            return None
+            return None  # the capacity answer is stale by now (its TTL is the shortest wait)
         self._full_wait_s = FULL_WAIT_MIN_S
         # Reserve the slot before reading, so that a lower priority never overtakes a higher
         # one and a slot is never promised twice.
