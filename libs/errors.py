@@ -18,14 +18,17 @@ from grpc_status import rpc_status
 # The trailing-metadata key that carries a serialized google.rpc.Status.
 _DETAILS_KEY = "grpc-status-details-bin"
 
-# An error travels in trailing metadata, which clients cap (16 KiB by default, and a larger one is
-# seen as RESOURCE_EXHAUSTED, not the error). A request with a thousand problems, or one that echoes
-# a megabyte of user text, is therefore sent as its first violations, each clipped, and a count:
-# at worst 20 x 384 bytes of details (base64: ~10 KB) and a 1 KB message.
-MAX_VIOLATIONS_SENT = 20
-_MAX_FIELD_BYTES = 128
-_MAX_DESCRIPTION_BYTES = 256
-_MAX_MESSAGE_BYTES = 1024
+# An error travels in trailing metadata. gRPC clients refuse metadata over 16 KiB, and refuse it at
+# random between 8 and 16 KiB (the soft limit, grpc.max_metadata_size), seeing RESOURCE_EXHAUSTED
+# instead of the error. A request with a thousand problems, or one that echoes a megabyte of user
+# text, is therefore sent as its first violations, each clipped, and a count, always under 8 KiB:
+# the message is sent twice, percent-encoded in grpc-message (up to 3 bytes per byte) and inside
+# the base64 details, so at worst 3 x 512 + 4/3 x (512 + 10 x ~300) bytes, about 6.2 KB.
+METADATA_SOFT_LIMIT = 8 * 1024
+MAX_VIOLATIONS_SENT = 10
+_MAX_FIELD_BYTES = 96
+_MAX_DESCRIPTION_BYTES = 192
+_MAX_MESSAGE_BYTES = 512
 
 
 class ServiceError(Exception):
