@@ -273,9 +273,12 @@ class LocalStack:
             return self.redis_url is not None and _redis_answers(urlparse(self.redis_url).port)
         return health_status(self.target(name), timeout=0.25) == health_pb2.HealthCheckResponse.SERVING
 
-    def start_engine(self, engine_id: str, timeout: float = 180.0) -> str:
+    def start_engine(
+        self, engine_id: str, timeout: float = 180.0, env: Mapping[str, str] | None = None
+    ) -> str:
         """Another engine process (a second accelerator) that joins this stack's fleet as
-        `engine_id`; returns its target once it is SERVING."""
+        `engine_id`, with `env` over the stack's settings (EXPERT_MODEL_PATH: another model);
+        returns its target once it is SERVING."""
         port = free_port()
         self.ports[engine_id] = port
         self.start_service(
@@ -286,6 +289,7 @@ class LocalStack:
                 "EXPERT_ENGINE_METRICS_PORT": "0",
                 "EXPERT_ENGINE_ID": engine_id,
                 "EXPERT_ENGINE_ADVERTISE_ADDRESS": self.target(engine_id),
+                **(env or {}),
             },
         )
         self.wait_serving(engine_id, timeout)

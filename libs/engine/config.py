@@ -109,6 +109,8 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
+    # The name clients ask for the model by (vLLM's served_model_name); None: the model directory's name.
+    served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"  # also accepted: a torch.dtype or vLLM's names ("float", "half"), kept canonical
     kernels: str = "auto"
@@ -137,6 +139,18 @@ class EngineConfig:
             raise ConfigError(f"num_threads: must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.served_model_name is not None and (
+            not self.served_model_name.strip() or ":" in self.served_model_name
+        ):
+            # `<model>:<expert>` names an expert of a model, so a model's own name has no colon.
+            raise ConfigError(
+                f"served_model_name: must be non-empty and without ':', got {self.served_model_name!r}"
+            )
+
+    @property
+    def model_name(self) -> str:
+        """The name the model is served under: served_model_name, else its directory's name."""
+        return self.served_model_name or self.model.rstrip("/").rsplit("/", 1)[-1]
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """A copy with top-level, cache, scheduler or adapter fields replaced by keyword (unknown names
@@ -175,6 +189,7 @@ class EngineConfig:
     def _from_env(cls, reader: EnvReader) -> EngineConfig:
         return cls(
             model=reader.text("EXPERT_MODEL_PATH", DEFAULT_MODEL),
+            served_model_name=reader.text("EXPERT_SERVED_MODEL_NAME", "") or None,
             device=reader.text("EXPERT_DEVICE", "auto"),
             dtype=reader.text("EXPERT_DTYPE", "auto"),
             kernels=reader.text("EXPERT_KERNELS", "auto"),
@@ -205,6 +220,7 @@ class EngineConfig:
 # Field name -> environment variable, for error messages about values read from the environment.
 ENV_VARIABLES = {
     "model": "EXPERT_MODEL_PATH",
+    "served_model_name": "EXPERT_SERVED_MODEL_NAME",
     "device": "EXPERT_DEVICE",
     "dtype": "EXPERT_DTYPE",
     "kernels": "EXPERT_KERNELS",

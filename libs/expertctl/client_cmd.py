@@ -83,6 +83,7 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body", metavar="TEXT|@FILE", help="data for the prompt ({body}); @- reads stdin")
     parser.add_argument("--template", metavar="T", help="a template with {prompt} and {body}")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    parser.add_argument("--model", metavar="NAME", help="the base model to answer with (default: the fleet's)")
     parser.add_argument("--temperature", type=float, metavar="X")
     parser.add_argument("--max-tokens", type=_INT32, metavar="N")
     parser.add_argument("--top-p", type=float, metavar="X")

@@ -16,6 +16,7 @@ from libs.engine.async_engine import AsyncLLMEngine
 from libs.engine.outputs import RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.errors import invalid_argument, not_found, unavailable
+from libs.experts.base_model import BaseModelIdentity
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.metrics import EngineMetrics
 
@@ -266,7 +267,8 @@ def model_spec(engine: AsyncLLMEngine) -> common_pb2.ModelSpec:
     inner = engine.engine
     config = inner.model_config
     return common_pb2.ModelSpec(
-        name=inner.config.model.rstrip("/").rsplit("/", 1)[-1],
+        name=inner.config.model_name,
+        base_model_hash=BaseModelIdentity.from_hf_config(config.raw).config_hash,
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,

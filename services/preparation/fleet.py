@@ -213,14 +213,23 @@ class Fleet:
             kv_blocks_free=sum(max(0, e.available_blocks()) for e in self.engines.values()),
         )
 
-    def max_model_len(self) -> int:
-        lengths = [e.info.model.max_model_len for e in self.engines.values() if e.info.model.max_model_len]
-        return min(lengths) if lengths else 0
-
-    def sampling_defaults(self) -> common_pb2.SamplingDefaults:
-        """The model's recommended sampling, as the earliest-registered engine reports it (every
-        engine of a fleet serves the same checkpoint)."""
-        if not self.engines:
-            return common_pb2.SamplingDefaults()
-        first = min(self.engines.values(), key=lambda e: e.registered_at)
-        return first.info.model.sampling_defaults
+    def models(self) -> list[common_pb2.ServedModel]:
+        """The models the engines serve, in the order they first registered (the first is the
+        default model): per model, the smallest context window, the sampling its earliest engine
+        reports, how many engines serve it and their free slots."""
+        models: dict[str, common_pb2.ServedModel] = {}
+        for engine in sorted(self.engines.values(), key=lambda e: e.registered_at):
+            spec = engine.info.model
+            model = models.get(spec.name)
+            if model is None:
+                model = models[spec.name] = common_pb2.ServedModel(
+                    name=spec.name,
+                    base_model_hash=spec.base_model_hash,
+                    max_model_len=spec.max_model_len,
+                    sampling_defaults=spec.sampling_defaults,
+                )
+            elif spec.max_model_len and (not model.max_model_len or spec.max_model_len < model.max_model_len):
+                model.max_model_len = spec.max_model_len
+            model.engines += 1
+            model.free_slots += engine.free_slots
+        return list(models.values())

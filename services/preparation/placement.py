@@ -16,10 +16,19 @@ from services.preparation.budget import fits
 from services.preparation.fleet import Engine, Fleet, kv_blocks_needed
 
 
-def eligible(fleet: Fleet, exclude: set[str]) -> list[Engine]:
+def eligible(fleet: Fleet, exclude: set[str], model: str = "") -> list[Engine]:
+    """The engines that may take a job for `model` (empty: any), less `exclude`.
+
+    UNAVAILABLE when none is registered (the job waits for one), FAILED_PRECONDITION when engines
+    are registered but none serves `model` (it would wait forever: the job fails at once)."""
     engines = [e for e in fleet.engines.values() if e.engine_id not in exclude]
     if not engines:
         raise unavailable("no engine is registered" + (" (besides the ones that failed)" if exclude else ""))
+    if model:
+        engines = [e for e in engines if e.info.model.name == model]
+        if not engines:
+            served = ", ".join(m.name for m in fleet.models()) or "none"
+            raise failed_precondition(f"no engine serves the model {model!r} (served: {served})")
     return engines
 
 

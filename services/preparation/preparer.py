@@ -28,10 +28,10 @@ class Preparer:
         self.metrics = metrics
 
     async def prepare(
-        self, job_id: str, plan: common_pb2.ExpertPlan, exclude: set[str] = frozenset()
+        self, job_id: str, plan: common_pb2.ExpertPlan, exclude: set[str] = frozenset(), model: str = ""
     ) -> common_pb2.Placement:
         started = time.perf_counter()
-        engines = eligible(self.fleet, exclude)
+        engines = eligible(self.fleet, exclude, model)
         experts = list(plan.experts)
         sizes = {e.name: self._size_estimate(e, engines) for e in experts}
         largest = max(e.holdings.device_budget_bytes for e in engines)

@@ -65,7 +65,7 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             started = time.perf_counter()
             try:
                 placement = await self.preparer.prepare(
-                    request.job_id, request.plan, set(request.exclude_engines)
+                    request.job_id, request.plan, set(request.exclude_engines), request.model
                 )
             except Exception as exc:
                 self.metrics.refused.labels(getattr(getattr(exc, "code", None), "name", "INTERNAL")).inc()
@@ -101,8 +101,7 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             engines=len(self.fleet.engines),
             free_slots=capacity.free_slots,
             kv_blocks_free=capacity.kv_blocks_free,
-            max_model_len=self.fleet.max_model_len(),
-            sampling_defaults=self.fleet.sampling_defaults(),
+            models=self.fleet.models(),
         )
 
     async def ListEngines(

@@ -31,9 +31,7 @@ async def main() -> None:
     redis = connect(config.redis_url)
     peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
-    served = ServedModels(peers.preparation, peers.router)
-    # The model's name as the HTTP front last listed it (no call per job; null until then).
-    audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text, model=served.last)
+    audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
     jobs = JobStore(
         redis,
         config.job_ttl_s,
@@ -43,6 +41,7 @@ async def main() -> None:
         audit=audit,
     )
     capacity = Capacity(peers.preparation)
+    served = ServedModels(capacity, peers.router)
     servicer = ReceptionServicer(jobs, queue, capacity, metrics)
     pipeline = Pipeline(
         jobs,

@@ -13,7 +13,6 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -98,11 +97,9 @@ class AuditLog:
         destination: str,
         *,
         clear_text: bool = False,
-        model: Callable[[], str | None] | None = None,
     ) -> None:
         self.destination = destination
         self.clear_text = clear_text
-        self.model = model  # the fleet's model name as last known (no call per job), or None
         self._file: TextIO | None = None
         self._failed = False
 
@@ -115,10 +112,8 @@ class AuditLog:
     ) -> None:
         if not self.enabled:
             return
-        try:
-            model = self.model() if self.model is not None else None
-        except Exception:  # the model name is a nicety: never a reason to lose the line
-            model = None
+        # The model the job ran on; for a job that never reached planning, the one it asked for.
+        model = result.model or (request.model if request is not None and request.HasField("model") else None)
         try:
             line = audit_line(job_id, request, result, model=model, clear_text=self.clear_text)
             text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -1,5 +1,5 @@
 """The fleet's capacity as reception sees it: the dispatcher pulls jobs only while an engine slot is
-free, and admission and validation read the fleet's context window from the same answer."""
+free, and admission, validation and planning read the served models from the same answer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import grpc
 
-from libs.gen.expert.v1 import preparation_pb2
+from libs.errors import invalid_argument
+from libs.gen.expert.v1 import common_pb2, preparation_pb2
 from libs.grpc_client import call
 from libs.logging import get_logger
 
@@ -48,3 +49,23 @@ class Capacity:
     def last(self) -> preparation_pb2.GetCapacityResponse:
         """The latest answer, without asking again."""
         return self._value
+
+
+def served_model(
+    capacity: preparation_pb2.GetCapacityResponse, request: common_pb2.InferenceRequest
+) -> common_pb2.ServedModel | None:
+    """The model the request runs on: the one it names, else the fleet's default (the first to
+    register). None while no engine is registered (the job waits for one). A model no engine
+    serves is INVALID_ARGUMENT on request.model, so that the job fails at once instead of waiting
+    for an engine that is not coming."""
+    if not capacity.models:
+        return None
+    if not request.HasField("model"):
+        return capacity.models[0]
+    for model in capacity.models:
+        if model.name == request.model:
+            return model
+    served = ", ".join(m.name for m in capacity.models)
+    raise invalid_argument(
+        "request.model", f"no engine serves the model {request.model!r} (served: {served})"
+    )

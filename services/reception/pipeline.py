@@ -27,11 +27,12 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from libs.errors import field_violations
+from libs.errors import ServiceError, field_violations
 from libs.gen.expert.v1 import common_pb2, engine_pb2, postproc_pb2, preparation_pb2, router_pb2
 from libs.job_results import job_result, reasoning_trace
 from libs.logging import get_logger
 from libs.timestamps import timestamp
+from services.reception.capacity import served_model
 from services.reception.jobs import JobRecord, JobStore, job_deadline
 from services.reception.stages import Stages
 
@@ -89,6 +90,7 @@ class JobRun:
     plan: common_pb2.ExpertPlan = field(default_factory=common_pb2.ExpertPlan)
     placement: common_pb2.Placement = field(default_factory=common_pb2.Placement)
     preparing: asyncio.Future | None = None  # the Prepare call in flight, if any
+    model: str = ""  # the model the job runs on ("": any engine, while none was known at planning)
     started: float = field(default_factory=time.time)
     inference_started: float | None = None
 
@@ -125,7 +127,7 @@ class Pipeline:
         self.jobs = jobs
         # Tokens per engine message for a job no client streams (a streamed job gets every token).
         self.stream_interval = stream_interval
-        # The fleet as preparation last reported it: its context window and its model's sampling.
+        # The fleet as preparation last reported it: the models it serves (context window, sampling).
         self.fleet = fleet
         self.stages = stages
         self.engine_retries = engine_retries
@@ -206,6 +208,7 @@ class Pipeline:
             outcome.error = str(failure)
         run.placed.set()
         result = await self._finalize(run, outcome, timed_out, cancelled)
+        result.model = run.model
         if failure is not None:
             result.error_code = failure.code
             result.error_fields.extend(
@@ -216,13 +219,19 @@ class Pipeline:
 
     async def _stages(self, run: JobRun) -> common_pb2.GenerationOutcome:
         # The dispatcher moved the job to PLANNING when it took it (JobStore.begin).
-        fleet = self.fleet()
-        plan_request = router_pb2.PlanRequest(
-            job_id=run.job_id,
-            request=run.record.request,
-            max_model_len=fleet.max_model_len,
-            model_defaults=fleet.sampling_defaults,
-        )
+        request = run.record.request
+        try:
+            model = served_model(self.fleet(), request)
+        except ServiceError as exc:  # its model is no longer served
+            raise JobFailed(exc.message, exc.code.name, list(exc.violations)) from None
+        plan_request = router_pb2.PlanRequest(job_id=run.job_id, request=request)
+        if model is not None:
+            run.model = model.name
+            plan_request.max_model_len = model.max_model_len
+            plan_request.model_defaults.CopyFrom(model.sampling_defaults)
+            plan_request.base_model_hash = model.base_model_hash
+        else:  # no engine yet: placement waits for one serving the model asked for (or any)
+            run.model = request.model
         try:
             run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
         except grpc.aio.AioRpcError as exc:
@@ -295,7 +304,9 @@ class Pipeline:
         await asyncio.shield(self.stages.release(run.job_id))
 
     async def _place(self, run: JobRun, excluded: list[str]) -> common_pb2.Placement:
-        request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, exclude_engines=excluded)
+        request = preparation_pb2.PrepareRequest(
+            job_id=run.job_id, plan=run.plan, exclude_engines=excluded, model=run.model
+        )
         delay = self.place_retry_s
         while True:
             # Shielded and kept on the run: if the job is stopped while the call is in flight,

@@ -22,7 +22,7 @@ from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_f
 from libs.gen.expert.v1 import common_pb2, inference_pb2
 from libs.logging import bind_context, get_logger
 from libs.timestamps import timestamp
-from services.reception.capacity import Capacity
+from services.reception.capacity import Capacity, served_model
 from services.reception.jobs import JobExpired, JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.queue import JobQueue, stream
@@ -65,11 +65,12 @@ class ReceptionServicer:
         """Fold a finished job's duration into the average behind estimated_wait_ms."""
         self.average_job_s += 0.1 * (seconds - self.average_job_s)
 
-    async def _max_model_len(self) -> int:
-        """The fleet's context window for validation. The dispatcher keeps the capacity fresh, so
-        admission uses the latest answer and asks preparation only when it has none yet."""
-        known = self.capacity.last.max_model_len
-        return known if known else (await self.capacity.get()).max_model_len
+    async def _model(self, request: common_pb2.InferenceRequest) -> common_pb2.ServedModel | None:
+        """The model the request runs on, for validation (its context window). The dispatcher
+        keeps the capacity fresh, so admission uses the latest answer and asks preparation only
+        when it knows no model yet."""
+        capacity = self.capacity.last if self.capacity.last.models else await self.capacity.get()
+        return served_model(capacity, request)
 
     async def _admit(
         self, request: common_pb2.InferenceRequest | Undecodable, streaming: bool = False
@@ -79,10 +80,10 @@ class ReceptionServicer:
             raise invalid_argument(
                 "request", f"not a valid request message ({request.reason}); text fields must be valid UTF-8"
             )
-        max_model_len = await self._max_model_len()  # a call to preparation only before its first answer
-        started_work = time.perf_counter()
         try:
-            validate(request, max_model_len)
+            model = await self._model(request)  # a call to preparation only before its first answer
+            started_work = time.perf_counter()
+            validate(request, model.max_model_len if model is not None else 0)
         except ServiceError as exc:
             for field, _ in exc.violations:
                 self.metrics.rejected.labels(field.split("[")[0]).inc()

@@ -82,6 +82,13 @@ class IndexedExpert:
     registered_at: float
     success_rate: float  # from the feedback statistics, not the payload
     uses: int
+    # The base model its weights fit (manifest base_model.config_hash); "" in registries written
+    # before it was kept, which fit any model until registered again.
+    base_model_hash: str = ""
+
+    def fits(self, base_model_hash: str) -> bool:
+        """Whether its weights fit the model with this identity ("": any model)."""
+        return not base_model_hash or not self.base_model_hash or self.base_model_hash == base_model_hash
 
     @classmethod
     def from_payload(cls, payload: dict, stats: Stats) -> IndexedExpert:
@@ -255,6 +262,7 @@ class ExpertIndex:
             content_hash=content_hash,
             weight_bytes=weight_bytes,
             registered_at=time.time(),
+            base_model_hash=manifest.base_model.config_hash,
             # The statistics are kept per version: the same version keeps them, a new one starts anew.
             **vars(self.stats.read([(manifest.name, manifest.version)])[0]),
         )

@@ -62,9 +62,11 @@ class Planner:
         request: common_pb2.InferenceRequest,
         max_model_len: int | None = None,
         model_defaults: common_pb2.SamplingDefaults | None = None,
+        base_model_hash: str = "",
     ) -> tuple[common_pb2.ExpertPlan, Selection | None]:
         """The plan, and the selection it came from (None when no expert was considered).
-        `max_model_len` and `model_defaults` describe the fleet's model, as preparation reports it."""
+        `max_model_len`, `model_defaults` and `base_model_hash` describe the request's model, as
+        preparation reports it; only experts that fit `base_model_hash` are selected ("": any)."""
         started = time.perf_counter()
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
         body = request.body if request.HasField("body") else None
@@ -73,11 +75,11 @@ class Planner:
             # reads: off the event loop, in one executor call, since splitting the CPU work only makes
             # its parts contend for the GIL.
             features, selection = await asyncio.get_running_loop().run_in_executor(
-                None, self._analyse_and_select, request, text_for_features, body
+                None, self._analyse_and_select, request, text_for_features, body, base_model_hash
             )
         else:
             features = extract_features(text_for_features, body)
-            selection = self._select(request, features, None)
+            selection = self._select(request, features, None, base_model_hash)
         params, tuning_trace = tune_parameters(
             features, request, max_model_len, model_defaults, self.max_tokens_ceiling
         )
@@ -133,13 +135,18 @@ class Planner:
         return self.index is not None and (bool(request.force_experts) or self.index.count() > 0)
 
     def _analyse_and_select(
-        self, request: common_pb2.InferenceRequest, text: str, body: str | None
+        self, request: common_pb2.InferenceRequest, text: str, body: str | None, base_model_hash: str
     ) -> tuple[Features, Selection | None]:
         features = extract_features(text, body)
-        return features, self._select(request, features, PromptQuery.encode(self.index.encoder, text))
+        query = PromptQuery.encode(self.index.encoder, text)
+        return features, self._select(request, features, query, base_model_hash)
 
     def _select(
-        self, request: common_pb2.InferenceRequest, features: Features, query: PromptQuery | None
+        self,
+        request: common_pb2.InferenceRequest,
+        features: Features,
+        query: PromptQuery | None,
+        base_model_hash: str,
     ) -> Selection | None:
         if query is None:
             if request.force_experts:
@@ -155,4 +162,5 @@ class Planner:
             max_experts=request.max_experts if request.HasField("max_experts") else MAX_EXPERTS,
             force=list(request.force_experts),
             exclude=list(request.exclude_experts),
+            base_model_hash=base_model_hash,
         )

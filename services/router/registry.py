@@ -30,6 +30,7 @@ def registered(expert: IndexedExpert) -> router_pb2.RegisteredExpert:
         success_rate=expert.success_rate,
         uses=expert.uses,
         registered_at=timestamp(expert.registered_at),
+        base_model_hash=expert.base_model_hash,
     )
 
 

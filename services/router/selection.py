@@ -97,6 +97,7 @@ def select_experts(
     max_experts: int = MAX_EXPERTS,
     force: list[str] | tuple[str, ...] = (),
     exclude: list[str] | tuple[str, ...] = (),
+    base_model_hash: str = "",
 ) -> Selection:
     selection = Selection()
     reasons: dict[str, list[str]] = {}
@@ -109,6 +110,14 @@ def select_experts(
         (f"request.force_experts[{i}]", f"unknown expert {name!r} (not registered)")
         for i, name in enumerate(force)
         if forced_experts[name] is None
+    ]
+    problems += [
+        (
+            f"request.force_experts[{i}]",
+            f"{name!r} was trained for another base model than the one this request runs on",
+        )
+        for i, name in enumerate(force)
+        if forced_experts[name] is not None and not forced_experts[name].fits(base_model_hash)
     ]
     problems += [
         (f"request.exclude_experts[{i}]", f"{name!r} is also forced")
@@ -141,6 +150,11 @@ def select_experts(
     for name in force:
         experts.setdefault(name, forced_experts[name])
         reasons.setdefault(name, []).append("forced")
+    # Experts of another base model: their weights do not fit this request's model.
+    for name in [name for name, expert in experts.items() if not expert.fits(base_model_hash)]:
+        del experts[name]
+        similarities.pop(name, None)
+        selection.trace.append(f"{name}: trained for another base model, not a candidate")
     unknown_similarity = [name for name in experts if name not in similarities]
     similarities.update(snapshot.similarity(query, unknown_similarity, index.matching))
 

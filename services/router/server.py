@@ -48,7 +48,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.PlanResponse:
         with bind_context(job_id=request.job_id):
             plan, selection = await self.planner.plan(
-                request.request, request.max_model_len or None, request.model_defaults
+                request.request,
+                request.max_model_len or None,
+                request.model_defaults,
+                request.base_model_hash,
             )
             self.metrics.observe(plan, selection)
             return router_pb2.PlanResponse(plan=plan)

@@ -83,7 +83,9 @@ async def _pipeline_scenario(redis_url: str, store_dir, *, timeout_ms: int | Non
             jobs,
             GrpcStages(peers),
             engine_retries=0,
-            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+            fleet=lambda: preparation_pb2.GetCapacityResponse(
+                models=[common_pb2.ServedModel(name="tiny", max_model_len=1024)]
+            ),
         )
         request = common_pb2.InferenceRequest(prompt="What is the capital of France?", max_tokens=8)
         if timeout_ms is not None:

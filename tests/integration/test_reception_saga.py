@@ -135,7 +135,9 @@ async def start(redis_url: str, stages: FakeStages, *, timeout_ms: int | None = 
         jobs,
         stages,
         engine_retries=retries,
-        fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+        fleet=lambda: preparation_pb2.GetCapacityResponse(
+            models=[common_pb2.ServedModel(name="tiny", max_model_len=1024)]
+        ),
         place_retry_s=0.01,
     )
     return redis, run, asyncio.create_task(saga.run(run))
@@ -314,7 +316,9 @@ def test_a_job_its_dispatchers_kept_dying_on_is_dead_lettered_and_ends_failed(cl
             jobs,
             stages,
             engine_retries=0,
-            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+            fleet=lambda: preparation_pb2.GetCapacityResponse(
+                models=[common_pb2.ServedModel(name="tiny", max_model_len=1024)]
+            ),
         )
         settings = DispatchSettings(
             max_jobs=1, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None
@@ -416,7 +420,9 @@ def test_the_dispatcher_runs_as_many_jobs_as_the_fleet_has_free_slots(
             jobs,
             stages,
             engine_retries=0,
-            fleet=lambda: preparation_pb2.GetCapacityResponse(max_model_len=1024),
+            fleet=lambda: preparation_pb2.GetCapacityResponse(
+                models=[common_pb2.ServedModel(name="tiny", max_model_len=1024)]
+            ),
         )
         settings = DispatchSettings(
             max_jobs=max_jobs, reclaim_idle_ms=60_000, max_deliveries=3, default_timeout_s=None

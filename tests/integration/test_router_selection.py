@@ -173,6 +173,24 @@ def test_impossible_requests_are_refused_naming_the_field(index, encoder, kwargs
     assert field in [f for f, _ in refused.value.violations]
 
 
+def test_only_experts_of_the_requests_base_model_are_candidates(index, encoder, tiny_llama):
+    prompt = "Write a SQL query that lists customers with more than three orders."
+    ours = BaseModelIdentity.from_dir(tiny_llama).config_hash
+    assert select(index, encoder, prompt, base_model_hash=ours).considered[0].expert.name == "sql-writer"
+    other = "0" * 64  # another model: none of these experts' weights fit it
+    selection = select(index, encoder, prompt, base_model_hash=other)
+    assert selection.fallback and not selection.considered
+    assert "sql-writer: trained for another base model, not a candidate" in selection.trace
+    with pytest.raises(ServiceError) as refused:
+        select(index, encoder, prompt, base_model_hash=other, force=["sql-writer"])
+    assert refused.value.violations == (
+        (
+            "request.force_experts[0]",
+            "'sql-writer' was trained for another base model than the one this request runs on",
+        ),
+    )
+
+
 def test_soft_prompts_come_first_then_by_priority(index, encoder):
     selection = select(index, encoder, "Write a SQL query.", force=["french", "sql-writer", "json-pro"])
     assert [c.expert.name for c in selection.chosen] == ["french", "sql-writer", "json-pro"]

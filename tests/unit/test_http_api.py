@@ -43,10 +43,7 @@ class FakeCapacity:
 
 class FakeModels:
     async def names(self):
-        return ["base"]
-
-    async def experts(self):
-        return ["json", "sql"]
+        return ["base", "base:json", "base:sql"]
 
 
 @pytest.fixture
@@ -175,8 +172,7 @@ def test_an_expert_in_the_model_name_is_forced_first_and_merged_with_force_exper
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200 and response.json()["model"] == "base:json"
     assert list(servicer.requests[-1].force_experts) == ["json", "sql"]
-    unknown_base = http.post("/v1/chat/completions", json={**CHAT, "model": "other:json"})
-    assert unknown_base.status_code == 404 and unknown_base.json()["error"]["param"] == "model"
+    assert servicer.requests[-1].model == "base"  # the base model serves it, the expert forced
 
 
 @pytest.mark.parametrize(
@@ -189,7 +185,8 @@ def test_an_expert_in_the_model_name_is_forced_first_and_merged_with_force_exper
             "model",
             "model_not_found",
         ),
-        ("request.force_experts[0]", "must not be empty", 400, "model", "invalid_argument"),
+        ("request.force_experts[0]", "must not be empty", 404, "model", "model_not_found"),
+        ("request.model", "no engine serves the model 'base'", 404, "model", "model_not_found"),
         ("request.force_experts[1]", "unknown expert 'sql' (not registered)", 400, "force_experts[0]", None),
     ],
 )

@@ -81,12 +81,13 @@ def test_a_job_ended_without_a_run_or_a_record():
 
 def test_a_file_gets_one_flushed_line_per_job(tmp_path):
     path = tmp_path / "logs" / "audit.log"
-    audit = AuditLog(str(path), model=lambda: "m")
-    request = common_pb2.InferenceRequest(prompt="secret prompt")
-    audit.record("j1", request, _result())
-    audit.record("j2", request, _result())
+    audit = AuditLog(str(path))
+    request = common_pb2.InferenceRequest(prompt="secret prompt", model="asked")
+    audit.record("j1", request, _result(model="m"))
+    audit.record("j2", request, _result())  # ended before planning: the model it asked for
     lines = [json.loads(line) for line in path.read_text().splitlines()]  # flushed, not yet closed
-    assert [line["job_id"] for line in lines] == ["j1", "j2"] and lines[0]["model"] == "m"
+    assert [line["job_id"] for line in lines] == ["j1", "j2"]
+    assert [line["model"] for line in lines] == ["m", "asked"]
     assert "secret prompt" not in path.read_text()
     audit.close()
 

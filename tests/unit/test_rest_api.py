@@ -79,7 +79,7 @@ class FakeCapacity:
 
 class FakeModels:
     async def names(self):
-        return ["base"]
+        return ["base", "base:json"]
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_service_errors_keep_the_proto_field_names(parts, error, status, param):
         ({"prompt": "hi", "temperature": 1e300}, "temperature", "invalid_type"),
         ({"prompt": "hi", "max_tokens": 2**31}, "max_tokens", "invalid_type"),
         ({"prompt": "hi", "stop": "x"}, "stop", "invalid_type"),
-        ({"prompt": "hi", "model": "x"}, "model", "unknown_parameter"),
+        ({"prompt": "hi", "modle": "x"}, "modle", "unknown_parameter"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(parts, body, param, code):

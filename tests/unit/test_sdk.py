@@ -59,6 +59,7 @@ ALL_FIELDS = {
     "messages": [{"role": "system", "content": "Be brief."}],
     "raw": True,
     "json_schema": '{"type": "object"}',
+    "model": "SmolLM2-135M-Instruct",
 }
 
 

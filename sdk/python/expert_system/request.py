@@ -44,6 +44,8 @@ class RequestFields(TypedDict, total=False):
     raw: bool
     # A JSON schema as text, or as a dict that is serialised for you.
     json_schema: str | Mapping[str, Any]
+    # The base model to answer with (as the fleet names it); unset: the fleet's default model.
+    model: str
 
 
 FIELD_NAMES = frozenset(RequestFields.__annotations__)

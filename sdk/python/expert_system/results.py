@@ -125,6 +125,8 @@ class InferenceResult:
     error_fields: tuple[tuple[str, str], ...]
     # Experts the plan chose that preparation dropped to fit the engine's budget.
     dropped_experts: tuple[str, ...] = ()
+    # The base model that answered ("" when the job ended before planning).
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
         error_code=message.error_code,
         error_fields=tuple((f.field, f.description) for f in message.error_fields),
         dropped_experts=tuple(message.dropped_experts),
+        model=message.model,
     )
 
 

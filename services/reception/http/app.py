@@ -99,30 +99,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        bases = await models.names()
-        experts = await models.experts() if bases else []
-        # Each base model, then `<base>:<expert>` for each registered expert (it forces that expert).
-        names = [*bases, *(f"{base}:{expert}" for base in bases for expert in experts)]
         data = [
-            {"id": name, "object": "model", "created": started, "owned_by": "expert-system"} for name in names
+            {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
+            for name in await models.names()
         ]
         return {"object": "list", "data": data}
 
-    async def check_model(body: ChatCompletionRequest | CompletionRequest) -> None:
-        # `<base>:<expert>`: the base must be served; the expert is forced, and the router refuses
-        # one it has not registered (404 model_not_found naming `model`, see errors.py).
-        base = body.base_model
-        served = await models.names()
-        if served and base not in served:  # none known yet: the job waits for an engine, as on gRPC
-            raise HttpError(
-                404,
-                f"the model {base!r} does not exist; served: {', '.join(served)}",
-                "model",
-                "model_not_found",
-            )
-
     async def complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool):
-        await check_model(body)
         inference = to_request(body)
         if body.stream:
             return await _stream(inference, body, chat)

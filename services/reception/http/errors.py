@@ -93,8 +93,10 @@ def from_service_error(error: ServiceError, body: object) -> HttpError:
     if error.violations:  # name the fields as the client sent them
         message = "; ".join(f"{param_of(f, body) or 'request'}: {d}" for f, d in error.violations)
     code = error.code.name.lower()
-    if param == "model" and error.violations[0][1].startswith("unknown expert"):
-        status, code = 404, "model_not_found"  # `<base>:<expert>` with an expert not registered
+    if param == "model":
+        # A base model no engine serves, or `<base>:<expert>` with an expert not registered (or
+        # trained for another base model): OpenAI's answer to a model it does not have.
+        status, code = 404, "model_not_found"
     return HttpError(status, message, param, code)
 
 

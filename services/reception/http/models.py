@@ -1,5 +1,5 @@
-"""The base models the fleet serves and the experts the router has registered, for GET /v1/models
-and the `model` field (`<base>` or `<base>:<expert>`)."""
+"""The models GET /v1/models lists: each base model the fleet serves (from the capacity answer the
+dispatcher keeps fresh), then `<base>:<expert>` for each registered expert whose weights fit it."""
 
 from __future__ import annotations
 
@@ -8,58 +8,48 @@ import time
 
 import grpc
 
-from libs.gen.expert.v1 import preparation_pb2, router_pb2
+from libs.gen.expert.v1 import router_pb2
 from libs.grpc_client import call
 from libs.logging import get_logger
+from services.reception.capacity import Capacity
 
 log = get_logger(__name__)
 
 
-MODELS_TTL_S = 2.0  # how long a list (served models, registered experts) is reused before it is asked again
+EXPERTS_TTL_S = 2.0  # how long the router's list of registered experts is reused before it is asked again
 
 
 class ServedModels:
-    """The base models the fleet serves (each engine's model name, from preparation's ListEngines)
-    and the experts registered (the router's ListRegisteredExperts), each list reused for
-    MODELS_TTL_S."""
+    """The served base models (`capacity`'s models) and the experts registered with the router
+    (ListRegisteredExperts, reused for EXPERTS_TTL_S)."""
 
-    def __init__(self, preparation, router=None) -> None:
-        self.preparation = preparation
+    def __init__(self, capacity: Capacity, router=None) -> None:
+        self.capacity = capacity
         self.router = router
-        self._names: list[str] = []
-        self._at = float("-inf")
-        self._lock = asyncio.Lock()
-        self._experts: list[str] = []
+        self._experts: list[router_pb2.RegisteredExpert] = []
         self._experts_at = float("-inf")
         self._experts_lock = asyncio.Lock()
 
-    def last(self) -> str | None:
-        """The fleet's model as last listed, without asking (None: not listed yet, or several)."""
-        return self._names[0] if len(self._names) == 1 else None
-
     async def names(self) -> list[str]:
-        async with self._lock:
-            if time.monotonic() - self._at > MODELS_TTL_S:
-                try:
-                    response = await call(
-                        self.preparation.ListEngines,
-                        preparation_pb2.ListEnginesRequest(),
-                        timeout=2.0,
-                        idempotent=True,
-                    )
-                    self._names = sorted({e.model.name for e in response.engines if e.model.name})
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("preparation unreachable", error=exc.details())
-                    self._names = []
-                self._at = time.monotonic()
-            return self._names
+        """Each base model, then `<base>:<expert>` for each registered expert that fits it."""
+        models = (await self.capacity.get()).models
+        experts = await self._registered() if models else []
+        names = [m.name for m in models]
+        for model in models:
+            names += [
+                f"{model.name}:{e.name}"
+                for e in experts
+                if not e.base_model_hash
+                or not model.base_model_hash
+                or e.base_model_hash == model.base_model_hash
+            ]
+        return names
 
-    async def experts(self) -> list[str]:
-        """The names of the experts registered with the router, sorted (none without a router)."""
+    async def _registered(self) -> list[router_pb2.RegisteredExpert]:
         if self.router is None:
             return []
         async with self._experts_lock:
-            if time.monotonic() - self._experts_at > MODELS_TTL_S:
+            if time.monotonic() - self._experts_at > EXPERTS_TTL_S:
                 try:
                     response = await call(
                         self.router.ListRegisteredExperts,
@@ -67,7 +57,7 @@ class ServedModels:
                         timeout=2.0,
                         idempotent=True,
                     )
-                    self._experts = sorted({e.name for e in response.experts if e.name})
+                    self._experts = sorted(response.experts, key=lambda e: e.name)
                 except grpc.aio.AioRpcError as exc:
                     log.warning("router unreachable", error=exc.details())
                     self._experts = []

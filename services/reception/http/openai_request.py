@@ -42,7 +42,8 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
     """The InferenceRequest for an OpenAI request (refusing what this API does not support yet)."""
     _refuse_unsupported(body)
-    request = common_pb2.InferenceRequest()
+    # `<base>:<expert>`: the base model serves it, with the expert forced (see forced_experts).
+    request = common_pb2.InferenceRequest(model=body.base_model)
     if isinstance(body, ChatCompletionRequest):
         for i, message in enumerate(body.messages):
             request.messages.append(

@@ -46,6 +46,7 @@ class JobBody(_Body):
     messages: list[ChatMessageBody] = []
     raw: bool = False
     json_schema: str | None = None
+    model: str | None = None
 
 
 class InferBody(JobBody):

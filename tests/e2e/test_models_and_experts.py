@@ -1,6 +1,8 @@
-"""`model` as `<base>:<expert>` on reception's OpenAI routes, against a real stack on the tiny model
-with one signed expert installed (`expertctl expert install`): /v1/models lists it, a chat with it
-forces that expert, and an expert the router has not registered is a 404 naming `model`."""
+"""Several base models and `model` as `<base>:<expert>`, against a real stack serving two tiny
+models (a Llama on its engine, a Qwen2 on a second engine) with one signed expert for the Llama
+installed (`expertctl expert install`): /v1/models lists both models and the expert under the model
+it fits, a job runs only on an engine of its model, the expert named in `model` is forced, and an
+unknown model, an unregistered expert or one trained for the other model are refused at once."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 import openai
 import pytest
 
+from expert_system import ExpertClient, InvalidRequest
 from libs.expertctl.main import main as expertctl
 from libs.stack import LocalStack
 from tests.e2e.conftest import openai_client, ready_tiny_stack
@@ -16,11 +19,12 @@ from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_lora_adapter
 
 EXPERT = "json-parser"
+QWEN_ENGINE = "qwen-engine"
 MESSAGES = [{"role": "user", "content": "What colour are flamingos?"}]  # no reason to pick it
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
+def stack(tiny_llama, tiny_checkpoints, tmp_path_factory) -> LocalStack:
     root = tmp_path_factory.mktemp("openai-experts")
     publisher = Publisher.create(root)
     package = publisher.pack(
@@ -31,7 +35,14 @@ def stack(tiny_llama, tmp_path_factory) -> LocalStack:
         args = ["expert", "install", str(package), "--store", str(root / "store")]
         args += ["--trusted", str(publisher.trusted), "--model", str(tiny_llama)]
         assert expertctl([*args, "--router", stack.target("router")]) == 0, "installing the expert failed"
+        stack.start_engine(QWEN_ENGINE, env={"EXPERT_MODEL_PATH": str(tiny_checkpoints["qwen2"])})
         yield stack
+
+
+@pytest.fixture(scope="module")
+def sdk(stack) -> ExpertClient:
+    with ExpertClient(stack.target("reception")) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +51,11 @@ def client(stack) -> openai.OpenAI:
         yield client
 
 
-def test_models_lists_the_base_model_then_base_colon_expert(client, tiny_llama):
-    expected = [tiny_llama.name, f"{tiny_llama.name}:{EXPERT}"]
+def test_models_lists_both_models_then_the_expert_under_the_model_it_fits(
+    client, tiny_llama, tiny_checkpoints
+):
+    # The Llama's engine registered first: it is the default model, listed first.
+    expected = [tiny_llama.name, tiny_checkpoints["qwen2"].name, f"{tiny_llama.name}:{EXPERT}"]
     deadline = time.monotonic() + 10  # the list is reused for 2 s
     while (ids := [m.id for m in client.models.list().data]) != expected:
         assert time.monotonic() < deadline, ids
@@ -73,3 +87,32 @@ def test_an_unregistered_expert_in_the_model_name_is_not_found_naming_model(clie
         client.chat.completions.create(model=f"{tiny_llama.name}:no-such-expert", messages=MESSAGES)
     assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_found"
     assert "no-such-expert" in caught.value.body["message"]
+
+
+def test_a_job_runs_on_an_engine_of_the_model_it_names_and_the_default_is_the_first(sdk, tiny_checkpoints):
+    qwen = tiny_checkpoints["qwen2"].name
+    for _ in range(3):
+        result = sdk.infer(prompt="Hello", raw=True, max_tokens=4, temperature=0.0, model=qwen)
+        assert result.status == "completed" and result.model == qwen
+        assert f"preparation: engine {QWEN_ENGINE} " in result.reasoning_trace
+    default = sdk.infer(prompt="Hello", raw=True, max_tokens=4, temperature=0.0)
+    assert default.model != qwen and f"engine {QWEN_ENGINE} " not in default.reasoning_trace
+
+
+def test_a_model_no_engine_serves_is_refused_at_once_on_both_fronts(client, sdk):
+    started = time.monotonic()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_found"
+    assert "no engine serves the model 'no-such-model'" in caught.value.body["message"]
+    with pytest.raises(InvalidRequest) as refused:
+        sdk.infer(prompt="Hello", model="no-such-model")
+    assert refused.value.field_violations[0][0] == "request.model"
+    assert time.monotonic() - started < 5  # refused at admission, never queued
+
+
+def test_an_expert_of_the_other_model_is_refused_naming_model(client, tiny_checkpoints):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=f"{tiny_checkpoints['qwen2'].name}:{EXPERT}", messages=MESSAGES)
+    assert caught.value.body["param"] == "model"
+    assert "trained for another base model" in caught.value.body["message"]
