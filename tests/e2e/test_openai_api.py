@@ -234,7 +234,7 @@ def test_a_grpc_stream_that_hangs_up_still_cancels_its_job(stack):
             inference_pb2.InferStreamRequest(request=request), timeout=30
         )
         job_id = next(call).submitted.job_id
-        next(m for m in call if m.WhichOneof("event") == "text")
+        next(m for m in call if m.WhichOneof("event") == "delta")
         call.cancel()
     with ExpertClient(stack.target("reception")) as client:
         deadline = time.monotonic() + 20

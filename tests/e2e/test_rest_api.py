@@ -128,7 +128,7 @@ def test_stream_sends_the_jobs_events_and_ends_with_the_result(http):
     assert "running" in [data["status"] for kind, data in events if kind == "status"]
     result = events[-1][1]["result"]
     assert result["status"] == "completed"
-    assert "".join(data["text"] for kind, data in events if kind == "text") == result["text"]
+    assert "".join(data["delta"]["text"] for kind, data in events if kind == "delta") == result["text"]
 
 
 def test_a_refused_stream_is_the_http_error(http):

@@ -165,17 +165,17 @@ class FakeInferenceService(inference_pb2_grpc.InferenceServiceServicer):
             # This stream never ends by itself: the call ends only when the client cancels it.
             context.add_callback(self.stream_cancelled.set)
             while context.is_active():
-                yield inference_pb2.InferStreamResponse(text="tick ")
+                yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="tick "))
                 time.sleep(0.02)
             return
         pieces = prompt.split(" ")
         pieces = [piece + " " for piece in pieces[:-1]] + pieces[-1:]
         if "restart" in prompt:
             for piece in pieces[:2]:
-                yield inference_pb2.InferStreamResponse(text=piece)
+                yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text=piece))
             yield inference_pb2.InferStreamResponse(restarted_attempt=2)
         for piece in pieces:
-            yield inference_pb2.InferStreamResponse(text=piece)
+            yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text=piece))
         yield inference_pb2.InferStreamResponse(result=echo_result(job_id, request.request))
 
     def Submit(self, request, context):

@@ -177,7 +177,13 @@ def test_stream_announces_a_restart_on_stderr(run):
 def test_stream_json_prints_one_object_per_chunk_then_the_result(run):
     status, out, _ = run("stream", "please restart it", "--json")
     lines = [json.loads(line) for line in out.splitlines()]
-    assert status == 0 and lines[2] == {"text": "", "restarted": True, "attempt": 2}
+    assert status == 0 and lines[2] == {
+        "text": "",
+        "restarted": True,
+        "attempt": 2,
+        "index": 0,
+        "logprobs": [],
+    }
     assert "".join(line["text"] for line in lines[3:-1]) == "please restart it"
     assert lines[-1]["result"]["text"] == "please restart it"
 

@@ -44,6 +44,10 @@ class RequestFields(TypedDict, total=False):
     raw: bool
     # A JSON schema as text, or as a dict that is serialised for you.
     json_schema: str | Mapping[str, Any]
+    # Choices to generate (1-16); the result's `choices` holds them all.
+    n: int
+    # Each generated token's logprob plus this many most likely alternatives (0-20).
+    logprobs: int
 
 
 FIELD_NAMES = frozenset(RequestFields.__annotations__)
