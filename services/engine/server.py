@@ -63,14 +63,15 @@ class TokenTexts:
         return known
 
     def logprobs(
-        self, token_ids: list[int], ranked: list[dict[int, Logprob]]
+        self, token_ids: list[int], ranked: list[dict[int, Logprob]], k: int
     ) -> list[common_pb2.TokenLogprob]:
-        """The sampled tokens' logprobs, each with its position's most likely tokens, most likely first."""
+        """The sampled tokens' logprobs, each with its position's `k` most likely tokens, most likely
+        first (a position also holds the sampled token under its own rank, which may be lower)."""
         out = []
         for token_id, position in zip(token_ids, ranked, strict=True):
             text, raw = self(token_id)
             top = []
-            for alt in sorted((p for p in position.values() if p.rank >= 1), key=lambda p: p.rank):
+            for alt in sorted((p for p in position.values() if 1 <= p.rank <= k), key=lambda p: p.rank):
                 alt_text, alt_raw = self(alt.token_id)
                 top.append(
                     common_pb2.TopLogprob(
@@ -142,7 +143,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         finished: set[int] = set()  # the choices whose finish_reason was sent
         try:
             async for output in stream:
-                for response in self._responses(output, finished, expiry.expired):
+                for response in self._responses(output, finished, expiry.expired, request.params.logprobs):
                     yield response
         finally:
             expiry.cancel()
@@ -160,7 +161,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.metrics.observe_request(output.metrics, output.outputs[0].finish_reason or "stop")
 
     def _responses(
-        self, output: RequestOutput, finished: set[int], timed_out: bool
+        self, output: RequestOutput, finished: set[int], timed_out: bool, top_logprobs: int = 0
     ) -> list[engine_pb2.GenerateResponse]:
         """One message per choice with something new (text, tokens, or its end); the usage and the
         experts ride on the very last message, once every choice finished."""
@@ -173,7 +174,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 index=completion.index, text=completion.text, token_ids=completion.token_ids
             )
             if completion.logprobs:
-                response.logprobs.extend(self.token_texts.logprobs(completion.token_ids, completion.logprobs))
+                response.logprobs.extend(
+                    self.token_texts.logprobs(completion.token_ids, completion.logprobs, top_logprobs)
+                )
             if ends:
                 finished.add(completion.index)
                 response.finish_reason = (
