@@ -220,3 +220,18 @@ def test_the_rest_stream_names_each_deltas_choice(stack):
     for index in (0, 1):
         text = "".join(d["text"] for d in deltas if d.get("index", 0) == index)
         assert text == result["choices"][index]["text"]
+
+
+def test_the_sdks_stream_names_each_chunks_choice(grpc_client):
+    stream = grpc_client.infer_stream(
+        PROMPT, raw=True, max_tokens=6, temperature=1.0, seed=5, n=2, logprobs=1
+    )
+    texts: dict[int, str] = {}
+    tokens: dict[int, int] = {}
+    for chunk in stream:
+        texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+        tokens[chunk.index] = tokens.get(chunk.index, 0) + len(chunk.logprobs)
+    result = stream.result
+    assert texts == {c.index: c.text for c in result.choices} and sorted(texts) == [0, 1]
+    assert tokens == {c.index: c.tokens_generated for c in result.choices}
+    assert result.tokens_generated == sum(tokens.values())

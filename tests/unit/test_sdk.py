@@ -59,6 +59,8 @@ ALL_FIELDS = {
     "messages": [{"role": "system", "content": "Be brief."}],
     "raw": True,
     "json_schema": '{"type": "object"}',
+    "n": 2,
+    "logprobs": 3,
 }
 
 
