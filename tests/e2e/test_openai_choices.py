@@ -182,6 +182,7 @@ def test_response_format_is_checked_after_generation(client, model, response_for
     [
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
+        ({"n": 5}, "n"),  # valid, but above the engine's EXPERT_MAX_NUM_SEQS (4): the engine refuses it
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),

@@ -26,6 +26,7 @@ from services.reception.http.errors import (
     HttpError,
     error_response,
     from_service_error,
+    param_of,
     validation_error,
 )
 from services.reception.http.models import ServedModels
@@ -134,7 +135,7 @@ def create_app(
             return error_response(as_http_error(exc, body))
         if result is None:  # the client hung up, and its job is cancelled
             return JSONResponse({}, status_code=499)  # nobody reads it
-        failure = _failure(result)
+        failure = _failure(result, body)
         if failure is not None:
             return error_response(failure)
         return _response(result, body, chat, logprobs)
@@ -163,14 +164,17 @@ def create_app(
     return app
 
 
-def _failure(result: common_pb2.InferenceResult) -> HttpError | None:
-    """The error for a job that ended without an answer (a refusal was raised before)."""
+def _failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
+    """The error for a job that ended without an answer (a refusal was raised before); a later
+    stage's refusal names the first field it found wrong (e.g. the engine's `n` above its
+    max_num_seqs) as the client sent it."""
     if result.status != common_pb2.JOB_STATUS_FAILED:
         return None
     code = getattr(grpc.StatusCode, result.error_code, None) if result.error_code else None
     status = HTTP_STATUS.get(code, 500) if code is not None else 500
+    param = param_of(result.error_fields[0].field, body) if result.error_fields else None
     return HttpError(
-        status, result.error or "the job failed", code=(result.error_code or "job_failed").lower()
+        status, result.error or "the job failed", param, code=(result.error_code or "job_failed").lower()
     )
 
 
@@ -309,7 +313,7 @@ async def _sse(
                     return
                 elif which == "result":
                     result = message.result
-                    failure = _failure(result)
+                    failure = _failure(result, body)
                     if failure is not None:
                         yield error(failure)
                         return
