@@ -188,6 +188,21 @@ def test_stream_json_prints_one_object_per_chunk_then_the_result(run):
     assert lines[-1]["result"]["text"] == "please restart it"
 
 
+def test_infer_and_stream_print_each_choice_and_its_logprobs(run, fakes):
+    status, out, _ = run("infer", "Paris is", "--n", "2", "--logprobs", "1")
+    assert status == 0 and fakes.reception.requests[-1].n == 2 and fakes.reception.requests[-1].logprobs == 1
+    assert out == (
+        "--- choice 0 (stop) ---\nParis is\n"
+        "    -1.0000  'Paris'  ['alt0' -0.500]\n"
+        "    -2.0000  'is'  ['alt0' -0.500]\n"
+        "--- choice 1 (stop) ---\nParis is\n"
+        "    -1.0000  'Paris'  ['alt0' -0.500]\n"
+        "    -2.0000  'is'  ['alt0' -0.500]\n"
+    )
+    status, streamed, _ = run("stream", "Paris is", "--n", "2", "--logprobs", "1")
+    assert status == 0 and streamed == out
+
+
 def test_stream_refusal_is_reported_like_infer(run):
     status, out, err = run("stream", "hello", "--temperature", "3")
     assert (status, out) == (2, "")
