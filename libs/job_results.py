@@ -50,7 +50,20 @@ def job_result(
     dropped_experts: Sequence[str] = (),
     error: str | None = None,
 ) -> common_pb2.InferenceResult:
-    """The result without validation or metrics; `error` defaults to the outcome's."""
+    """The result without validation or metrics; `error` defaults to the outcome's. A job that
+    was stopped or failed ends each of its choices for that reason."""
+    reason = finish_reason(outcome, timed_out=timed_out, cancelled=cancelled)
+    stopped = reason != outcome.finish_reason
+    choices = [
+        common_pb2.Choice(
+            index=c.index,
+            text=c.text,
+            finish_reason=reason if stopped or not c.finish_reason else c.finish_reason,
+            tokens_generated=c.tokens_generated,
+            logprobs=c.logprobs,
+        )
+        for c in outcome.choices
+    ]
     return common_pb2.InferenceResult(
         job_id=job_id,
         status=job_status(outcome, timed_out=timed_out, cancelled=cancelled),
@@ -58,10 +71,11 @@ def job_result(
         tokens_generated=outcome.completion_tokens,
         experts_used=[e.name for e in outcome.experts],
         latency_ms=latency_ms,
-        finish_reason=finish_reason(outcome, timed_out=timed_out, cancelled=cancelled),
+        finish_reason=reason,
         timed_out=timed_out,
         reasoning_trace=trace,
         error=outcome.error if error is None else error,
         experts=outcome.experts,
         dropped_experts=dropped_experts,
+        choices=choices,
     )

@@ -83,7 +83,9 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body", metavar="TEXT|@FILE", help="data for the prompt ({body}); @- reads stdin")
     parser.add_argument("--template", metavar="T", help="a template with {prompt} and {body}")
     parser.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
-    parser.add_argument("--model", metavar="NAME", help="the base model to answer with (default: the fleet's)")
+    parser.add_argument(
+        "--model", metavar="NAME", help="the base model to answer with (default: the fleet's)"
+    )
     parser.add_argument("--temperature", type=float, metavar="X")
     parser.add_argument("--max-tokens", type=_INT32, metavar="N")
     parser.add_argument("--top-p", type=float, metavar="X")
@@ -94,6 +96,10 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frequency-penalty", type=float, metavar="X")
     parser.add_argument("--stop", action="append", metavar="S", help="a stop string (repeatable)")
     parser.add_argument("--seed", type=_UINT64, metavar="N")
+    parser.add_argument("--n", type=_INT32, metavar="N", help="choices to generate (1-16)")
+    parser.add_argument(
+        "--logprobs", type=_INT32, metavar="K", help="show each token's logprob and its K best alternatives"
+    )
     parser.add_argument("--priority", type=_INT32, metavar="N", help="0-9, higher first")
     parser.add_argument("--timeout-ms", type=_INT64, metavar="N", help="the job's time limit")
     parser.add_argument("--force-expert", dest="force_experts", action="append", metavar="NAME")
@@ -202,8 +208,26 @@ def _infer(args: argparse.Namespace) -> int:
     if args.json:
         print(_to_json(result))
     else:
-        _print_text(result.text)
+        _print_choices(result)
     return _finish(result, trace=args.trace, quiet=args.json)
+
+
+def _print_choices(result: Any) -> None:
+    """The text of each choice (headed by its index when there are several), then its tokens'
+    logprobs when they were asked for."""
+    choices = result.choices or ()
+    if len(choices) <= 1 and not any(c.logprobs for c in choices):
+        _print_text(result.text)
+        return
+    for choice in choices:
+        if len(choices) > 1:
+            print(f"--- choice {choice.index} ({choice.finish_reason}) ---")
+        _print_text(choice.text)
+        for token in choice.logprobs:
+            alternatives = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in token.top_logprobs)
+            shown = f"  {token.logprob:9.4f}  {token.token!r}"
+            print(shown + (f"  [{alternatives}]" if alternatives else ""))
+    sys.stdout.flush()
 
 
 @_reporting_errors
@@ -214,10 +238,14 @@ def _stream(args: argparse.Namespace) -> int:
     with ExpertClient(args.target) as client:
         stream = client.infer_stream(args.prompt, **fields)
         printed = ""  # this attempt's text, to end it with a newline
+        # Several choices' deltas interleave: their texts are printed whole, from the result.
+        whole = (args.n or 1) > 1 or args.logprobs is not None
         try:
             for chunk in stream:
                 if args.json:
                     print(_to_json(chunk), flush=True)
+                elif whole:
+                    continue
                 elif chunk.restarted:
                     if printed and not printed.endswith("\n"):
                         print(flush=True)
@@ -237,6 +265,8 @@ def _stream(args: argparse.Namespace) -> int:
     assert result is not None  # the SDK raises when a stream ends without its result
     if args.json:
         print(_to_json({"result": result}))
+    elif whole:
+        _print_choices(result)
     elif printed and not printed.endswith("\n"):
         print()
     return _finish(result, trace=args.trace, quiet=args.json)
@@ -446,6 +476,8 @@ def _json_default(value: Any) -> Any:
         return dataclasses.asdict(value)
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, bytes):  # a token's bytes, as OpenAI lists them
+        return list(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 

@@ -13,8 +13,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from libs.engine.adapters.manager import ExpertHoldings
 from libs.engine.adapters.registry import ExpertNotFoundError
 from libs.engine.async_engine import AsyncLLMEngine
-from libs.engine.outputs import RequestOutput
+from libs.engine.outputs import Logprob, RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.engine.tokenizer import Tokenizer
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.experts.base_model import BaseModelIdentity
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -40,8 +41,54 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         frequency_penalty=params.frequency_penalty,
         stop=list(params.stop),
         seed=params.seed if params.HasField("seed") else None,
+        n=params.n or 1,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
         output_kind=OutputKind.DELTA,
     )
+
+
+class TokenTexts:
+    """Each token decoded on its own (as OpenAI shows tokens) with the bytes it adds to the text,
+    remembered per id: a vocabulary is bounded, and logprobs name the same tokens again and again."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._known: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        known = self._known.get(token_id)
+        if known is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = self.tokenizer.token_bytes(token_id, skip_special_tokens=False)
+            known = self._known[token_id] = (text, text.encode() if raw is None else raw)
+        return known
+
+    def logprobs(
+        self, token_ids: list[int], ranked: list[dict[int, Logprob]], k: int
+    ) -> list[common_pb2.TokenLogprob]:
+        """The sampled tokens' logprobs, each with its position's `k` most likely tokens, most likely
+        first (a position also holds the sampled token under its own rank, which may be lower)."""
+        out = []
+        for token_id, position in zip(token_ids, ranked, strict=True):
+            text, raw = self(token_id)
+            top = []
+            for alt in sorted((p for p in position.values() if 1 <= p.rank <= k), key=lambda p: p.rank):
+                alt_text, alt_raw = self(alt.token_id)
+                top.append(
+                    common_pb2.TopLogprob(
+                        token_id=alt.token_id, token=alt_text, logprob=alt.logprob, token_bytes=alt_raw
+                    )
+                )
+            out.append(
+                common_pb2.TokenLogprob(
+                    token_id=token_id,
+                    token=text,
+                    logprob=position[token_id].logprob,
+                    top_logprobs=top,
+                    token_bytes=raw,
+                )
+            )
+        return out
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -52,6 +99,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.max_expert_bytes = max_expert_bytes
+        self._token_texts: TokenTexts | None = None
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        if self._token_texts is None:  # the engine (and its tokenizer) comes after the servicer
+            self._token_texts = TokenTexts(self._ready().tokenizer)
+        return self._token_texts
 
     def _ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -87,9 +141,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             on_finished=self._observe,  # every finished request once, a cancelled call's too
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
+        finished: set[int] = set()  # the choices whose finish_reason was sent
         try:
             async for output in stream:
-                yield self._response(output, expiry.expired)
+                for response in self._responses(output, finished, expiry.expired, request.params.logprobs):
+                    yield response
         finally:
             expiry.cancel()
             if not stream.finished:  # the caller went away or was cancelled: free the KV now
@@ -105,33 +161,53 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _observe(self, output: RequestOutput) -> None:
         self.metrics.observe_request(output.metrics, output.outputs[0].finish_reason or "stop")
 
-    def _response(self, output: RequestOutput, timed_out: bool = False) -> engine_pb2.GenerateResponse:
-        completion = output.outputs[0]
-        response = engine_pb2.GenerateResponse(text=completion.text, token_ids=completion.token_ids)
+    def _responses(
+        self, output: RequestOutput, finished: set[int], timed_out: bool, top_logprobs: int = 0
+    ) -> list[engine_pb2.GenerateResponse]:
+        """One message per choice with something new (text, tokens, or its end); the usage and the
+        experts ride on the very last message, once every choice finished."""
+        responses = []
+        for completion in output.outputs:
+            ends = completion.finish_reason is not None and completion.index not in finished
+            if not (completion.text or completion.token_ids or ends):
+                continue
+            response = engine_pb2.GenerateResponse(
+                index=completion.index, text=completion.text, token_ids=completion.token_ids
+            )
+            if completion.logprobs:
+                response.logprobs.extend(
+                    self.token_texts.logprobs(completion.token_ids, completion.logprobs, top_logprobs)
+                )
+            if ends:
+                finished.add(completion.index)
+                response.finish_reason = (
+                    common_pb2.FINISH_REASON_TIMEOUT
+                    if timed_out and completion.finish_reason == "abort"
+                    else FINISH_REASONS.get(completion.finish_reason, common_pb2.FINISH_REASON_STOP)
+                )
+            responses.append(response)
         if output.finished:
             m = output.metrics
-            response.finish_reason = (
-                common_pb2.FINISH_REASON_TIMEOUT
-                if timed_out and completion.finish_reason == "abort"
-                else FINISH_REASONS.get(completion.finish_reason, common_pb2.FINISH_REASON_STOP)
-            )
-            response.usage.CopyFrom(
+            last = responses[-1] if responses else engine_pb2.GenerateResponse(index=output.outputs[-1].index)
+            last.usage.CopyFrom(
                 common_pb2.GenerationUsage(
                     prompt_tokens=m.num_prompt_tokens,
-                    completion_tokens=m.num_generation_tokens,
+                    completion_tokens=m.num_generation_tokens,  # summed over the choices
                     cached_tokens=m.num_cached_tokens,
                     queue_ms=(m.queue_time or 0.0) * 1000,
                     ttft_ms=(m.ttft or 0.0) * 1000,
                     decode_ms=(m.decode_time or 0.0) * 1000,
                 )
             )
-            response.experts.extend(
+            last.experts.extend(
                 common_pb2.AppliedExpert(
                     name=e.name, version=e.version, adapter_type=e.adapter_type, weight=e.weight
                 )
                 for e in output.experts
             )
-        return response
+            if not responses:
+                responses.append(last)
+        return responses
 
     async def GetStats(
         self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -13,7 +13,7 @@ from libs.job_results import job_result
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.postproc.metrics import PostprocMetrics
-from services.postproc.validation import validate_output
+from services.postproc.validation import Validation, validate_output
 
 log = get_logger(__name__)
 
@@ -31,7 +31,13 @@ class Finalizer:
         outcome = request.outcome
         schema = request.json_schema if request.HasField("json_schema") else None
         task_type = request.task_type or "general"
-        validation = validate_output(outcome.text, task_type, schema)
+        # Each choice is validated; the result's own validation is the first choice's, and the job
+        # passes (for the metrics and the routers' feedback) when every choice does.
+        validations = [validate_output(c.text, task_type, schema) for c in outcome.choices] or [
+            validate_output(outcome.text, task_type, schema)
+        ]
+        validation = validations[0]
+        passed = all(v.valid for v in validations)
         total_ms = (
             (time.time() - request.submitted_at.ToDatetime().timestamp()) * 1000
             if request.HasField("submitted_at")
@@ -64,7 +70,7 @@ class Finalizer:
             tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
             success=status == common_pb2.JOB_STATUS_COMPLETED,
             error=outcome.error,
-            validation_passed=validation.valid,
+            validation_passed=passed,
             queue_latency_ms=request.queue_latency_ms,
             ttft_ms=usage.ttft_ms,
             reception_latency_ms=request.reception_latency_ms,
@@ -74,7 +80,7 @@ class Finalizer:
             experts=experts,
             task_type=task_type,
             success=metrics.success,
-            validation_passed=validation.valid,
+            validation_passed=passed,
             validator=validation.validator,
             latency_ms=total_ms,
             finished_at=timestamp(time.time()),
@@ -86,14 +92,18 @@ class Finalizer:
             "job finalized",
             job_id=request.job_id,
             status=common_pb2.JobStatus.Name(status),
-            validation=validation.valid,
+            validation=passed,
             tokens=outcome.completion_tokens,
             total_ms=round(total_ms, 1),
         )
-        result.validation.CopyFrom(
-            common_pb2.ValidationResult(
-                valid=validation.valid, validator=validation.validator, error=validation.error
-            )
-        )
+        result.validation.CopyFrom(_proto(validation))
+        for choice, checked in zip(result.choices, validations, strict=False):
+            choice.validation.CopyFrom(_proto(checked))
         result.metrics.CopyFrom(metrics)
         return result
+
+
+def _proto(validation: Validation) -> common_pb2.ValidationResult:
+    return common_pb2.ValidationResult(
+        valid=validation.valid, validator=validation.validator, error=validation.error
+    )

@@ -1,8 +1,9 @@
 """Job records and job events in Redis.
 
 - `expert:job:{id}`: a hash with the request, status, priority, timestamps, attempts, result, error;
-- `expert:job:{id}:text`: the output so far (appended chunk by chunk);
-- `expert:job:{id}:events`: a stream of status changes, text chunks, restarts and the final result,
+- `expert:job:{id}:text`: the output so far of the first choice (appended chunk by chunk);
+- `expert:job:{id}:events`: a stream of status changes, choice deltas (ChoiceDelta: a choice's new
+  text and its logprobs), restarts and the final result,
   which reception instances read to answer InferStream, whoever dispatches the job;
 - `expert:job:{id}:result`: a stream holding only the final result, which Infer waits on (one
   wake-up per job instead of one per token).
@@ -95,13 +96,16 @@ return redis.call('HGETALL', KEYS[1])
 """
 )
 
-# KEYS: job hash, its text, its events; ARGV: the chunk, ttl -> 1, or 0 if the job is gone
+# KEYS: job hash, its text, its events; ARGV: the delta (a ChoiceDelta), the text it adds to the
+# first choice ("" for another choice), ttl -> 1, or 0 if the job is gone
 _APPEND = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('APPEND', KEYS[2], ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('XADD', KEYS[3], '*', 'kind', 'text', 'text', ARGV[1])
-redis.call('EXPIRE', KEYS[3], ARGV[2], 'NX')
+if ARGV[2] ~= '' then
+  redis.call('APPEND', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+redis.call('XADD', KEYS[3], '*', 'kind', 'delta', 'delta', ARGV[1])
+redis.call('EXPIRE', KEYS[3], ARGV[3], 'NX')
 return 1
 """
 
@@ -338,12 +342,13 @@ class JobStore:
         )
         return changed == 1
 
-    async def append_text(self, job_id: str, text: str) -> None:
-        """Add a chunk to the job's text and announce it (one command: this runs for every token)."""
+    async def append_delta(self, job_id: str, delta: common_pb2.ChoiceDelta) -> None:
+        """Announce a choice's new text (the first choice's also goes to the job's text, which GetJob
+        shows), in one command: this runs for every token."""
         await self._write(
             self._append,
             keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
-            args=[text.encode(), self.ttl_s],
+            args=[delta.SerializeToString(), delta.text.encode() if delta.index == 0 else b"", self.ttl_s],
         )
 
     async def request_cancel(self, job_id: str) -> None:
@@ -411,6 +416,10 @@ class JobStore:
         kept = common_pb2.InferenceResult()
         kept.CopyFrom(result)
         kept.text = ""
+        for choice in kept.choices:
+            choice.text = ""
+            del choice.logprobs[:]
+            choice.validation.error = ""
         kept.reasoning_trace = ""  # it quotes the prompt's features and the plan
         kept.validation.error = ""  # a schema error quotes the output
         return [
@@ -425,7 +434,7 @@ class JobStore:
         self, job_id: str, *, result_only: bool = False
     ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
         """The job's events as (kind, fields), from the first, as they are written: status changes,
-        text chunks, restarts and the result. With `result_only`, only the result, read from its
+        choice deltas, restarts and the result. With `result_only`, only the result, read from its
         own stream (one wake-up per job instead of one per token). Raises JobExpired when the
         record is gone."""
         key, last = (result_key(job_id) if result_only else events_key(job_id)), b"0-0"
@@ -476,6 +485,10 @@ class JobStore:
             result.error = f"timed out after {waited_ms:.0f} ms in the queue (no engine was free)"
         else:
             result.text = await self.text(record.job_id)
+            # Only the first choice's text is kept outside the events: the others are lost here.
+            result.choices.append(
+                common_pb2.Choice(text=result.text, finish_reason=common_pb2.FINISH_REASON_TIMEOUT)
+            )
             result.error = (
                 f"timed out after {waited_ms:.0f} ms; no dispatcher ended it (its owner stopped), so "
                 "it was swept with the output it had"

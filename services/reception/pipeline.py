@@ -33,6 +33,7 @@ from libs.job_results import job_result, reasoning_trace
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.capacity import served_model
+from services.reception.choices import Choices
 from services.reception.jobs import JobRecord, JobStore, job_deadline
 from services.reception.stages import Stages
 
@@ -85,8 +86,7 @@ class JobRun:
     default_timeout_s: float | None = None  # for requests without timeout_ms
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     placed: asyncio.Event = field(default_factory=asyncio.Event)
-    text: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
+    choices: Choices = field(default_factory=Choices)
     plan: common_pb2.ExpertPlan = field(default_factory=common_pb2.ExpertPlan)
     placement: common_pb2.Placement = field(default_factory=common_pb2.Placement)
     preparing: asyncio.Future | None = None  # the Prepare call in flight, if any
@@ -257,8 +257,7 @@ class Pipeline:
                     engine=run.placement.engine_id,
                     error=str(lost),
                 )
-                run.text.clear()
-                run.completion_tokens = 0
+                run.choices.clear()
                 await self.jobs.begin(run.job_id)  # another attempt: readers discard the text so far
         raise AssertionError("unreachable")
 
@@ -366,11 +365,10 @@ class Pipeline:
         async def consume() -> None:
             nonlocal final
             async for response in stream:
-                if response.text:
-                    run.text.append(response.text)
-                    await self.jobs.append_text(run.job_id, response.text)
-                run.completion_tokens += len(response.token_ids)
-                if response.finish_reason:
+                delta = run.choices.add(response)
+                if delta is not None:
+                    await self.jobs.append_delta(run.job_id, delta)
+                if response.HasField("usage"):  # the very last message: every choice finished
                     final = response
 
         try:
@@ -385,23 +383,20 @@ class Pipeline:
             raise EngineLost(f"{exc.code().name}: {exc.details()}") from None
         finally:
             stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request
-        if not final.finish_reason:
+        if not final.HasField("usage"):
             raise EngineLost("the stream ended without a final message")
-        # The engine stopped the request at the deadline, or on our Abort: run.text holds all it made.
+        # The engine stopped the request at the deadline, or on our Abort: run.choices hold all it made.
         if final.finish_reason == common_pb2.FINISH_REASON_TIMEOUT:
             raise JobStopped("timeout")
         if final.finish_reason == common_pb2.FINISH_REASON_ABORT and run.cancel.is_set():
             raise JobStopped("cancelled")
-        return common_pb2.GenerationOutcome(
-            text="".join(run.text),
-            completion_tokens=run.completion_tokens,
-            finish_reason=final.finish_reason,
-            usage=final.usage,
-            experts=final.experts,
-        )
+        outcome = run.choices.outcome(final.finish_reason)
+        outcome.usage.CopyFrom(final.usage)
+        outcome.experts.extend(final.experts)
+        return outcome
 
     def _partial(self, run: JobRun) -> common_pb2.GenerationOutcome:
-        return common_pb2.GenerationOutcome(text="".join(run.text), completion_tokens=run.completion_tokens)
+        return run.choices.outcome()
 
     async def _finalize(
         self, run: JobRun, outcome: common_pb2.GenerationOutcome, timed_out: bool, cancelled: bool

@@ -162,8 +162,9 @@ class ReceptionServicer:
                 submitted=await self._submission(job_id, submitted_at, priority)
             )
             async for kind, fields in self._events(job_id):
-                if kind == b"text":
-                    yield inference_pb2.InferStreamResponse(text=fields[b"text"].decode())
+                if kind == b"delta":
+                    delta = common_pb2.ChoiceDelta.FromString(fields[b"delta"])
+                    yield inference_pb2.InferStreamResponse(delta=delta)
                 elif kind == b"status":
                     yield inference_pb2.InferStreamResponse(status=int(fields[b"status"]))
                 elif kind == b"restart":

@@ -32,6 +32,8 @@ MAX_STOP_CHARS = 1_000  # per stop string
 MAX_NAME_CHARS = 256  # an expert name or a user id
 MAX_EXCLUDED_EXPERTS = 100
 MAX_SCHEMA_CHARS = 16_384  # structured-output formats are capped at 16 KB
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batch
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's logprobs
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in the schema text
 ROLES = ("system", "user", "assistant", "tool")
 TEXT_FIELDS = ("prompt", "template", "body", "user_id", "json_schema")
@@ -109,6 +111,10 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
         problems.append(("request.timeout_ms", f"must be > 0, got {request.timeout_ms}"))
     if request.HasField("context_size") and request.context_size < 1:
         problems.append(("request.context_size", f"must be >= 1, got {request.context_size}"))
+    if request.HasField("n") and not 1 <= request.n <= MAX_CHOICES:
+        problems.append(("request.n", f"must be in [1, {MAX_CHOICES}], got {request.n}"))
+    if request.HasField("logprobs") and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        problems.append(("request.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {request.logprobs}"))
     problems += _stops(request)
     if len(request.user_id) > MAX_NAME_CHARS:
         problems.append(

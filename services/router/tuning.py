@@ -37,6 +37,8 @@ _OVERRIDES = (
     "presence_penalty",
     "frequency_penalty",
     "seed",
+    "n",
+    "logprobs",
 )
 
 

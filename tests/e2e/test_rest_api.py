@@ -122,13 +122,13 @@ def test_stream_sends_the_jobs_events_and_ends_with_the_result(http):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = _events(response)
     kinds = [kind for kind, _ in events]
-    assert kinds[0] == "submitted" and kinds[-1] == "result" and "text" in kinds
+    assert kinds[0] == "submitted" and kinds[-1] == "result" and "delta" in kinds
     assert all(set(data) == {kind} for kind, data in events)  # each is one InferStreamResponse
     assert events[0][1]["submitted"]["status"] == "queued"
     assert "running" in [data["status"] for kind, data in events if kind == "status"]
     result = events[-1][1]["result"]
     assert result["status"] == "completed"
-    assert "".join(data["text"] for kind, data in events if kind == "text") == result["text"]
+    assert "".join(data["delta"]["text"] for kind, data in events if kind == "delta") == result["text"]
 
 
 def test_a_refused_stream_is_the_http_error(http):
@@ -157,6 +157,6 @@ def test_a_client_that_leaves_the_stream_cancels_the_job(http, long_prompt):
         lines = response.iter_lines()
         first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
         job_id = first["submitted"]["job_id"]
-        next(line for line in lines if line.startswith("event: text"))
+        next(line for line in lines if line.startswith("event: delta"))
     job = wait_rest_job(http, job_id, lambda job: job["status"] in FINAL)
     assert job["status"] == "cancelled" and job["result"]["tokens_generated"] < LONG

@@ -8,8 +8,10 @@ behaviour is predictable by design:
   temperature > 2, priority > 9 and an empty prompt without messages with INVALID_ARGUMENT and a
   google.rpc.BadRequest detail (one violation per bad field, named "request.<field>").
 - The result echoes the prompt: `text` is the prompt, `tokens_generated` its word count,
-  `experts_used` the forced experts. A prompt starting with "fail" gives a failed job; a
-  `timeout_ms` below 100 gives a timed-out job whose text is the prompt's first word.
+  `experts_used` the forced experts; with `n` or `logprobs` set, `choices` holds n echoes, each
+  word a token of logprob -(its position + 1) with `logprobs` alternatives. A prompt starting
+  with "fail" gives a failed job; a `timeout_ms` below 100 gives a timed-out job whose text is
+  the prompt's first word.
   A prompt starting with "sleep" makes Infer wait 2 s first (for deadlines); one starting with
   "refuse" gives a job a stage refused: INVALID_ARGUMENT in `error_code`, a field in `error_fields`.
 - InferStream sends `submitted`, a RUNNING status, the prompt word by word, then the result.
@@ -98,6 +100,15 @@ def echo_result(job_id: str, request: common_pb2.InferenceRequest) -> common_pb2
     result.metrics.output_tokens = len(words)
     result.metrics.experts_used.extend(request.force_experts)
     result.metrics.success = True
+    if request.HasField("n") or request.HasField("logprobs"):
+        for index in range(request.n or 1):
+            choice = result.choices.add(
+                index=index, text=request.prompt, finish_reason=common_pb2.FINISH_REASON_STOP
+            )
+            for i, word in enumerate(words if request.HasField("logprobs") else []):
+                token = choice.logprobs.add(token=word, logprob=-(i + 1.0), token_bytes=word.encode())
+                for k in range(request.logprobs):
+                    token.top_logprobs.add(token=f"alt{k}", logprob=-(k + 0.5))
     if request.prompt.startswith("fail"):
         result.status = common_pb2.JOB_STATUS_FAILED
         result.finish_reason = common_pb2.FINISH_REASON_ERROR
@@ -165,17 +176,17 @@ class FakeInferenceService(inference_pb2_grpc.InferenceServiceServicer):
             # This stream never ends by itself: the call ends only when the client cancels it.
             context.add_callback(self.stream_cancelled.set)
             while context.is_active():
-                yield inference_pb2.InferStreamResponse(text="tick ")
+                yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="tick "))
                 time.sleep(0.02)
             return
         pieces = prompt.split(" ")
         pieces = [piece + " " for piece in pieces[:-1]] + pieces[-1:]
         if "restart" in prompt:
             for piece in pieces[:2]:
-                yield inference_pb2.InferStreamResponse(text=piece)
+                yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text=piece))
             yield inference_pb2.InferStreamResponse(restarted_attempt=2)
         for piece in pieces:
-            yield inference_pb2.InferStreamResponse(text=piece)
+            yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text=piece))
         yield inference_pb2.InferStreamResponse(result=echo_result(job_id, request.request))
 
     def Submit(self, request, context):

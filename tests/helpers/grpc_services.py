@@ -149,7 +149,7 @@ class Inference(inference_pb2_grpc.InferenceServiceServicer):
         for word in request.request.prompt.split():
             if word == "fail":
                 raise RuntimeError("stream broke")
-            await context.write(inference_pb2.InferStreamResponse(text=word))
+            await context.write(inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text=word)))
 
 
 @dataclass

@@ -126,8 +126,8 @@ def test_following_a_job_yields_its_events_in_order_or_only_its_result(clean_red
     async def scenario(redis, jobs):
         await jobs.create("j", common_pb2.InferenceRequest(prompt="hi"), priority=5)
         await jobs.set_status("j", common_pb2.JOB_STATUS_RUNNING)
-        await jobs.append_text("j", "Par")
-        await jobs.append_text("j", "is")
+        await jobs.append_delta("j", common_pb2.ChoiceDelta(text="Par"))
+        await jobs.append_delta("j", common_pb2.ChoiceDelta(text="is"))
         await jobs.finish("j", common_pb2.InferenceResult(job_id="j", status=common_pb2.JOB_STATUS_COMPLETED))
 
         async def until_result(**options) -> list[bytes]:
@@ -139,7 +139,7 @@ def test_following_a_job_yields_its_events_in_order_or_only_its_result(clean_red
             raise AssertionError("no result")
 
         every = await until_result()
-        assert [k for k in every if k != b"status"] == [b"text", b"text", b"result"]
+        assert [k for k in every if k != b"status"] == [b"delta", b"delta", b"result"]
         assert every.count(b"status") >= 2  # running, then completed
         assert await until_result(result_only=True) == [b"result"]
 
@@ -162,14 +162,14 @@ def test_no_write_to_a_gone_job_leaves_a_key_without_a_ttl(clean_redis_url):
     changes, cancel flag and result recreate nothing; a live job's evicted stream gets its TTL back."""
 
     async def scenario(redis, jobs):
-        await jobs.append_text("gone", "late chunk")
+        await jobs.append_delta("gone", common_pb2.ChoiceDelta(text="late chunk"))
         assert not await jobs.set_status("gone", common_pb2.JOB_STATUS_RUNNING)
         await jobs.request_cancel("gone")
         assert not await jobs.finish("gone", common_pb2.InferenceResult(job_id="gone"))
         assert await redis.keys("expert:job:gone*") == []
         await jobs.create("live", common_pb2.InferenceRequest(prompt="hi"), 5)
         await redis.delete(events_key("live"))  # as an eviction would
-        await jobs.append_text("live", "chunk")
+        await jobs.append_delta("live", common_pb2.ChoiceDelta(text="chunk"))
         assert 0 < await redis.ttl(events_key("live")) <= 60
         ttls = {key: await redis.ttl(key) for key in await redis.keys("expert:job:*")}
         assert all(ttl > 0 for ttl in ttls.values()), ttls
@@ -187,7 +187,7 @@ def test_with_texts_not_stored_a_finished_job_keeps_only_their_hashes(clean_redi
             temperature=0.5,
         )
         await jobs.create("j", request, 5)
-        await jobs.append_text("j", "secret output")
+        await jobs.append_delta("j", common_pb2.ChoiceDelta(text="secret output"))
         while_running = await jobs.get("j")
         assert while_running.request.prompt == "my secret prompt"  # the dispatcher needs it until the end
         result = common_pb2.InferenceResult(

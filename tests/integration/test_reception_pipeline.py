@@ -125,7 +125,7 @@ def test_jobs_past_their_deadline_that_nobody_ended_are_swept_timed_out(clean_re
         await jobs.create("endless", common_pb2.InferenceRequest(prompt="b"), 5)
         await jobs.create("running", common_pb2.InferenceRequest(prompt="c", timeout_ms=50), 5)
         await jobs.set_status("running", common_pb2.JOB_STATUS_RUNNING)
-        await jobs.append_text("running", "Once upon")
+        await jobs.append_delta("running", common_pb2.ChoiceDelta(text="Once upon"))
         assert await jobs.sweep_overdue(30.0) == []
         # A queued job past its deadline ends at once, with no output.
         assert await jobs.sweep_overdue(30.0, now=time.time() + 1) == [

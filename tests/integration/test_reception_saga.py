@@ -50,10 +50,15 @@ class FakeStream:
             await self.aborted.wait()
             if self.cancelled:
                 raise asyncio.CancelledError
-            yield engine_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_ABORT)
+            yield engine_pb2.GenerateResponse(
+                finish_reason=common_pb2.FINISH_REASON_ABORT, usage=common_pb2.GenerationUsage()
+            )
             return
         yield engine_pb2.GenerateResponse(
-            text="is", token_ids=[2], finish_reason=common_pb2.FINISH_REASON_STOP
+            text="is",
+            token_ids=[2],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.GenerationUsage(),  # the last message: every choice finished
         )
 
 

@@ -177,9 +177,30 @@ def test_stream_announces_a_restart_on_stderr(run):
 def test_stream_json_prints_one_object_per_chunk_then_the_result(run):
     status, out, _ = run("stream", "please restart it", "--json")
     lines = [json.loads(line) for line in out.splitlines()]
-    assert status == 0 and lines[2] == {"text": "", "restarted": True, "attempt": 2}
+    assert status == 0 and lines[2] == {
+        "text": "",
+        "restarted": True,
+        "attempt": 2,
+        "index": 0,
+        "logprobs": [],
+    }
     assert "".join(line["text"] for line in lines[3:-1]) == "please restart it"
     assert lines[-1]["result"]["text"] == "please restart it"
+
+
+def test_infer_and_stream_print_each_choice_and_its_logprobs(run, fakes):
+    status, out, _ = run("infer", "Paris is", "--n", "2", "--logprobs", "1")
+    assert status == 0 and fakes.reception.requests[-1].n == 2 and fakes.reception.requests[-1].logprobs == 1
+    assert out == (
+        "--- choice 0 (stop) ---\nParis is\n"
+        "    -1.0000  'Paris'  ['alt0' -0.500]\n"
+        "    -2.0000  'is'  ['alt0' -0.500]\n"
+        "--- choice 1 (stop) ---\nParis is\n"
+        "    -1.0000  'Paris'  ['alt0' -0.500]\n"
+        "    -2.0000  'is'  ['alt0' -0.500]\n"
+    )
+    status, streamed, _ = run("stream", "Paris is", "--n", "2", "--logprobs", "1")
+    assert status == 0 and streamed == out
 
 
 def test_stream_refusal_is_reported_like_infer(run):

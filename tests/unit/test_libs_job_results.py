@@ -57,3 +57,31 @@ def test_the_result_carries_the_outcome_the_traces_and_the_error():
         12.5,
     )
     assert not result.HasField("validation") and not result.HasField("metrics")
+
+
+def test_each_choice_keeps_its_own_end_unless_the_job_was_stopped_or_failed():
+    outcome = common_pb2.GenerationOutcome(
+        text="Paris",
+        completion_tokens=5,
+        finish_reason=common_pb2.FINISH_REASON_STOP,
+        choices=[
+            common_pb2.Choice(
+                index=0, text="Paris", finish_reason=common_pb2.FINISH_REASON_STOP, tokens_generated=2
+            ),
+            common_pb2.Choice(
+                index=1, text="Lyon?", finish_reason=common_pb2.FINISH_REASON_LENGTH, tokens_generated=3
+            ),
+        ],
+    )
+
+    def ends(**stopped) -> list[int]:
+        result = job_result("j", outcome, latency_ms=1.0, trace="", **stopped)
+        assert [c.text for c in result.choices] == ["Paris", "Lyon?"] and result.tokens_generated == 5
+        return [c.finish_reason for c in result.choices]
+
+    assert ends(timed_out=False, cancelled=False) == [
+        common_pb2.FINISH_REASON_STOP,
+        common_pb2.FINISH_REASON_LENGTH,
+    ]
+    assert ends(timed_out=True, cancelled=False) == [common_pb2.FINISH_REASON_TIMEOUT] * 2
+    assert ends(timed_out=False, cancelled=True) == [common_pb2.FINISH_REASON_ABORT] * 2

@@ -228,3 +228,10 @@ def test_text_is_nfc_normalized_and_prompt_and_user_id_are_trimmed():
 def test_every_problem_is_reported_at_once():
     found = problems(request(prompt="", temperature=3.0, max_experts=0, top_p=0.0))
     assert set(found) == {"request.prompt", "request.temperature", "request.max_experts", "request.top_p"}
+
+
+def test_n_is_1_to_16_and_logprobs_0_to_20():
+    assert problems(request(n=1, logprobs=0)) == problems(request(n=16, logprobs=20)) == {}
+    assert problems(request(n=2, temperature=0.0)) == {}  # identical choices, as vLLM allows
+    assert set(problems(request(n=0, logprobs=-1))) == {"request.n", "request.logprobs"}
+    assert set(problems(request(n=17, logprobs=21))) == {"request.n", "request.logprobs"}

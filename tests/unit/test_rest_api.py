@@ -50,8 +50,8 @@ class FakeServicer:
             submitted=common_pb2.JobSubmission(job_id="j1", status=common_pb2.JOB_STATUS_QUEUED)
         )
         yield inference_pb2.InferStreamResponse(status=common_pb2.JOB_STATUS_RUNNING)
-        yield inference_pb2.InferStreamResponse(text="Par")
-        yield inference_pb2.InferStreamResponse(text="is")
+        yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="Par"))
+        yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="is"))
         yield inference_pb2.InferStreamResponse(result=RESULT)
 
     async def submit(self, request):
@@ -142,8 +142,10 @@ def test_stream_sends_each_event(parts):
     response = http.post("/v1/infer", json={"prompt": "hi", "stream": True})
     blocks = [b for b in response.text.split("\n\n") if b]
     events = [(b.split("\n")[0].removeprefix("event: "), json.loads(b.split("\n")[1][6:])) for b in blocks]
-    assert [kind for kind, _ in events] == ["submitted", "status", "text", "text", "result"]
-    assert events[1][1] == {"status": "running"} and events[2][1] == {"text": "Par"}
+    assert [kind for kind, _ in events] == ["submitted", "status", "delta", "delta", "result"]
+    assert events[1][1] == {"status": "running"} and events[2][1] == {
+        "delta": {"index": 0, "text": "Par", "logprobs": []}
+    }
     assert events[-1][1]["result"]["text"] == "Paris"
 
 

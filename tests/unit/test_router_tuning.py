@@ -72,3 +72,12 @@ def test_the_ceiling_is_configured_by_its_variable():
     assert RouterConfig.from_env({"EXPERT_ROUTER_MAX_TOKENS_DEFAULT": "128"}).max_tokens_ceiling == 128
     with pytest.raises(ConfigError, match="EXPERT_ROUTER_MAX_TOKENS_DEFAULT"):
         RouterConfig.from_env({"EXPERT_ROUTER_MAX_TOKENS_DEFAULT": "0"})
+
+
+def test_the_users_n_and_logprobs_pass_through_untouched():
+    request = common_pb2.InferenceRequest(prompt="x", n=3, logprobs=0)
+    params, trace = tune_parameters(features(), request)
+    assert params.n == 3 and params.HasField("logprobs") and params.logprobs == 0
+    assert "tuning: n = 3 (user)" in trace and "tuning: logprobs = 0 (user)" in trace
+    default, _ = tune_parameters(features(), common_pb2.InferenceRequest(prompt="x"))
+    assert default.n == 0 and not default.HasField("logprobs")  # the engine's 1 choice, no logprobs

@@ -60,6 +60,8 @@ ALL_FIELDS = {
     "raw": True,
     "json_schema": '{"type": "object"}',
     "model": "SmolLM2-135M-Instruct",
+    "n": 2,
+    "logprobs": 3,
 }
 
 

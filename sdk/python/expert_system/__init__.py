@@ -33,11 +33,14 @@ from .errors import (
 from .request import RequestFields
 from .results import (
     AppliedExpert,
+    Choice,
     InferenceMetrics,
     InferenceResult,
     Job,
     JobSubmission,
     StreamChunk,
+    TokenLogprob,
+    TopLogprob,
     ValidationResult,
 )
 from .stream import AsyncInferStream, InferStream
@@ -46,6 +49,7 @@ __all__ = [
     "AppliedExpert",
     "AsyncExpertClient",
     "AsyncInferStream",
+    "Choice",
     "DeadlineExceeded",
     "ExpertClient",
     "ExpertSystemError",
@@ -60,6 +64,8 @@ __all__ = [
     "RequestFields",
     "ResourceExhausted",
     "StreamChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "Unavailable",
     "ValidationResult",
 ]

@@ -46,6 +46,10 @@ class RequestFields(TypedDict, total=False):
     json_schema: str | Mapping[str, Any]
     # The base model to answer with (as the fleet names it); unset: the fleet's default model.
     model: str
+    # Choices to generate (1-16); the result's `choices` holds them all.
+    n: int
+    # Each generated token's logprob plus this many most likely alternatives (0-20).
+    logprobs: int
 
 
 FIELD_NAMES = frozenset(RequestFields.__annotations__)

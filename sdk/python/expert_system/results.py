@@ -103,10 +103,42 @@ class InferenceMetrics:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and its position's most likely tokens (most likely first)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top_logprobs: tuple[TopLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a job's n outputs; `logprobs` is empty unless the request asked for them."""
+
+    index: int
+    text: str
+    finish_reason: FinishReasonName
+    tokens_generated: int
+    logprobs: tuple[TokenLogprob, ...]
+    validation: ValidationResult | None
+
+
+@dataclass(frozen=True)
 class InferenceResult:
     """A finished job. When `timed_out`, `text` is the partial output produced before timeout_ms.
     A job a stage refused has `error_code` (a gRPC code name such as "INVALID_ARGUMENT") and, for
-    bad fields, `error_fields` as (field, description) pairs."""
+    bad fields, `error_fields` as (field, description) pairs. `choices` holds every output (n of
+    them); `text`, `finish_reason` and `validation` are the first one's."""
 
     job_id: str
     status: JobStatusName
@@ -127,16 +159,20 @@ class InferenceResult:
     dropped_experts: tuple[str, ...] = ()
     # The base model that answered ("" when the job ended before planning).
     model: str = ""
+    choices: tuple[Choice, ...] = ()
 
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """A piece of a streamed job. `restarted` chunks carry no text: the job started over (attempt
-    number `attempt`) and everything received before is void."""
+    """A piece of a streamed job: new text of choice `index` (and its tokens' logprobs, when asked
+    for). `restarted` chunks carry no text: the job started over (attempt number `attempt`) and
+    everything received before is void."""
 
     text: str
     restarted: bool = False
     attempt: int = 0
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,6 +237,27 @@ def metrics_from_proto(message: common_pb2.InferenceMetrics) -> InferenceMetrics
     )
 
 
+def token_logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        message.token_id,
+        message.token,
+        message.logprob,
+        message.token_bytes,
+        tuple(TopLogprob(t.token_id, t.token, t.logprob, t.token_bytes) for t in message.top_logprobs),
+    )
+
+
+def choice_from_proto(message: common_pb2.Choice) -> Choice:
+    return Choice(
+        index=message.index,
+        text=message.text,
+        finish_reason=finish_reason_name(message.finish_reason),
+        tokens_generated=message.tokens_generated,
+        logprobs=tuple(token_logprob_from_proto(t) for t in message.logprobs),
+        validation=validation_from_proto(message.validation) if message.HasField("validation") else None,
+    )
+
+
 def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
     return InferenceResult(
         job_id=message.job_id,
@@ -220,6 +277,7 @@ def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
         error_fields=tuple((f.field, f.description) for f in message.error_fields),
         dropped_experts=tuple(message.dropped_experts),
         model=message.model,
+        choices=tuple(choice_from_proto(c) for c in message.choices),
     )
 
 

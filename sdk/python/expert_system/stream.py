@@ -1,6 +1,7 @@
 """Streamed jobs: the events of `InferStream` turned into text chunks, plus what they reported.
 
-The server sends, in order: `submitted` (the job id), text deltas and status changes, and the
+The server sends, in order: `submitted` (the job id), text deltas (each of one choice, named by
+its `index`) and status changes, and the
 result. A `restarted_attempt` event means the job started over (its dispatcher died or its engine
 failed): it is yielded as an empty chunk with `restarted=True`, and everything yielded before it
 is void. Leaving the loop early (break, an exception, Ctrl-C) cancels the call, and the server
@@ -22,6 +23,7 @@ from .results import (
     job_status_name,
     result_from_proto,
     submission_from_proto,
+    token_logprob_from_proto,
 )
 
 
@@ -51,8 +53,10 @@ class _StreamState:
             self.status = self.submission.status
         elif event == "status":
             self.status = job_status_name(response.status)
-        elif event == "text":
-            return StreamChunk(text=response.text)
+        elif event == "delta":
+            delta = response.delta
+            logprobs = tuple(token_logprob_from_proto(t) for t in delta.logprobs)
+            return StreamChunk(text=delta.text, index=delta.index, logprobs=logprobs)
         elif event == "restarted_attempt":
             self.restarts += 1
             return StreamChunk(text="", restarted=True, attempt=response.restarted_attempt)

@@ -26,9 +26,11 @@ from services.reception.http.errors import (
     HttpError,
     error_response,
     from_service_error,
+    param_of,
     validation_error,
 )
 from services.reception.http.models import ServedModels
+from services.reception.http.openai_logprobs import chat_logprobs, completion_logprobs
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from services.reception.http.rest import add_rest_routes
@@ -107,6 +109,7 @@ def create_app(
 
     async def complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool):
         inference = to_request(body)
+        logprobs = inference.HasField("logprobs")
         if body.stream:
             return await _stream(inference, body, chat)
         try:
@@ -115,10 +118,10 @@ def create_app(
             return error_response(as_http_error(exc, body))
         if result is None:  # the client hung up, and its job is cancelled
             return JSONResponse({}, status_code=499)  # nobody reads it
-        failure = _failure(result)
+        failure = _failure(result, body)
         if failure is not None:
             return error_response(failure)
-        return _response(result, body, chat)
+        return _response(result, body, chat, logprobs)
 
     async def _stream(inference, body, chat: bool) -> StreamingResponse | JSONResponse:
         messages = servicer.infer_stream(inference)
@@ -128,7 +131,7 @@ def create_app(
             await messages.aclose()
             return error_response(as_http_error(exc, body))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _sse(messages, submitted.job_id, body, chat, include_usage, as_http_error)
+        events = _sse(messages, submitted.job_id, body, chat, include_usage, as_http_error, inference.n or 1)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -144,14 +147,17 @@ def create_app(
     return app
 
 
-def _failure(result: common_pb2.InferenceResult) -> HttpError | None:
-    """The error for a job that ended without an answer (a refusal was raised before)."""
+def _failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
+    """The error for a job that ended without an answer (a refusal was raised before); a later
+    stage's refusal names the first field it found wrong (e.g. the engine's `n` above its
+    max_num_seqs) as the client sent it."""
     if result.status != common_pb2.JOB_STATUS_FAILED:
         return None
     code = getattr(grpc.StatusCode, result.error_code, None) if result.error_code else None
     status = HTTP_STATUS.get(code, 500) if code is not None else 500
+    param = param_of(result.error_fields[0].field, body) if result.error_fields else None
     return HttpError(
-        status, result.error or "the job failed", code=(result.error_code or "job_failed").lower()
+        status, result.error or "the job failed", param, code=(result.error_code or "job_failed").lower()
     )
 
 
@@ -161,34 +167,57 @@ def _usage(result: common_pb2.InferenceResult) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _finish_reason(result: common_pb2.InferenceResult) -> str:
-    return _FINISH_REASONS.get(result.finish_reason, "stop")
+def _finish_reason(reason: int) -> str:
+    return _FINISH_REASONS.get(reason, "stop")
+
+
+def _choices(result: common_pb2.InferenceResult) -> list[common_pb2.Choice]:
+    """The result's choices (a result recorded without them, e.g. swept at its deadline: its text)."""
+    if result.choices:
+        return list(result.choices)
+    only = common_pb2.Choice(text=result.text, finish_reason=result.finish_reason)
+    only.validation.CopyFrom(result.validation)
+    return [only]
 
 
 def _extra(result: common_pb2.InferenceResult) -> dict[str, Any]:
-    """What the Expert System adds to OpenAI's response: the job and the experts it applied."""
-    return {"job_id": result.job_id, "experts": list(result.experts_used)}
+    """What the Expert System adds to OpenAI's response: the job, the experts it applied and each
+    choice's validation (response_format's schema is checked after generation, not enforced)."""
+    return {
+        "job_id": result.job_id,
+        "experts": list(result.experts_used),
+        "validation": [
+            {
+                "index": c.index,
+                "valid": c.validation.valid,
+                "validator": c.validation.validator,
+                "error": c.validation.error,
+            }
+            for c in _choices(result)
+        ],
+    }
 
 
-def _response(result: common_pb2.InferenceResult, body, chat: bool) -> dict[str, Any]:
+def _response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: bool) -> dict[str, Any]:
     created = int(result.metrics.submitted_at.seconds) or int(time.time())
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": _finish_reason(result),
-        }
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
-        kind, prefix = "text_completion", "cmpl-"
+    choices = []
+    for c in _choices(result):
+        choice: dict[str, Any] = {"index": c.index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = chat_logprobs(c.logprobs) if logprobs else None
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = completion_logprobs(c.logprobs) if logprobs else None
+        choice["finish_reason"] = _finish_reason(c.finish_reason)
+        choices.append(choice)
+    kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     return {
         "id": prefix + result.job_id,
         "object": kind,
         "created": created,
         "model": body.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": _usage(result),
         "expert_system": _extra(result),
     }
@@ -199,21 +228,31 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def _sse(
-    messages, job_id: str, body, chat: bool, include_usage: bool, as_http_error
+    messages, job_id: str, body, chat: bool, include_usage: bool, as_http_error, n: int
 ) -> AsyncIterator[str]:
-    """The job's InferStream messages as OpenAI's server-sent chunks, then `data: [DONE]`. Closed
-    early (the client went away), `messages` is closed, which cancels the job."""
+    """The job's InferStream messages as OpenAI's server-sent chunks (one choice per chunk, named by
+    its index), then each choice's finish chunk and `data: [DONE]`. Closed early (the client went
+    away), `messages` is closed, which cancels the job."""
     created = int(time.time())
     kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
+    offsets = dict.fromkeys(range(n), 0)  # completions' text_offset: each choice's text so far
 
-    def chunk(delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        index: int,
+        delta: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: list[common_pb2.TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
         if chat:
             content: dict[str, Any] = {"role": "assistant"} if role else {}
             if delta is not None:
                 content["content"] = delta
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            shown = chat_logprobs(logprobs) if logprobs else None
+            choice = {"index": index, "delta": content, "logprobs": shown, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            shown = completion_logprobs(logprobs, offsets.get(index, 0)) if logprobs else None
+            choice = {"index": index, "text": delta or "", "logprobs": shown, "finish_reason": finish_reason}
         data = {
             "id": prefix + job_id,
             "object": kind,
@@ -240,28 +279,34 @@ async def _sse(
     async with contextlib.aclosing(messages):
         sent = False
         if chat:
-            yield _event(chunk("", role=True))
+            for index in range(n):
+                yield _event(chunk(index, "", role=True))
         try:
             async for message in messages:
                 which = message.WhichOneof("event")
-                if which == "text" and message.text:
+                if which == "delta" and (message.delta.text or message.delta.logprobs):
                     sent = True
-                    yield _event(chunk(message.text))
+                    delta = message.delta
+                    yield _event(chunk(delta.index, delta.text, logprobs=list(delta.logprobs)))
+                    advance = sum(len(t.token) for t in delta.logprobs)
+                    offsets[delta.index] = offsets.get(delta.index, 0) + advance
                 elif which == "restarted_attempt" and sent:
                     # The job started over on another engine: the text sent cannot be taken back.
                     yield error(HttpError(503, "the job restarted after part of its output was streamed"))
                     return
                 elif which == "result":
-                    failure = _failure(message.result)
+                    result = message.result
+                    failure = _failure(result, body)
                     if failure is not None:
                         yield error(failure)
                         return
-                    yield _event(
-                        {
-                            **chunk(None if chat else "", _finish_reason(message.result)),
-                            "expert_system": _extra(message.result),
-                        }
-                    )
+                    for c in _choices(result):
+                        yield _event(
+                            {
+                                **chunk(c.index, None if chat else "", _finish_reason(c.finish_reason)),
+                                "expert_system": _extra(result),
+                            }
+                        )
                     if include_usage:
                         yield _event(
                             {
@@ -270,7 +315,7 @@ async def _sse(
                                 "created": created,
                                 "model": body.model,
                                 "choices": [],
-                                "usage": _usage(message.result),
+                                "usage": _usage(result),
                             }
                         )
                     yield "data: [DONE]\n\n"

@@ -44,11 +44,10 @@ class SamplingFields(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
-    n: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    n: int | None = Field(None, ge=-INT32, le=INT32)
+    # checked field by field in openai_request (the errors name response_format's parts)
     response_format: dict[str, Any] | None = None
+    # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
     logit_bias: dict[str, Any] | None = None
     # vLLM-style extras (extra_body in the openai client)
     top_k: int | None = Field(None, ge=-1, le=INT32)
@@ -79,6 +78,8 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, le=INT32)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -87,6 +88,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None

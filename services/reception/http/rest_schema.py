@@ -47,6 +47,8 @@ class JobBody(_Body):
     raw: bool = False
     json_schema: str | None = None
     model: str | None = None
+    n: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
 
 
 class InferBody(JobBody):

@@ -1,0 +1,64 @@
+"""A job's choices as its engine stream builds them: each choice's text, tokens, logprobs and end,
+gathered from the engine's per-choice messages, and the outcome they make (choice 0 is the
+outcome's own text and finish_reason, so a client that knows one choice keeps working)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.gen.expert.v1 import common_pb2, engine_pb2
+
+
+@dataclass
+class _Choice:
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Choices:
+    def __init__(self) -> None:
+        self._choices: dict[int, _Choice] = {}
+
+    def clear(self) -> None:
+        """Forget everything (the job starts over on another engine)."""
+        self._choices.clear()
+
+    def add(self, response: engine_pb2.GenerateResponse) -> common_pb2.ChoiceDelta | None:
+        """Record an engine message; the delta to announce (None: no new text or logprobs)."""
+        choice = self._choices.setdefault(response.index, _Choice())
+        choice.tokens += len(response.token_ids)
+        choice.logprobs.extend(response.logprobs)
+        if response.finish_reason:
+            choice.finish_reason = response.finish_reason
+        if not (response.text or response.logprobs):
+            return None
+        if response.text:
+            choice.pieces.append(response.text)
+        return common_pb2.ChoiceDelta(index=response.index, text=response.text, logprobs=response.logprobs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self._choices.values())
+
+    def outcome(self, finish_reason: int = 0) -> common_pb2.GenerationOutcome:
+        """The outcome so far; `finish_reason` stands for the choices that did not finish (a partial
+        outcome has none)."""
+        choices = [
+            common_pb2.Choice(
+                index=index,
+                text="".join(c.pieces),
+                finish_reason=c.finish_reason or finish_reason,
+                tokens_generated=c.tokens,
+                logprobs=c.logprobs,
+            )
+            for index, c in sorted(self._choices.items())
+        ]
+        first = choices[0] if choices else common_pb2.Choice()
+        return common_pb2.GenerationOutcome(
+            text=first.text,
+            completion_tokens=self.completion_tokens,
+            finish_reason=first.finish_reason,
+            choices=choices,
+        )

@@ -1,0 +1,158 @@
+"""OpenAI's `n`, logprobs and `response_format` in reception's HTTP front, in process over a fake
+servicer: the mapping onto the InferenceRequest, and the choices and logprobs of the answer parsed
+by the `openai` package's own types (tests/e2e/test_openai_choices.py runs them on a real stack)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from libs.gen.expert.v1 import common_pb2
+from services.reception.http import create_app
+from services.reception.http.errors import HttpError
+from services.reception.http.openai_request import to_request
+from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from tests.unit.test_http_api import CHAT, FakeCapacity, FakeModels, FakeServicer
+
+
+def _token(text: str, logprob: float, *alternatives: tuple[str, float]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token=text,
+        logprob=logprob,
+        token_bytes=text.encode(),
+        top_logprobs=[
+            common_pb2.TopLogprob(token=t, logprob=lp, token_bytes=t.encode()) for t, lp in alternatives
+        ],
+    )
+
+
+TOKENS = [
+    _token("Pa", -0.5, ("Pa", -0.5), ("Lo", -1.5)),
+    _token("ris", -0.25, ("ris", -0.25), ("ndon", -2.0)),
+]
+
+
+@pytest.fixture
+def parts():
+    servicer = FakeServicer()
+    servicer.result.finish_reason = common_pb2.FINISH_REASON_STOP
+    servicer.result.choices.extend(
+        [
+            common_pb2.Choice(
+                index=0, text="Paris", finish_reason=common_pb2.FINISH_REASON_STOP, logprobs=TOKENS
+            ),
+            common_pb2.Choice(
+                index=1,
+                text="Paris",
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                logprobs=TOKENS,
+                validation=common_pb2.ValidationResult(
+                    valid=False, validator="json_schema", error="not JSON"
+                ),
+            ),
+        ]
+    )
+    return servicer, TestClient(create_app(servicer, FakeCapacity(), FakeModels()))
+
+
+def test_n_logprobs_and_response_format_map_onto_the_request():
+    chat = to_request(
+        ChatCompletionRequest(
+            **CHAT, n=3, logprobs=True, top_logprobs=4, response_format={"type": "json_object"}
+        )
+    )
+    assert (chat.n, chat.logprobs, json.loads(chat.json_schema)) == (3, 4, {"type": "object"})
+    assert to_request(ChatCompletionRequest(**CHAT, logprobs=True)).logprobs == 0
+    plain = to_request(ChatCompletionRequest(**CHAT, logprobs=False, response_format={"type": "text"}))
+    assert not plain.HasField("logprobs") and not plain.HasField("json_schema") and not plain.HasField("n")
+    schema = {"type": "object", "required": ["city"]}
+    completion = to_request(
+        CompletionRequest(
+            model="base",
+            prompt="p",
+            logprobs=2,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "c", "schema": schema, "strict": True},
+            },
+        )
+    )
+    assert (completion.logprobs, json.loads(completion.json_schema)) == (2, schema)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "text", "json_schema": {}}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "strict": 1},
+                }
+            },
+            "response_format.json_schema.strict",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "extra": 1},
+                }
+            },
+            "response_format.json_schema.extra",
+        ),
+    ],
+)
+def test_bad_logprobs_or_response_format_name_the_param(fields, param):
+    with pytest.raises(HttpError) as caught:
+        to_request(ChatCompletionRequest(**CHAT, **fields))
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_the_chat_answer_has_every_choice_with_logprobs_in_openais_types(parts):
+    servicer, http = parts
+    body = http.post(
+        "/v1/chat/completions", json={**CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}
+    ).json()
+    response = ChatCompletion.model_validate(body)
+    assert [(c.index, c.finish_reason) for c in response.choices] == [(0, "stop"), (1, "length")]
+    content = response.choices[1].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [
+        ("Pa", -0.5, list(b"Pa")),
+        ("ris", -0.25, list(b"ris")),
+    ]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("Pa", -0.5), ("Lo", -1.5)]
+    assert body["expert_system"]["validation"][1] == {
+        "index": 1,
+        "valid": False,
+        "validator": "json_schema",
+        "error": "not JSON",
+    }
+    assert servicer.requests[-1].n == 2 and servicer.requests[-1].logprobs == 2
+    without = http.post("/v1/chat/completions", json=CHAT).json()
+    assert all(c["logprobs"] is None for c in without["choices"])
+
+
+def test_the_completion_answer_has_openais_parallel_logprob_lists(parts):
+    _, http = parts
+    body = http.post("/v1/completions", json={"model": "base", "prompt": "p", "n": 2, "logprobs": 2}).json()
+    logprobs = Completion.model_validate(body).choices[0].logprobs
+    assert logprobs.tokens == ["Pa", "ris"] and logprobs.token_logprobs == [-0.5, -0.25]
+    assert logprobs.top_logprobs == [{"Pa": -0.5, "Lo": -1.5}, {"ris": -0.25, "ndon": -2.0}]
+    assert logprobs.text_offset == [0, 2]
