@@ -182,7 +182,7 @@ def test_streaming_calls_of_every_style_are_intercepted():
             written = []
             with pytest.raises(grpc.aio.AioRpcError) as broke:
                 async for response in inference.InferStream(request, timeout=5):
-                    written.append(response.text)
+                    written.append(response.delta.text)
             assert written == ["x", "y"]
             assert (broke.value.code(), broke.value.details()) == (grpc.StatusCode.INTERNAL, "internal error")
 
