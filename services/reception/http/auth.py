@@ -1,0 +1,37 @@
+"""The HTTP front's credentials check: `Authorization: Bearer <key>` on every /v1 route (the probes
+/livez, /readyz and /healthz need none), decided by the same `Authenticator` as the gRPC API, so a
+key means the same on both. A refusal is OpenAI's error body: 401 with code "invalid_api_key" for
+a missing, wrong or revoked key."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+
+from libs.auth.metadata import INTERNAL_TOKEN_KEY
+from libs.auth.policy import Access, Authenticator, bearer_token, serving_as
+from libs.errors import ServiceError
+from services.reception.http.errors import from_service_error
+
+API_PREFIX = "/v1/"
+
+
+def authentication(auth: Authenticator | None) -> Callable[[Request], Awaitable[None]]:
+    """The app-wide dependency that checks a request's credentials and makes the caller they prove
+    the current caller of the request (its admission then applies the key's limits)."""
+
+    async def authenticate(request: Request) -> None:
+        if auth is None or not request.url.path.startswith(API_PREFIX):
+            return
+        try:
+            caller = await auth.authenticate(
+                Access.INFER,
+                bearer_token(request.headers.get("authorization")),
+                request.headers.get(INTERNAL_TOKEN_KEY),
+            )
+        except ServiceError as error:
+            raise from_service_error(error, None) from None
+        serving_as(caller)
+
+    return authenticate
