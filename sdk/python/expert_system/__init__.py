@@ -27,7 +27,9 @@ from .errors import (
     FailedPrecondition,
     InvalidRequest,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from .request import RequestFields
@@ -57,9 +59,11 @@ __all__ = [
     "Job",
     "JobSubmission",
     "NotFound",
+    "PermissionDenied",
     "RequestFields",
     "ResourceExhausted",
     "StreamChunk",
+    "Unauthenticated",
     "Unavailable",
     "ValidationResult",
 ]
