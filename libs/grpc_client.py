@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from libs.auth.metadata import InternalTokenInterceptor
+from libs.auth.metadata import internal_token_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A ping every 30 s finds a dead peer (or a NAT that dropped the connection) between calls; the
@@ -49,7 +49,7 @@ def insecure_channel(target: str, *, balanced: bool = True, internal_token: str 
     given (EXPERT_INTERNAL_TOKEN: how services prove they are services). Create one per peer and
     reuse it; close it with `await channel.close()`."""
     options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else ())]
-    interceptors = [InternalTokenInterceptor(internal_token)] if internal_token else None
+    interceptors = internal_token_interceptors(internal_token) if internal_token else None
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 

@@ -1,5 +1,5 @@
 """Credentials as call metadata: `authorization: Bearer <key>` for an API key, and the internal
-token in its own key, which every service-to-service channel sends (`InternalTokenInterceptor`)."""
+token in its own key, which every service-to-service channel sends (`internal_token_interceptors`)."""
 
 from __future__ import annotations
 
@@ -32,17 +32,12 @@ def metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str 
     return None
 
 
-class InternalTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the internal token to every call of an aio channel (all four kinds of RPC)."""
+class _WithToken:
+    """Adds the internal token to the metadata of each call it intercepts."""
 
     def __init__(self, token: str) -> None:
         if not token:
-            raise ValueError("InternalTokenInterceptor needs a token")
+            raise ValueError("the internal token must not be empty")
         self._token = token
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
@@ -50,14 +45,28 @@ class InternalTokenInterceptor(
         metadata.add(INTERNAL_TOKEN_KEY, self._token)
         return details._replace(metadata=metadata)
 
+
+class _UnaryUnary(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStream(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnary(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _StreamStream(_WithToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def internal_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """The interceptors that send `token` on every call of an aio channel, one per kind of RPC: a
+    channel files each interceptor under the first kind it implements only."""
+    return [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

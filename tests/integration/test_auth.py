@@ -16,9 +16,11 @@ from libs.auth.keys import ADMIN, INFER, KeyStore
 from libs.auth.limits import KeyLimiter
 from libs.auth.policy import INTERNAL_CALLER, Access, Authenticator, Caller
 from libs.errors import ServiceError
-from libs.gen.expert.v1 import common_pb2
+from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
+from libs.grpc_client import Channels
 from services.reception.audit import AuditLog
 from services.reception.jobs import JobStore
+from tests.helpers.grpc_services import plan_request, running
 
 TOKEN = "internal-token-for-tests-0123456789"
 REQUIRED = AuthConfig(mode="required", internal_token=TOKEN)
@@ -170,3 +172,44 @@ def test_generated_tokens_are_charged_when_a_job_ends_and_refuse_the_key_over_it
         ]
 
     _run(clean_redis_url, scenario)
+
+
+def test_a_service_channel_sends_the_internal_token_on_every_kind_of_rpc():
+    async def calls(channel) -> list[grpc.StatusCode]:
+        """Plan (unary), Generate (server streaming), LoadExpert (client streaming)."""
+        codes = []
+        router, engine = (
+            router_pb2_grpc.RouterServiceStub(channel),
+            engine_pb2_grpc.EngineServiceStub(channel),
+        )
+
+        async def chunks():
+            yield engine_pb2.LoadExpertRequest(chunk=b"abc")
+
+        for make in (
+            lambda: router.Plan(plan_request("j", "hi"), timeout=5),
+            lambda: _drain(engine.Generate(engine_pb2.GenerateRequest(request_id="a b"), timeout=5)),
+            lambda: engine.LoadExpert(chunks(), timeout=5),
+        ):
+            try:
+                await make()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as error:
+                codes.append(error.code())
+        return codes
+
+    async def _drain(call) -> None:
+        async for _ in call:
+            pass
+
+    async def main():
+        async with running(auth=Authenticator(REQUIRED, {})) as server:
+            with_token, without = Channels(TOKEN), Channels()
+            try:
+                assert await calls(with_token.service(server.target)) == [grpc.StatusCode.OK] * 3
+                assert await calls(without.service(server.target)) == [grpc.StatusCode.UNAUTHENTICATED] * 3
+            finally:
+                await with_token.close()
+                await without.close()
+
+    asyncio.run(main())
