@@ -381,8 +381,10 @@ def test_up_refuses_required_auth_without_the_internal_token(tiny_llama, tmp_pat
         check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "expertctl: error: EXPERT_INTERNAL_TOKEN: required with EXPERT_AUTH=required"
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("expertctl: error: EXPERT_INTERNAL_TOKEN: required with EXPERT_AUTH=required")
     )
     assert not (tmp_path / "logs").exists()  # nothing was started
 
