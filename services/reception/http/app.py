@@ -59,7 +59,7 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
         # The API key of every /v1 call (the probes need none); nothing is checked without `auth`.
-        dependencies=[Depends(authentication(auth))],
+        dependencies=[Depends(authentication(auth, error_mapper))],
     )
     started = int(time.time())
 

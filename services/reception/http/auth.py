@@ -12,14 +12,21 @@ from fastapi import Request
 from libs.auth.metadata import INTERNAL_TOKEN_KEY
 from libs.auth.policy import Access, Authenticator, bearer_token, serving_as
 from libs.errors import ServiceError
-from services.reception.http.errors import from_service_error
+from libs.logging import get_logger
+from services.reception.http.errors import HttpError, from_service_error
+
+log = get_logger(__name__)
 
 API_PREFIX = "/v1/"
 
 
-def authentication(auth: Authenticator | None) -> Callable[[Request], Awaitable[None]]:
+def authentication(
+    auth: Authenticator | None,
+    error_mapper: Callable[[BaseException], ServiceError | None] | None = None,
+) -> Callable[[Request], Awaitable[None]]:
     """The app-wide dependency that checks a request's credentials and makes the caller they prove
-    the current caller of the request (its admission then applies the key's limits)."""
+    the current caller of the request (its admission then applies the key's limits). A failure to
+    check (Redis down) is answered as `error_mapper` maps it (503), never as a traceback."""
 
     async def authenticate(request: Request) -> None:
         if auth is None or not request.url.path.startswith(API_PREFIX):
@@ -32,6 +39,12 @@ def authentication(auth: Authenticator | None) -> Callable[[Request], Awaitable[
             )
         except ServiceError as error:
             raise from_service_error(error, None) from None
+        except Exception as error:
+            mapped = error_mapper(error) if error_mapper is not None else None
+            if mapped is not None:
+                raise from_service_error(mapped, None) from None
+            log.exception("checking an HTTP request's credentials failed", exc_info=error)
+            raise HttpError(500, "internal error", code="internal") from None
         serving_as(caller)
 
     return authenticate
