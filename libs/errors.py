@@ -1,5 +1,6 @@
 """gRPC errors as AIP-193 wants them: a status code, a message for humans and, for bad input,
-`google.rpc.BadRequest` field violations that name each offending field.
+`google.rpc.BadRequest` field violations that name each offending field; a refusal the client may
+retry later (a rate limit) carries a `google.rpc.RetryInfo` with the delay to wait.
 
 Servers raise `ServiceError` (built by `invalid_argument`, `not_found`, ...) from a servicer; the
 interceptor of `libs.grpc_server` turns it into the status with `to_status`. Clients read a
@@ -23,7 +24,8 @@ _DETAILS_KEY = "grpc-status-details-bin"
 # instead of the error. A request with a thousand problems, or one that echoes a megabyte of user
 # text, is therefore sent as its first violations, each clipped, and a count, always under 8 KiB:
 # the message is sent twice, percent-encoded in grpc-message (up to 3 bytes per byte) and inside
-# the base64 details, so at worst 3 x 512 + 4/3 x (512 + 10 x ~300) bytes, about 6.2 KB.
+# the base64 details, so at worst 3 x 512 + 4/3 x (512 + 10 x ~300) bytes, about 6.2 KB. A RetryInfo
+# (about 20 bytes) is only sent without violations, so it never adds to that worst case.
 METADATA_SOFT_LIMIT = 8 * 1024
 MAX_VIOLATIONS_SENT = 10
 _MAX_FIELD_BYTES = 96
@@ -33,17 +35,26 @@ _MAX_MESSAGE_BYTES = 512
 
 class ServiceError(Exception):
     """An error to send to the client as status `code` with `message`; `violations` lists
-    (field, description) pairs, sent as a BadRequest detail (INVALID_ARGUMENT only, by convention)."""
+    (field, description) pairs, sent as a BadRequest detail (INVALID_ARGUMENT only, by convention);
+    `retry_after_s`, when set, is sent as a RetryInfo detail (RESOURCE_EXHAUSTED, UNAVAILABLE)."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, violations: Sequence[tuple[str, str]] = ()
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: Sequence[tuple[str, str]] = (),
+        *,
+        retry_after_s: float | None = None,
     ) -> None:
         if code is grpc.StatusCode.OK:
             raise ValueError("a ServiceError cannot carry status OK")
+        if violations and retry_after_s is not None:
+            raise ValueError("a ServiceError carries field violations or a retry delay, not both")
         super().__init__(message)
         self.code = code
         self.message = message
         self.violations: tuple[tuple[str, str], ...] = tuple(violations)
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -72,9 +83,21 @@ def not_found(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.NOT_FOUND, message)
 
 
-def resource_exhausted(message: str) -> ServiceError:
-    """RESOURCE_EXHAUSTED: overload or a quota; the client may retry later."""
-    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+def resource_exhausted(message: str, retry_after_s: float | None = None) -> ServiceError:
+    """RESOURCE_EXHAUSTED: overload or a quota; the client may retry later, after `retry_after_s`
+    seconds when given (sent as a RetryInfo detail)."""
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s)
+
+
+def unauthenticated(message: str) -> ServiceError:
+    """UNAUTHENTICATED: no credentials, or credentials that are wrong or revoked."""
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def permission_denied(message: str) -> ServiceError:
+    """PERMISSION_DENIED: valid credentials that do not allow this call (e.g. an infer-scope key
+    calling an admin RPC)."""
+    return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message)
 
 
 def unavailable(message: str) -> ServiceError:
@@ -112,6 +135,12 @@ def to_status(error: ServiceError) -> grpc.Status:
         detail = any_pb2.Any()
         detail.Pack(bad_request)
         status.details.append(detail)
+    if error.retry_after_s is not None:
+        retry_info = error_details_pb2.RetryInfo()
+        retry_info.retry_delay.FromNanoseconds(max(0, round(error.retry_after_s * 1e9)))
+        detail = any_pb2.Any()
+        detail.Pack(retry_info)
+        status.details.append(detail)
     return rpc_status.to_status(status)
 
 
@@ -142,6 +171,17 @@ def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
             detail.Unpack(bad_request)
             violations.extend((v.field, v.description) for v in bad_request.field_violations)
     return violations
+
+
+def retry_delay(error: grpc.RpcError) -> float | None:
+    """The seconds a received error's RetryInfo detail asks to wait before retrying; None without one."""
+    status = _rich_status(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry_info = error_details_pb2.RetryInfo()
+            detail.Unpack(retry_info)
+            return retry_info.retry_delay.ToNanoseconds() / 1e9
+    return None
 
 
 def _code_and_message(error: BaseException) -> tuple[grpc.StatusCode | None, str]:

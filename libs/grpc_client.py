@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from libs.auth.metadata import internal_token_interceptors
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A ping every 30 s finds a dead peer (or a NAT that dropped the connection) between calls; the
 # server side accepts pings this frequent (see libs.grpc_server.SERVER_OPTIONS).
@@ -40,13 +42,15 @@ _BACKOFF_BASE_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
 
-def insecure_channel(target: str, *, balanced: bool = True) -> grpc.aio.Channel:
+def insecure_channel(target: str, *, balanced: bool = True, internal_token: str = "") -> grpc.aio.Channel:
     """An aio channel to `target` (host:port) with keepalive and 64 MiB message limits, round-robin
     over the target's addresses unless `balanced` is False (a channel to one particular replica,
-    such as an engine at the address it registered). Create one per peer and reuse it; close it
-    with `await channel.close()`."""
+    such as an engine at the address it registered). Every call sends `internal_token` when one is
+    given (EXPERT_INTERNAL_TOKEN: how services prove they are services). Create one per peer and
+    reuse it; close it with `await channel.close()`."""
     options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else ())]
-    return grpc.aio.insecure_channel(target, options=options)
+    interceptors = internal_token_interceptors(internal_token) if internal_token else None
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
 class Channels:
@@ -61,7 +65,8 @@ class Channels:
 
     RETIRE_GRACE_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, internal_token: str = "") -> None:
+        self._internal_token = internal_token  # sent on every call (see insecure_channel)
         self._open: dict[tuple[str, bool], grpc.aio.Channel] = {}
         self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
@@ -78,7 +83,9 @@ class Channels:
     def _get(self, target: str, *, balanced: bool) -> grpc.aio.Channel:
         channel = self._open.get((target, balanced))
         if channel is None:
-            channel = self._open[(target, balanced)] = insecure_channel(target, balanced=balanced)
+            channel = self._open[(target, balanced)] = insecure_channel(
+                target, balanced=balanced, internal_token=self._internal_token
+            )
         return channel
 
     async def _retire(self, channel: grpc.aio.Channel) -> None:

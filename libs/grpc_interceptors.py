@@ -4,7 +4,9 @@ kinds (unary-unary, unary-stream, stream-unary, stream-stream).
 Each interceptor wraps the servicer method in an async context manager (its "scope") that sees the
 call start and end, and how it ended. `server_interceptors` returns them in the order they must
 nest: logging outermost (so `request_id` is bound while anything inside logs), then metrics, then
-error mapping innermost (so the others observe the status the client will receive).
+error mapping (so the others observe the status the client will receive), then, when auth is on,
+the credentials check (libs.auth.interceptor) innermost, so its refusals are logged, counted and
+sent as statuses like any other error.
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ _ERROR_CODES = frozenset(
 
 
 def server_interceptors(
-    service: str, error_mapper: ErrorMapper | None = None
+    service: str, error_mapper: ErrorMapper | None = None, auth: grpc.aio.ServerInterceptor | None = None
 ) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors for `grpc.aio.server(interceptors=...)`, outermost first."""
-    return [LoggingInterceptor(), MetricsInterceptor(service), ErrorInterceptor(error_mapper)]
+    """The interceptors for `grpc.aio.server(interceptors=...)`, outermost first; `auth` (the
+    credentials check, None with auth off) goes innermost."""
+    interceptors = [LoggingInterceptor(), MetricsInterceptor(service), ErrorInterceptor(error_mapper)]
+    return [*interceptors, auth] if auth is not None else interceptors
 
 
 def status_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:

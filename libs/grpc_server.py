@@ -31,6 +31,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from libs.auth.interceptor import AuthInterceptor
+from libs.auth.policy import Authenticator
 from libs.config import ConfigError, ServerConfig
 from libs.grpc_client import KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES
 from libs.grpc_interceptors import ErrorMapper, server_interceptors
@@ -110,6 +112,7 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
     error_mapper: ErrorMapper | None = None,
+    auth: Authenticator | None = None,
     grace: float = 10.0,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -121,8 +124,13 @@ async def serve(
     seconds to finish while `drain` (the service's own work in flight) runs beside them, then
     `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
     `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
-    INTERNAL). Raises StartupError when a port cannot be bound."""
-    server = grpc.aio.server(interceptors=server_interceptors(service, error_mapper), options=SERVER_OPTIONS)
+    INTERNAL). `auth` checks every call's credentials against the access the service declared for
+    its methods (libs.auth.policy); with auth off (or None) nothing is checked. Raises StartupError
+    when a port cannot be bound."""
+    checker = AuthInterceptor(auth) if auth is not None and auth.enabled else None
+    server = grpc.aio.server(
+        interceptors=server_interceptors(service, error_mapper, checker), options=SERVER_OPTIONS
+    )
     names = list(register(server))
     await health.attach(server, names)
     enable_reflection([*names, HEALTH_SERVICE_NAME], server)

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from libs.expertctl.credentials import add_api_key_argument, api_key, call_metadata
 from libs.expertctl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ def _add_common_arguments(
     else:
         default = "$EXPERT_RECEPTION_TARGET, else localhost:50051"
     parser.add_argument("--target", metavar="HOST:PORT", help=f"the {service} service (default {default})")
+    add_api_key_argument(parser)
     parser.set_defaults(service=service, handler=handler)
 
 
@@ -203,7 +205,7 @@ def _infer(args: argparse.Namespace) -> int:
     from expert_system import ExpertClient
 
     fields = _request_fields(args)
-    with ExpertClient(args.target) as client:
+    with ExpertClient(args.target, api_key=api_key(args)) as client:
         result = client.infer(args.prompt, **fields)
     if args.json:
         print(_to_json(result))
@@ -235,7 +237,7 @@ def _stream(args: argparse.Namespace) -> int:
     from expert_system import ExpertClient
 
     fields = _request_fields(args)
-    with ExpertClient(args.target) as client:
+    with ExpertClient(args.target, api_key=api_key(args)) as client:
         stream = client.infer_stream(args.prompt, **fields)
         printed = ""  # this attempt's text, to end it with a newline
         # Several choices' deltas interleave: their texts are printed whole, from the result.
@@ -277,7 +279,7 @@ def _submit(args: argparse.Namespace) -> int:
     from expert_system import ExpertClient
 
     fields = _request_fields(args)
-    with ExpertClient(args.target) as client:
+    with ExpertClient(args.target, api_key=api_key(args)) as client:
         submission = client.submit(args.prompt, **fields)
     if args.json:
         print(_to_json(submission))
@@ -291,7 +293,7 @@ def _submit(args: argparse.Namespace) -> int:
 def _job(args: argparse.Namespace) -> int:
     from expert_system import ExpertClient
 
-    with ExpertClient(args.target) as client:
+    with ExpertClient(args.target, api_key=api_key(args)) as client:
         job = client.get_job(args.job_id)
     if args.json:
         print(_to_json(job))
@@ -304,7 +306,7 @@ def _job(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     from expert_system import ExpertClient
 
-    with ExpertClient(args.target) as client:
+    with ExpertClient(args.target, api_key=api_key(args)) as client:
         job = client.cancel(args.job_id)
     if args.json:
         print(_to_json(job))
@@ -324,7 +326,9 @@ def _engines(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         stub = preparation_pb2_grpc.PreparationServiceStub(channel)
         try:
-            engines = stub.ListEngines(preparation_pb2.ListEnginesRequest(), timeout=_QUICK_TIMEOUT).engines
+            engines = stub.ListEngines(
+                preparation_pb2.ListEnginesRequest(), timeout=_QUICK_TIMEOUT, metadata=call_metadata(args)
+            ).engines
         except grpc.RpcError as exc:
             raise error_from_call(exc) from None
     now = datetime.now(UTC)

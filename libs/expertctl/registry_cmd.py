@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from libs.expertctl.credentials import add_api_key_argument, call_metadata
 from libs.expertctl.errors import UsageError
 from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
 
@@ -79,6 +80,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--router", metavar="HOST:PORT", help=f"the router (default ${ROUTER_ENV}, else {DEFAULT_ROUTER})"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_api_key_argument(parser)  # the router's registry needs an admin key when auth is on
 
 
 def _setting(given: Path | str | None, env: str, default: str) -> str:
@@ -97,6 +99,7 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
         from libs.gen.expert.v1 import router_pb2_grpc
 
         target = args.router = _setting(args.router, ROUTER_ENV, DEFAULT_ROUTER)
+        args.metadata = call_metadata(args)
         with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
             try:
                 return handler(args, router_pb2_grpc.RouterServiceStub(channel))
@@ -144,7 +147,7 @@ def _install(args: argparse.Namespace, router) -> int:
         weight_bytes=entry.weight_bytes,
     )
     try:
-        registered = router.RegisterExpert(request, timeout=_TIMEOUT).expert
+        registered = router.RegisterExpert(request, timeout=_TIMEOUT, metadata=args.metadata).expert
     except grpc.RpcError as exc:
         error = error_from_call(exc)
         if isinstance(error, InvalidRequest):
@@ -169,7 +172,7 @@ def _list(args: argparse.Namespace, router) -> int:
     from libs.gen.expert.v1 import router_pb2
 
     experts = router.ListRegisteredExperts(
-        router_pb2.ListRegisteredExpertsRequest(), timeout=_TIMEOUT
+        router_pb2.ListRegisteredExpertsRequest(), timeout=_TIMEOUT, metadata=args.metadata
     ).experts
     if args.json:
         print(json.dumps([_expert_dict(e) for e in experts], indent=2))
@@ -190,7 +193,7 @@ def _show(args: argparse.Namespace, router) -> int:
     from libs.gen.expert.v1 import router_pb2
 
     expert = router.GetRegisteredExpert(
-        router_pb2.GetRegisteredExpertRequest(name=args.name), timeout=_TIMEOUT
+        router_pb2.GetRegisteredExpertRequest(name=args.name), timeout=_TIMEOUT, metadata=args.metadata
     ).expert
     stored = [
         e.version for e in ExpertStore(_setting(args.store, STORE_ENV, DEFAULT_STORE)).versions(args.name)
@@ -209,7 +212,9 @@ def _remove(args: argparse.Namespace, router) -> int:
     from libs.experts.store import ExpertNotInstalledError, ExpertStore
     from libs.gen.expert.v1 import router_pb2
 
-    router.UnregisterExpert(router_pb2.UnregisterExpertRequest(name=args.name), timeout=_TIMEOUT)
+    router.UnregisterExpert(
+        router_pb2.UnregisterExpertRequest(name=args.name), timeout=_TIMEOUT, metadata=args.metadata
+    )
     try:
         removed = ExpertStore(_setting(args.store, STORE_ENV, DEFAULT_STORE)).remove(args.name)
     except ExpertNotInstalledError:

@@ -98,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     from libs.supervisor import Supervisor
 
     settings = _settings(os.environ, args.env)
+    auth = _auth(settings)
     ports, metrics_ports = _ports(settings, SERVICES)
     http_ports = {
         service: _port(settings, f"EXPERT_{service.upper()}_HTTP_PORT", port, minimum=0)
@@ -143,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                     model=model.resolve().name,
                     expertctl=local_command("expertctl"),
                     python=local_command("python"),
+                    auth=auth,
                 )
             )
             sys.stdout.flush()
@@ -171,10 +173,11 @@ def how_to_call(
     model: str = "",
     expertctl: str = "expertctl",
     python: str = "python",
+    auth: str = "off",
 ) -> str:
     """The block printed once the stack is up: the CLI, the SDK, grpcurl, the HTTP API (at `http`,
-    serving `model`; None: off), metrics and logs. `expertctl` and `python` are how the user runs
-    them from here (local_command)."""
+    serving `model`; None: off), whether API keys are required (`auth`: EXPERT_AUTH), metrics and
+    logs. `expertctl` and `python` are how the user runs them from here (local_command)."""
     # --target only when a service is not where the clients look by default.
     to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
     to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
@@ -199,12 +202,36 @@ def how_to_call(
         "expert.v1.InferenceService/Infer",
         "",
         *_http_lines(http, model),
+        *_auth_lines(auth, expertctl, to_reception),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
         f"Logs:    {log_dir}/<service>.log",
         "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def _auth_lines(auth: str, expertctl: str, to_reception: str) -> list[str]:
+    if auth != "required":
+        return ["Auth:    off (EXPERT_AUTH=required turns on API keys; see docs/api.md#authentication)"]
+    return [
+        "Auth:    required: make a key with the internal token, then send it (the CLI and the SDK read",
+        "         EXPERT_API_KEY; HTTP clients send Authorization: Bearer <key>):",
+        f"  EXPERT_INTERNAL_TOKEN=... {expertctl} keys create {to_reception}--name me",
+        "  export EXPERT_API_KEY=<the key it printed>",
+    ]
+
+
+def _auth(settings: Mapping[str, str]) -> str:
+    """EXPERT_AUTH as the services will read it: a required auth without its token fails here,
+    before anything starts."""
+    from libs.auth.config import AuthConfig
+    from libs.config import ConfigError
+
+    try:
+        return AuthConfig.from_env(settings).mode
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
 
 
 def _http_lines(http: str | None, model: str) -> list[str]:

@@ -7,6 +7,7 @@ import contextlib
 
 import grpc
 
+from libs.auth.policy import Authenticator
 from libs.engine.adapters.registry import (
     ExpertCapacityError,
     ExpertInUseError,
@@ -60,7 +61,7 @@ async def main() -> None:
     health = Health()
     metrics = EngineMetrics()
     servicer = EngineServicer(None, metrics, config.max_expert_bytes)  # the engine arrives in on_start
-    channel = insecure_channel(config.preparation_target)
+    channel = insecure_channel(config.preparation_target, internal_token=config.auth.internal_token)
     tasks: list[asyncio.Task] = []
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -107,6 +108,9 @@ async def main() -> None:
         on_start=on_start,
         on_stop=on_stop,
         error_mapper=map_error,
+        # Every method is internal (the default), LoadExpert/UnloadExpert included: the engine has
+        # no key store, and preparation calls them with the internal token.
+        auth=Authenticator(config.auth, {}),
     )
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 from libs.engine.config import EngineConfig
 
@@ -23,6 +24,7 @@ class EngineServiceConfig:
     heartbeat_interval_s: float
     stream_buffer: int  # outputs a slow client's stream holds before they are merged
     max_expert_bytes: int  # largest package LoadExpert accepts
+    auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineServiceConfig:
@@ -30,6 +32,7 @@ class EngineServiceConfig:
         server = ServerConfig.from_env("engine", DEFAULT_PORT, DEFAULT_METRICS_PORT, env)
         return cls(
             server=server,
+            auth=AuthConfig.from_env(env),
             engine=EngineConfig.from_env(env),
             engine_id=reader.text("EXPERT_ENGINE_ID", f"{socket.gethostname()}-{server.port}"),
             advertise_address=reader.text("EXPERT_ENGINE_ADVERTISE_ADDRESS", f"localhost:{server.port}"),

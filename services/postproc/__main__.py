@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from libs.auth.policy import Authenticator
 from libs.batching import Coalescer
 from libs.gen.expert.v1 import postproc_pb2_grpc
 from libs.grpc_server import Health, run, serve
@@ -63,6 +64,7 @@ async def main() -> None:
         on_start=on_start,
         on_stop=on_stop,
         error_mapper=map_redis_error,
+        auth=Authenticator(config.auth, {}),  # Finalize is internal (the default)
     )
 
 

@@ -7,6 +7,7 @@ import contextlib
 
 import grpc
 
+from libs.auth.policy import Authenticator
 from libs.experts.store import ExpertStore
 from libs.gen.expert.v1 import preparation_pb2_grpc
 from libs.grpc_server import Health, run, serve
@@ -34,6 +35,7 @@ async def main() -> None:
         chunk_bytes=config.stage_chunk_bytes,
         timeout_s=config.stage_timeout_s,
         max_hot=config.max_hot_experts,
+        internal_token=config.auth.internal_token,
     )
     servicer = PreparationServicer(
         fleet, Preparer(fleet, stager, metrics), metrics, config.heartbeat_interval_s
@@ -64,7 +66,11 @@ async def main() -> None:
                 await sweeper
         await stager.close()
 
-    await serve("preparation", config.server, register, health=health, on_start=on_start, on_stop=on_stop)
+    # Every method is internal (the default): preparation has no key store to verify API keys.
+    auth = Authenticator(config.auth, {})
+    await serve(
+        "preparation", config.server, register, health=health, on_start=on_start, on_stop=on_stop, auth=auth
+    )
 
 
 if __name__ == "__main__":

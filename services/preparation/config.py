@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 
 DEFAULT_PORT = 50053
@@ -20,6 +21,7 @@ class PreparationConfig:
     max_hot_experts: int  # experts an engine keeps hot at most (docs/design.md#budget-check)
     stage_chunk_bytes: int  # LoadExpert message size
     stage_timeout_s: float  # longest one LoadExpert may take
+    auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PreparationConfig:
@@ -27,6 +29,7 @@ class PreparationConfig:
         interval = reader.number("EXPERT_PREPARATION_HEARTBEAT_SECONDS", 2.0, minimum=0.05)
         return cls(
             server=ServerConfig.from_env("preparation", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            auth=AuthConfig.from_env(env),
             heartbeat_interval_s=interval,
             engine_timeout_s=reader.number(
                 "EXPERT_PREPARATION_ENGINE_TIMEOUT_SECONDS", 3 * interval, minimum=interval

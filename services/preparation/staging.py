@@ -52,6 +52,7 @@ class Stager:
         chunk_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
         max_hot: int = 20,
+        internal_token: str = "",
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -59,7 +60,7 @@ class Stager:
         self.timeout_s = timeout_s
         self.max_hot = max_hot  # experts an engine keeps hot at most
         self._locks: dict[str, asyncio.Lock] = {}
-        self._channels = Channels()
+        self._channels = Channels(internal_token)  # LoadExpert/UnloadExpert are internal RPCs
 
     def host_estimate(self, expert: common_pb2.PlannedExpert) -> int:
         """Bytes the expert will take in an engine's host tier (its tensors as float32), from the

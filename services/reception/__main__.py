@@ -6,10 +6,14 @@ import asyncio
 
 import grpc
 
+from libs.auth.keys import KeyStore
+from libs.auth.limits import KeyLimiter
+from libs.auth.policy import Authenticator
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
+from services.reception import keys
 from services.reception.audit import AuditLog
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
@@ -20,7 +24,7 @@ from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers
 from services.reception.pipeline import Pipeline
 from services.reception.queue import JobQueue
-from services.reception.server import ReceptionServicer, add_to_server
+from services.reception.server import ACCESS, ReceptionServicer, add_to_server
 from services.reception.stages import GrpcStages
 
 
@@ -29,7 +33,12 @@ async def main() -> None:
     configure_logging("reception", config.server.log_level)
     health = Health()
     redis = connect(config.redis_url)
-    peers = Peers(config.router_target, config.preparation_target, config.postproc_target)
+    peers = Peers(
+        config.router_target, config.preparation_target, config.postproc_target, config.auth.internal_token
+    )
+    key_store, limiter = KeyStore(redis), KeyLimiter(redis)
+    # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
+    auth = Authenticator(config.auth, {**ACCESS, **keys.ACCESS}, key_store)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
     audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
     jobs = JobStore(
@@ -39,10 +48,11 @@ async def main() -> None:
         on_finished=metrics.finished,
         store_text=config.store_text,
         audit=audit,
+        limiter=limiter,
     )
     capacity = Capacity(peers.preparation)
     served = ServedModels(capacity, peers.router)
-    servicer = ReceptionServicer(jobs, queue, capacity, metrics)
+    servicer = ReceptionServicer(jobs, queue, capacity, metrics, limiter=limiter)
     pipeline = Pipeline(
         jobs,
         GrpcStages(peers),
@@ -56,12 +66,12 @@ async def main() -> None:
     # The HTTP front (OpenAI's API, the probes) calls the same servicer: one admission path.
     http = None
     if config.http_port:
-        app = create_app(servicer, capacity, served, map_redis_error)
+        app = create_app(servicer, capacity, served, map_redis_error, auth=auth)
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
 
     def register(server: grpc.aio.Server) -> list[str]:
-        return [add_to_server(servicer, server)]
+        return [add_to_server(servicer, server), keys.add_to_server(keys.KeyServicer(key_store), server)]
 
     watch: asyncio.Task | None = None
 
@@ -101,6 +111,7 @@ async def main() -> None:
         on_start=on_start,
         drain=drain,
         error_mapper=map_redis_error,
+        auth=auth,
         on_stop=on_stop,
         grace=config.drain_s + 1.0,  # the callers of the jobs that end in the drain get their answer
     )

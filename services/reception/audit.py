@@ -58,11 +58,13 @@ def audit_line(
     result: common_pb2.InferenceResult,
     *,
     model: str | None = None,
+    key_id: str | None = None,
     clear_text: bool = False,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The audit record of a job that ended with `result`. `request` None: its record was gone
-    (the prompt fields are then null)."""
+    (the prompt fields are then null). `key_id`: the id of the API key that submitted the job
+    (never the key), None with auth off or for a job a service submitted."""
     prompt = None if request is None else prompt_text(request)
     output = result.text
     line: dict[str, Any] = {
@@ -70,7 +72,7 @@ def audit_line(
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z"),
         "job_id": job_id,
-        "key_id": None,  # API keys do not exist yet; the field keeps the format stable
+        "key_id": key_id,
         "user": (request.user_id or None) if request is not None else None,
         "model": model or None,
         "experts": list(result.experts_used),
@@ -108,14 +110,19 @@ class AuditLog:
         return self.destination != OFF
 
     def record(
-        self, job_id: str, request: common_pb2.InferenceRequest | None, result: common_pb2.InferenceResult
+        self,
+        job_id: str,
+        request: common_pb2.InferenceRequest | None,
+        result: common_pb2.InferenceResult,
+        *,
+        key_id: str | None = None,
     ) -> None:
         if not self.enabled:
             return
         # The model the job ran on; for a job that never reached planning, the one it asked for.
         model = result.model or (request.model if request is not None and request.HasField("model") else None)
         try:
-            line = audit_line(job_id, request, result, model=model, clear_text=self.clear_text)
+            line = audit_line(job_id, request, result, model=model, key_id=key_id, clear_text=self.clear_text)
             text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
         except Exception:  # never fails the job that ended
             log.exception("audit line not built", job_id=job_id)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 from services.reception.dispatcher import DispatchSettings
 from services.reception.pipeline import DEFAULT_STREAM_INTERVAL
@@ -31,6 +32,7 @@ class ReceptionConfig:
     store_text: bool  # keep prompts and outputs in the job records after the jobs end
     audit_log: str  # where the audit log goes: "off", "stdout" or a file path
     audit_clear_text: bool  # the audit lines carry the prompt and output, not only their SHA-256s
+    auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -38,6 +40,7 @@ class ReceptionConfig:
         default_timeout_ms = reader.integer("EXPERT_JOB_DEFAULT_TIMEOUT_MS", 600_000, minimum=0)
         return cls(
             server=ServerConfig.from_env("reception", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            auth=AuthConfig.from_env(env),
             http_port=reader.integer(
                 "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
             ),

@@ -26,9 +26,13 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from libs.auth.limits import KeyLimiter
 from libs.gen.expert.v1 import common_pb2
+from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.audit import AuditLog
+
+log = get_logger(__name__)
 
 PREFIX = "expert:job:"
 CANCEL_CHANNEL = "expert:cancel"
@@ -148,11 +152,11 @@ return 1
 
 # KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
 # ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id, reception ms,
-# streaming ("1" or "0")
+# streaming ("1" or "0"), the API key's id ("" for none)
 _ADMIT = """
 redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2], 'priority', ARGV[3],
            'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0, 'reception_ms', ARGV[8],
-           'streaming', ARGV[9])
+           'streaming', ARGV[9], 'key_id', ARGV[10])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -203,6 +207,7 @@ class JobRecord:
     reception_ms: float = 0.0  # reception's stage (parse, validate, normalize, job id) for this job
     streaming: bool = False  # a client shows its tokens as they come (InferStream)
     deliveries: int = 0  # times a dispatcher took the job from the queue (a reclaim is another)
+    key_id: str | None = None  # the API key that submitted the job (None: auth off, or a service)
 
     @property
     def final(self) -> bool:
@@ -245,6 +250,7 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
         reception_ms=float(fields.get(b"reception_ms") or 0.0),
         streaming=fields.get(b"streaming") == b"1",
         deliveries=int(fields.get(b"deliveries", 0)),
+        key_id=fields.get(b"key_id", b"").decode() or None,
     )
 
 
@@ -262,8 +268,12 @@ class JobStore:
         store_text: bool = True,
         write_patience_s: float = WRITE_PATIENCE_S,
         audit: AuditLog | None = None,
+        limiter: KeyLimiter | None = None,
     ) -> None:
         self.redis = redis
+        # Charged, when a job ends, with the tokens it generated for its API key (one owner of the
+        # tokens-per-minute count, whoever ends the job).
+        self.limiter = limiter
         # Given each job's final result once, with its request (docs/operations.md#audit-log).
         self.audit = audit
         self.write_patience_s = write_patience_s
@@ -290,11 +300,13 @@ class JobStore:
         queue: str | None = None,
         reception_ms: float = 0.0,
         streaming: bool = False,
+        key_id: str | None = None,
     ) -> float:
         """Write the job's record and, with `queue`, enqueue it there: one atomic script, so that a
         job is never queued without its record and admission takes one round trip. `reception_ms`
         is the time reception spent on the request before this write, for the job's metrics;
-        `streaming` says a client shows the job's tokens as they come."""
+        `streaming` says a client shows the job's tokens as they come; `key_id` names the API key
+        that submitted it (its audit line and its tokens-per-minute count)."""
         now = time.time()
         deadline = job_deadline(request, now, self.default_timeout_s)
         await self._admit(
@@ -309,6 +321,7 @@ class JobStore:
                 job_id,
                 repr(reception_ms),
                 "1" if streaming else "0",
+                key_id or "",
             ],
         )
         return now
@@ -362,11 +375,14 @@ class JobStore:
         also sees its result."""
         payload = result.SerializeToString()
         # Read before the script, which takes the texts out of the record without store_text.
-        stored = None
-        if not self.store_text or (self.audit is not None and self.audit.enabled):
-            stored = await self._write(
-                lambda keys, args: self.redis.hget(keys[0], args[0]), keys=[job_key(job_id)], args=["request"]
-            )
+        need_request = not self.store_text or (self.audit is not None and self.audit.enabled)
+        stored, raw_key_id = await self._write(
+            lambda keys, args: self.redis.hmget(keys[0], args),
+            keys=[job_key(job_id)],
+            args=["request" if need_request else "status", "key_id"],
+        )
+        stored = stored if need_request else None
+        key_id = raw_key_id.decode() if raw_key_id else None
         changed = await self._write(
             self._finish,
             keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id), text_key(job_id)],
@@ -383,8 +399,23 @@ class JobStore:
             self.on_finished(result)
         if changed == 1 and self.audit is not None and self.audit.enabled:
             request = common_pb2.InferenceRequest.FromString(stored) if stored is not None else None
-            self.audit.record(job_id, request, result)
+            self.audit.record(job_id, request, result, key_id=key_id)
+        if changed == 1 and key_id and self.limiter is not None:
+            await self._charge(key_id, result.metrics.output_tokens or result.tokens_generated)
         return changed == 1
+
+    async def _charge(self, key_id: str, tokens: int) -> None:
+        """Count a finished job's generated tokens against its key's tokens per minute. The job's
+        outcome is already recorded: a Redis outage past the write patience loses this count (logged),
+        never the job."""
+        try:
+            await self._write(
+                lambda keys, args: self.limiter.charge(keys[0], args[0]), keys=[key_id], args=[tokens]
+            )
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            log.error(
+                "generated tokens not charged to the API key", key_id=key_id, tokens=tokens, error=str(error)
+            )
 
     async def _write(self, script, keys: list[str], args: list) -> object:
         """Run one of a running job's writes, waiting out a Redis restart for up to

@@ -9,8 +9,10 @@ from libs.grpc_client import Channels
 
 
 class Peers:
-    def __init__(self, router_target: str, preparation_target: str, postproc_target: str) -> None:
-        self._channels = Channels()
+    def __init__(
+        self, router_target: str, preparation_target: str, postproc_target: str, internal_token: str = ""
+    ) -> None:
+        self._channels = Channels(internal_token)  # every call to a peer sends the internal token
         self.router = router_pb2_grpc.RouterServiceStub(self._channels.service(router_target))
         self.preparation = preparation_pb2_grpc.PreparationServiceStub(
             self._channels.service(preparation_target)

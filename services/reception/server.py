@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from libs.auth.limits import KeyLimiter
+from libs.auth.policy import Access, current_caller, methods
 from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
 from libs.gen.expert.v1 import common_pb2, inference_pb2
 from libs.logging import bind_context, get_logger
@@ -31,6 +33,10 @@ from services.reception.validation import validate
 log = get_logger(__name__)
 
 SERVICE = "expert.v1.InferenceService"
+# Every call of the public API needs an API key (any scope) when auth is on.
+ACCESS = methods(
+    SERVICE, {name: Access.INFER for name in ("Infer", "InferStream", "Submit", "GetJob", "CancelJob")}
+)
 DEFAULT_PRIORITY = 5
 MAX_JOB_ID_CHARS = 64  # ids are 32 hex digits; anything much longer is not worth a Redis lookup
 # A failed job whose stage refused the request answers Infer with that refusal itself.
@@ -52,8 +58,10 @@ class ReceptionServicer:
         capacity: Capacity,
         metrics: ReceptionMetrics,
         average_job_s: float = 1.0,
+        limiter: KeyLimiter | None = None,
     ) -> None:
         self.jobs = jobs
+        self.limiter = limiter  # the per-key limits; None: none enforced
         self.queue = queue
         self.capacity = capacity
         self.metrics = metrics
@@ -76,6 +84,10 @@ class ReceptionServicer:
         self, request: common_pb2.InferenceRequest | Undecodable, streaming: bool = False
     ) -> tuple[str, float, int]:
         started = time.perf_counter()
+        # The caller the credentials proved (gRPC interceptor or HTTP front); None with auth off.
+        caller = current_caller()
+        if self.limiter is not None:
+            await self.limiter.admit(caller)  # first: a key over its limit costs no more work
         if isinstance(request, Undecodable):
             raise invalid_argument(
                 "request", f"not a valid request message ({request.reason}); text fields must be valid UTF-8"
@@ -94,7 +106,13 @@ class ReceptionServicer:
         # job's metrics. The enqueue that follows is the queue's, and counts in its wait.
         reception_ms = (time.perf_counter() - started_work) * 1000
         submitted_at = await self.jobs.create(
-            job_id, request, priority, queue=stream(priority), reception_ms=reception_ms, streaming=streaming
+            job_id,
+            request,
+            priority,
+            queue=stream(priority),
+            reception_ms=reception_ms,
+            streaming=streaming,
+            key_id=caller.key_id if caller is not None else None,
         )
         admission = time.perf_counter() - started
         self.metrics.submitted.labels(str(priority)).inc()

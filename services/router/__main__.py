@@ -8,6 +8,8 @@ import contextlib
 import grpc
 import torch
 
+from libs.auth.keys import KeyStore
+from libs.auth.policy import Access, Authenticator, methods
 from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
@@ -25,6 +27,16 @@ from services.router.server import RouterServicer
 from services.router.stats import ExpertStats
 
 SERVICE = "expert.v1.RouterService"
+# Plan is internal (the default); the registry is the operator's (`expertctl experts`).
+ACCESS = methods(
+    SERVICE,
+    {
+        "RegisterExpert": Access.ADMIN,
+        "UnregisterExpert": Access.ADMIN,
+        "GetRegisteredExpert": Access.ADMIN,
+        "ListRegisteredExperts": Access.ADMIN,
+    },
+)
 
 
 async def main() -> None:
@@ -87,6 +99,7 @@ async def main() -> None:
         on_start=on_start,
         on_stop=on_stop,
         error_mapper=map_redis_error,
+        auth=Authenticator(config.auth, ACCESS, KeyStore(feedback_redis)),
     )
 
 

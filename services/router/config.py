@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from libs.auth.config import AuthConfig
 from libs.config import ConfigError, EnvReader, ServerConfig
 from services.router.calibration import CALIBRATED, FloorRule
 from services.router.matching import MatchRule
@@ -27,12 +28,14 @@ class RouterConfig:
     floor: FloorRule  # the similarity retrieval needs (calibrated per expert, or fixed)
     matching: MatchRule  # the keyword boost and the topic gate
     max_tokens_ceiling: int  # the tuned max_tokens at most, when the user set none
+    auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouterConfig:
         reader = EnvReader(env)
         return cls(
             server=ServerConfig.from_env("router", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
+            auth=AuthConfig.from_env(env),
             data_dir=reader.text("EXPERT_DATA_DIR", "data"),
             qdrant_url=reader.text("EXPERT_QDRANT_URL", ""),
             prior_success_rate=reader.number(

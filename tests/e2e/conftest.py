@@ -151,6 +151,7 @@ def wait_rest_job(http: httpx.Client, job_id: str, done, timeout: float = 30.0) 
     pytest.fail(f"job {job_id} never got there: {job}")
 
 
-def openai_client(stack: LocalStack) -> openai.OpenAI:
-    """The real `openai` client on the stack's HTTP front (no key is checked yet; no retries)."""
-    return openai.OpenAI(base_url=stack.http_url() + "/v1", api_key="anything", max_retries=0)
+def openai_client(stack: LocalStack, api_key: str = "anything") -> openai.OpenAI:
+    """The real `openai` client on the stack's HTTP front, no retries; `api_key` matters only on a
+    stack with EXPERT_AUTH=required (any value passes with auth off)."""
+    return openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=api_key, max_retries=0)

@@ -166,8 +166,9 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running(*, metrics_port: int = 0):
-    """A real serve() with the three servicers, stopped through its `stop` event at the end."""
+async def running(*, metrics_port: int = 0, auth=None):
+    """A real serve() with the three servicers, stopped through its `stop` event at the end;
+    `auth` (a libs.auth.policy.Authenticator) checks the calls' credentials."""
     router, engine, health, stop = Router(), Engine(), Health(), asyncio.Event()
     config = ServerConfig(
         bind_host="127.0.0.1", port=free_port(), metrics_port=metrics_port, log_level="info"
@@ -180,7 +181,16 @@ async def running(*, metrics_port: int = 0):
         return [ROUTER, ENGINE, INFERENCE]
 
     serving = asyncio.create_task(
-        serve(SERVICE, config, register, health=health, error_mapper=map_domain_errors, grace=2.0, stop=stop)
+        serve(
+            SERVICE,
+            config,
+            register,
+            health=health,
+            error_mapper=map_domain_errors,
+            auth=auth,
+            grace=2.0,
+            stop=stop,
+        )
     )
     target = f"127.0.0.1:{config.port}"
     router.peer = target

@@ -237,6 +237,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
 
     # The banner's commands work exactly as printed, from where `up` was started.
     assert stdout.wait_for("Ctrl-C stops everything", 10)
+    assert "Auth:    off (EXPERT_AUTH=required turns on API keys" in "".join(stdout.seen)
     commands = [
         line.strip()
         for line in stdout.seen
@@ -366,6 +367,24 @@ def test_up_refuses_a_model_directory_that_is_not_a_checkpoint(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"expertctl: error: --model: {tmp_path / 'missing'} is not a checkpoint directory "
         "(`make model` makes the default)"
+    )
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_up_refuses_required_auth_without_the_internal_token(tiny_llama, tmp_path):
+    result = subprocess.run(
+        _expertctl_up("--model", str(tiny_llama), "--log-dir", str(tmp_path / "logs")),
+        env={**_environment(), "EXPERT_AUTH": "required", "EXPERT_INTERNAL_TOKEN": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("expertctl: error: EXPERT_INTERNAL_TOKEN: required with EXPERT_AUTH=required")
     )
     assert not (tmp_path / "logs").exists()  # nothing was started
 

@@ -13,6 +13,7 @@ from libs.gen.expert.v1 import (
     common_pb2,
     engine_pb2,
     inference_pb2,
+    keys_pb2,
     postproc_pb2,
     preparation_pb2,
     router_pb2,
@@ -20,7 +21,8 @@ from libs.gen.expert.v1 import (
 
 API = (Path(__file__).resolve().parents[2] / "docs/api.md").read_text()
 FILES = [
-    m.DESCRIPTOR for m in (common_pb2, inference_pb2, router_pb2, preparation_pb2, engine_pb2, postproc_pb2)
+    m.DESCRIPTOR
+    for m in (common_pb2, inference_pb2, keys_pb2, router_pb2, preparation_pb2, engine_pb2, postproc_pb2)
 ]
 MESSAGES = {name: message for f in FILES for name, message in f.message_types_by_name.items()}
 _HEADING = re.compile(r"#+ `(\w+)`")
@@ -66,7 +68,7 @@ def test_every_rpc_is_documented(service, method):
 
 
 @pytest.mark.parametrize(
-    "value", [v.name for e in common_pb2.DESCRIPTOR.enum_types_by_name.values() for v in e.values]
+    "value", [v.name for f in FILES for e in f.enum_types_by_name.values() for v in e.values]
 )
 def test_every_enum_value_is_documented(value):
     assert f"`{value}`" in API

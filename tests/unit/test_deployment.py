@@ -253,6 +253,14 @@ def test_compose_gives_the_engine_time_to_load(compose):
     assert _seconds(check["start_period"]) >= 300
 
 
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_requires_api_keys_and_the_internal_token(compose, service):
+    env = _environment(compose["services"][service])
+    assert env["EXPERT_AUTH"] == "required"
+    # Unset, compose stops with this message rather than starting services that refuse to run.
+    assert env["EXPERT_INTERNAL_TOKEN"].startswith("${EXPERT_INTERNAL_TOKEN:?")
+
+
 def test_compose_starts_services_after_what_they_need(compose):
     services = compose["services"]
     for name, spec in services.items():
@@ -436,6 +444,15 @@ def test_preparation_runs_as_one_replica(manifests):
     deployment = _one(manifests["preparation.yaml"], "Deployment", "preparation")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_kubernetes_requires_api_keys_and_every_service_reads_the_internal_token_secret(manifests):
+    assert _config_map(manifests)["EXPERT_AUTH"] == "required"
+    for service in SERVICES:
+        container = _container(_one(manifests[f"{service}.yaml"], "Deployment", service))
+        env = {e["name"]: e for e in container.get("env", [])}
+        secret = env["EXPERT_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert (secret["name"], secret["key"]) == ("expert-internal-token", "token"), service
 
 
 def test_redis_is_where_the_services_look_behind_its_password_on_a_volume(manifests):

@@ -199,3 +199,30 @@ def test_a_refused_expert_from_the_model_name_names_model(parts, field, detail, 
     assert response.status_code == status and error["param"] == param
     assert error["message"] == f"{param}: {detail}"
     assert code is None or error["code"] == code
+
+
+def test_a_key_over_its_limit_is_429_with_retry_after_in_whole_seconds(parts):
+    from libs.errors import resource_exhausted
+
+    servicer, _, client = parts
+    servicer.error = resource_exhausted("API key k is over its limit of 5 requests per minute", 11.2)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 429 and response.headers["Retry-After"] == "12"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_an_unreachable_key_store_is_503_not_a_traceback_and_the_probes_need_no_key():
+    from libs.auth.config import AuthConfig
+    from libs.auth.keys import KeyStore
+    from libs.auth.policy import Authenticator
+    from libs.redis_client import connect, map_redis_error
+
+    auth = Authenticator(
+        AuthConfig("required", "0123456789abcdef0123"), {}, KeyStore(connect("redis://127.0.0.1:1/0"))
+    )
+    client = TestClient(create_app(FakeServicer(), FakeCapacity(), FakeModels(), map_redis_error, auth=auth))
+    assert client.get("/livez").status_code == 200
+    missing = client.get("/v1/models")
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    down = client.get("/v1/models", headers={"Authorization": "Bearer esk_0123456789ab_" + "x" * 43})
+    assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable_error"

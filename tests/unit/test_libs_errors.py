@@ -26,6 +26,7 @@ ERRORS = {
         [(f"request.force_experts[{i}]", "unknown expert " + "é€𝄞x" * 200) for i in range(1000)]
     ),
     "echo": errors.not_found("job " + "𝄞" * 100_000 + " does not exist"),
+    "limited": errors.resource_exhausted("API key k is over its limit", retry_after_s=12),
 }
 
 
@@ -63,6 +64,8 @@ async def _aio_error(target: str, job_id: str) -> grpc.aio.AioRpcError:
         (lambda: errors.resource_exhausted("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (lambda: errors.unavailable("m"), grpc.StatusCode.UNAVAILABLE),
         (lambda: errors.failed_precondition("m"), grpc.StatusCode.FAILED_PRECONDITION),
+        (lambda: errors.unauthenticated("m"), grpc.StatusCode.UNAUTHENTICATED),
+        (lambda: errors.permission_denied("m"), grpc.StatusCode.PERMISSION_DENIED),
     ],
 )
 def test_each_constructor_carries_its_code_and_message(make, code):
@@ -101,6 +104,22 @@ def test_an_aio_client_reads_the_field_violation():
         assert describe(error) == "INVALID_ARGUMENT: request.temperature: must be in [0, 2], got 3"
 
     asyncio.run(_with_server(check))
+
+
+def test_a_retry_delay_reaches_the_client_as_retry_info():
+    async def check(target):
+        limited = await _aio_error(target, "limited")
+        assert limited.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert errors.retry_delay(limited) == 12.0
+        assert field_violations(limited) == []
+        assert errors.retry_delay(await _aio_error(target, "temperature")) is None
+
+    asyncio.run(_with_server(check))
+
+
+def test_an_error_has_violations_or_a_retry_delay_not_both():
+    with pytest.raises(ValueError):
+        ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "m", [TEMPERATURE], retry_after_s=1.0)
 
 
 def test_several_violations_arrive_in_order():

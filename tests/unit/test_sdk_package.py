@@ -27,20 +27,21 @@ def test_every_proto_has_exactly_one_module():
     protos = sorted(p.stem for p in (REPO / "protos" / "expert" / "v1").glob("*.proto"))
     sdk = {p.name.removesuffix("_pb2.py") for p in SDK_STUBS.glob("*_pb2.py")}
     internal = {p.name.removesuffix("_pb2.py") for p in LIBS_STUBS.glob("*_pb2.py")}
-    assert sdk == {"common", "inference"}
+    assert sdk == {"common", "inference", "keys"}
     assert not sdk & internal
     assert sorted(sdk | internal) == protos
 
 
 def test_the_services_stubs_use_the_sdks_modules_of_the_public_protos():
     import expert_system._proto.expert.v1 as sdk
-    from libs.gen.expert.v1 import common_pb2, engine_pb2, inference_pb2, inference_pb2_grpc
+    from libs.gen.expert.v1 import common_pb2, engine_pb2, inference_pb2, inference_pb2_grpc, keys_pb2
 
     assert common_pb2 is sdk.common_pb2
     assert inference_pb2 is sdk.inference_pb2
     assert inference_pb2_grpc is sdk.inference_pb2_grpc
+    assert keys_pb2 is sdk.keys_pb2
     assert engine_pb2.DESCRIPTOR.dependencies[0] is common_pb2.DESCRIPTOR
-    for module in ("common_pb2", "inference_pb2", "inference_pb2_grpc"):
+    for module in ("common_pb2", "inference_pb2", "inference_pb2_grpc", "keys_pb2", "keys_pb2_grpc"):
         assert f"libs.gen.expert.v1.{module}" not in sys.modules
 
 

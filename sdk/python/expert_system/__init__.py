@@ -27,7 +27,9 @@ from .errors import (
     FailedPrecondition,
     InvalidRequest,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from .request import RequestFields
@@ -61,11 +63,13 @@ __all__ = [
     "Job",
     "JobSubmission",
     "NotFound",
+    "PermissionDenied",
     "RequestFields",
     "ResourceExhausted",
     "StreamChunk",
     "TokenLogprob",
     "TopLogprob",
+    "Unauthenticated",
     "Unavailable",
     "ValidationResult",
 ]

@@ -23,6 +23,7 @@ from .stream import InferStream
 
 DEFAULT_TARGET = "localhost:50051"
 TARGET_ENV = "EXPERT_RECEPTION_TARGET"
+API_KEY_ENV = "EXPERT_API_KEY"
 # Seconds allowed for the quick calls (submit, get_job, cancel). Infer has no deadline by default:
 # the job has its own timeout_ms, after which the server returns the partial output.
 DEFAULT_TIMEOUT = 10.0
@@ -40,16 +41,31 @@ def default_target() -> str:
     return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call sends: `authorization: Bearer <key>` for `api_key`, else for
+    EXPERT_API_KEY; nothing without either (a stack with EXPERT_AUTH=off needs none)."""
+    key = api_key or os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 class ExpertClient:
     """A connection to the reception at `target` (host:port; default `default_target()`).
 
     The request keywords of `infer`, `infer_stream` and `submit` are the fields of
     `InferenceRequest` (see `RequestFields`); one left out stays unset and the router decides it.
     `timeout` is the call's deadline in seconds. A failed call raises an `ExpertSystemError`.
+    `api_key` (default: EXPERT_API_KEY) is sent with every call when the stack requires keys.
     """
 
-    def __init__(self, target: str | None = None, *, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
+    ):
         self.target = target or default_target()
+        self._metadata = auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         else:
@@ -61,7 +77,7 @@ class ExpertClient:
     ) -> InferenceResult:
         """Run a job and wait for its result."""
         request = inference_pb2.InferRequest(request=build_request("infer", prompt, fields))
-        return result_from_proto(_call(self._stub.Infer, request, timeout).result)
+        return result_from_proto(self._call(self._stub.Infer, request, timeout).result)
 
     def infer_stream(
         self, prompt: str = "", *, timeout: float | None = None, **fields: Unpack[RequestFields]
@@ -70,24 +86,30 @@ class ExpertClient:
         then read its `result`. A chunk with `restarted=True` means the job started over and the
         text received so far must be discarded. The call starts when the iteration does."""
         request = inference_pb2.InferStreamRequest(request=build_request("infer_stream", prompt, fields))
-        return InferStream(lambda: self._stub.InferStream(request, timeout=timeout))
+        return InferStream(lambda: self._stub.InferStream(request, timeout=timeout, metadata=self._metadata))
 
     def submit(
         self, prompt: str = "", *, timeout: float | None = DEFAULT_TIMEOUT, **fields: Unpack[RequestFields]
     ) -> JobSubmission:
         """Queue a job and return at once; follow it with `get_job`."""
         request = inference_pb2.SubmitRequest(request=build_request("submit", prompt, fields))
-        return submission_from_proto(_call(self._stub.Submit, request, timeout).submission)
+        return submission_from_proto(self._call(self._stub.Submit, request, timeout).submission)
 
     def get_job(self, job_id: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> Job:
         """A job's status, its text so far, and its result once final."""
         request = inference_pb2.GetJobRequest(job_id=job_id)
-        return job_from_proto(_call(self._stub.GetJob, request, timeout).job)
+        return job_from_proto(self._call(self._stub.GetJob, request, timeout).job)
 
     def cancel(self, job_id: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> Job:
         """Stop a job; returns its record after the cancellation."""
         request = inference_pb2.CancelJobRequest(job_id=job_id)
-        return job_from_proto(_call(self._stub.CancelJob, request, timeout).job)
+        return job_from_proto(self._call(self._stub.CancelJob, request, timeout).job)
+
+    def _call(self, method: Callable[..., _Response], request, timeout: float | None) -> _Response:
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_call(exc) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -97,10 +119,3 @@ class ExpertClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _call(method: Callable[..., _Response], request, timeout: float | None) -> _Response:
-    try:
-        return method(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        raise error_from_call(exc) from None

@@ -12,14 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from libs.auth.policy import Authenticator
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import get_logger
 from services.reception.capacity import Capacity
+from services.reception.http.auth import authentication
 from services.reception.http.calls import unless_disconnected
 from services.reception.http.errors import (
     HTTP_STATUS,
@@ -51,8 +53,16 @@ def create_app(
     capacity: Capacity,
     models: ServedModels,
     error_mapper: Callable[[BaseException], ServiceError | None] | None = None,
+    auth: Authenticator | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="Expert System", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Expert System",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        # The API key of every /v1 call (the probes need none); nothing is checked without `auth`.
+        dependencies=[Depends(authentication(auth, error_mapper))],
+    )
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)

@@ -3,6 +3,7 @@ with the HTTP status that goes with it, the field named as the client sent it.""
 
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -21,6 +22,8 @@ from services.reception.http.rest_schema import FIELD_NAMES as REST_FIELD_NAMES
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -28,13 +31,23 @@ HTTP_STATUS = {
 
 
 class HttpError(Exception):
-    """An OpenAI error to answer with."""
+    """An OpenAI error to answer with; `headers` go with it (Retry-After on a 429)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
         self.type = {
             400: "invalid_request_error",
+            401: "invalid_request_error",
+            403: "invalid_request_error",
             404: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable_error",
@@ -87,7 +100,7 @@ def _forced_param(rest: str, body: ChatCompletionRequest | CompletionRequest) ->
 
 def error_response(error: HttpError) -> JSONResponse:
     body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-    return JSONResponse(body, status_code=error.status)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def from_service_error(error: ServiceError, body: object) -> HttpError:
@@ -101,7 +114,12 @@ def from_service_error(error: ServiceError, body: object) -> HttpError:
         # A base model no engine serves, or `<base>:<expert>` with an expert not registered (or
         # trained for another base model): OpenAI's answer to a model it does not have.
         status, code = 404, "model_not_found"
-    return HttpError(status, message, param, code)
+    if error.code is grpc.StatusCode.UNAUTHENTICATED:
+        code = "invalid_api_key"  # what OpenAI's clients expect for a missing, wrong or revoked key
+    headers = {}
+    if error.retry_after_s is not None:  # whole seconds, as HTTP wants them, never rounded down
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return HttpError(status, message, param, code, headers)
 
 
 def validation_error(exc: RequestValidationError) -> HttpError:
