@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -13,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# grpc.aio shuts its process-wide completion queue down whenever the last aio object is collected,
+# and that shutdown can wait forever on its poller thread (grpc/grpc#40989, #22365). The services
+# keep aio objects for their whole life; this process creates and drops hundreds across event
+# loops, and twice a full run hung in a garbage collection doing that shutdown. One reference held
+# for the session keeps the queue up.
+grpc.aio.init_grpc_aio()
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct"
