@@ -11,7 +11,7 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.stack import LocalStack
-from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tests.e2e.conftest import LONG, openai_client, ready_tiny_stack
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 FINAL = ("cancelled", "completed", "failed", "timed_out")
@@ -195,15 +195,16 @@ def test_the_probes(stack):
     assert health == {"status": "ok", "engines": 1}
 
 
-def test_a_client_that_leaves_mid_stream_cancels_the_job(stack, model):
+def test_a_client_that_leaves_mid_stream_cancels_the_job(stack, model, long_prompt):
     with httpx.stream(
         "POST",
         stack.http_url() + "/v1/completions",
-        json={
+        json={  # runs 1,000 tokens (about a second), so the job is still running when the client leaves
             "model": model,
-            "prompt": "Once upon a time",
-            "max_tokens": 1000,
+            "prompt": long_prompt,
+            "max_tokens": LONG,
             "temperature": 0.0,
+            "repetition_penalty": 1.0,
             "stream": True,
         },
         timeout=30,
@@ -218,14 +219,14 @@ def test_a_client_that_leaves_mid_stream_cancels_the_job(stack, model):
     assert job.status == "cancelled"
 
 
-def test_a_grpc_stream_that_hangs_up_still_cancels_its_job(stack):
+def test_a_grpc_stream_that_hangs_up_still_cancels_its_job(stack, long_prompt):
     """InferStream and the HTTP stream share the servicer's `infer_stream`: gRPC keeps its behavior."""
     import grpc
 
     from libs.gen.expert.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-    request = common_pb2.InferenceRequest(
-        prompt="Once upon a time", raw=True, temperature=0.0, max_tokens=1000
+    request = common_pb2.InferenceRequest(  # runs LONG tokens: still running when the client hangs up
+        prompt=long_prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
     )
     with grpc.insecure_channel(stack.target("reception")) as channel:
         call = inference_pb2_grpc.InferenceServiceStub(channel).InferStream(
