@@ -6,6 +6,7 @@ server-sent events in OpenAI's shapes."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,15 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from libs.auth.policy import Authenticator
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
-from libs.logging import get_logger
 from services.reception.capacity import Capacity
 from services.reception.http.auth import authentication
 from services.reception.http.calls import unless_disconnected
 from services.reception.http.errors import (
     HTTP_STATUS,
     HttpError,
+    as_http_error,
     error_response,
-    from_service_error,
     param_of,
     validation_error,
 )
@@ -37,8 +37,6 @@ from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from services.reception.http.rest import add_rest_routes
 from services.reception.server import ReceptionServicer
-
-log = get_logger(__name__)
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -81,15 +79,8 @@ def create_app(
     async def no_method(request: Request, exc: Exception) -> JSONResponse:
         return error_response(HttpError(405, f"method {request.method} is not allowed on {request.url.path}"))
 
-    def as_http_error(exc: BaseException, body) -> HttpError:
-        if not isinstance(exc, ServiceError) and error_mapper is not None:
-            exc = error_mapper(exc) or exc
-        if isinstance(exc, ServiceError):
-            return from_service_error(exc, body)
-        log.exception("HTTP request failed", exc_info=exc)
-        return HttpError(500, "internal error", code="internal")
-
-    add_rest_routes(app, servicer, as_http_error)
+    to_http_error = functools.partial(as_http_error, error_mapper=error_mapper)
+    add_rest_routes(app, servicer, to_http_error)
 
     @app.get("/livez")
     async def livez() -> dict:
@@ -125,7 +116,7 @@ def create_app(
         try:
             result = await unless_disconnected(request, servicer.infer(inference))
         except Exception as exc:
-            return error_response(as_http_error(exc, body))
+            return error_response(to_http_error(exc, body))
         if result is None:  # the client hung up, and its job is cancelled
             return JSONResponse({}, status_code=499)  # nobody reads it
         failure = _failure(result, body)
@@ -139,9 +130,9 @@ def create_app(
             submitted = (await anext(messages)).submitted  # admission: its refusal is the HTTP answer
         except Exception as exc:
             await messages.aclose()
-            return error_response(as_http_error(exc, body))
+            return error_response(to_http_error(exc, body))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _sse(messages, submitted.job_id, body, chat, include_usage, as_http_error, inference.n or 1)
+        events = _sse(messages, submitted.job_id, body, chat, include_usage, to_http_error, inference.n or 1)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -238,7 +229,7 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def _sse(
-    messages, job_id: str, body, chat: bool, include_usage: bool, as_http_error, n: int
+    messages, job_id: str, body, chat: bool, include_usage: bool, to_http_error, n: int
 ) -> AsyncIterator[str]:
     """The job's InferStream messages as OpenAI's server-sent chunks (one choice per chunk, named by
     its index), then each choice's finish chunk and `data: [DONE]`. Closed early (the client went
@@ -275,16 +266,7 @@ async def _sse(
         return data
 
     def error(failure: HttpError) -> str:
-        return _event(
-            {
-                "error": {
-                    "message": failure.message,
-                    "type": failure.type,
-                    "param": failure.param,
-                    "code": failure.code,
-                }
-            }
-        )
+        return _event(failure.body())
 
     async with contextlib.aclosing(messages):
         sent = False
@@ -331,4 +313,4 @@ async def _sse(
                     yield "data: [DONE]\n\n"
                     return
         except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
-            yield error(as_http_error(exc, body))
+            yield error(to_http_error(exc, body))

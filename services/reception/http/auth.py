@@ -12,10 +12,7 @@ from fastapi import Request
 from libs.auth.metadata import INTERNAL_TOKEN_KEY
 from libs.auth.policy import Access, Authenticator, bearer_token, serving_as
 from libs.errors import ServiceError
-from libs.logging import get_logger
-from services.reception.http.errors import HttpError, from_service_error
-
-log = get_logger(__name__)
+from services.reception.http.errors import as_http_error
 
 API_PREFIX = "/v1/"
 
@@ -37,14 +34,8 @@ def authentication(
                 bearer_token(request.headers.get("authorization")),
                 request.headers.get(INTERNAL_TOKEN_KEY),
             )
-        except ServiceError as error:
-            raise from_service_error(error, None) from None
         except Exception as error:
-            mapped = error_mapper(error) if error_mapper is not None else None
-            if mapped is not None:
-                raise from_service_error(mapped, None) from None
-            log.exception("checking an HTTP request's credentials failed", exc_info=error)
-            raise HttpError(500, "internal error", code="internal") from None
+            raise as_http_error(error, None, error_mapper) from None
         serving_as(caller)
 
     return authenticate

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from libs.errors import ServiceError
+from libs.logging import get_logger
 from services.reception.http.openai_schema import (
     FIELD_NAMES,
     ChatCompletionRequest,
     CompletionRequest,
 )
 from services.reception.http.rest_schema import FIELD_NAMES as REST_FIELD_NAMES
+
+log = get_logger(__name__)
 
 # The HTTP status of a gRPC status; any other is 500.
 HTTP_STATUS = {
@@ -52,6 +56,10 @@ class HttpError(Exception):
             429: "rate_limit_error",
             503: "service_unavailable_error",
         }.get(status, "server_error")
+
+    def body(self) -> dict:
+        """OpenAI's error body: the answer's JSON, and a stream's error event."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def not_supported(param: str, what: str) -> HttpError:
@@ -99,8 +107,22 @@ def _forced_param(rest: str, body: ChatCompletionRequest | CompletionRequest) ->
 
 
 def error_response(error: HttpError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def as_http_error(
+    exc: BaseException,
+    body: object,
+    error_mapper: Callable[[BaseException], ServiceError | None] | None = None,
+) -> HttpError:
+    """The HTTP error for an exception a call raised: a ServiceError (or what `error_mapper` makes
+    of another exception, e.g. Redis down -> UNAVAILABLE) as its status; anything else a logged 500."""
+    if not isinstance(exc, ServiceError) and error_mapper is not None:
+        exc = error_mapper(exc) or exc
+    if isinstance(exc, ServiceError):
+        return from_service_error(exc, body)
+    log.exception("HTTP request failed", exc_info=exc)
+    return HttpError(500, "internal error", code="internal")
 
 
 def from_service_error(error: ServiceError, body: object) -> HttpError:

@@ -148,6 +148,4 @@ async def _events(first, messages, body: InferBody, as_http_error) -> AsyncItera
             async for message in messages:
                 yield _sse(message.WhichOneof("event"), to_json(message))
         except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
-            failure = as_http_error(exc, body)
-            error = {"message": failure.message, "type": failure.type, "param": failure.param}
-            yield _sse("error", {"error": {**error, "code": failure.code}})
+            yield _sse("error", as_http_error(exc, body).body())
