@@ -1,13 +1,17 @@
 """The credentials `expertctl` sends with its calls: an API key (`--api-key`, else $EXPERT_API_KEY)
 and the internal token ($EXPERT_INTERNAL_TOKEN only: a command line shows in `ps`). A stack with
-EXPERT_AUTH=off needs neither."""
+EXPERT_AUTH=off needs neither. `call_with_credentials` runs a command's calls with them."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from libs.auth.metadata import credentials_metadata
+from libs.expertctl.errors import UsageError
 
 API_KEY_ENV = "EXPERT_API_KEY"
 INTERNAL_TOKEN_ENV = "EXPERT_INTERNAL_TOKEN"
@@ -28,3 +32,35 @@ def api_key(args: argparse.Namespace) -> str | None:
 def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The metadata for a call: `authorization: Bearer <key>` and the internal token, when set."""
     return credentials_metadata(api_key(args), os.environ.get(INTERNAL_TOKEN_ENV))
+
+
+def call_with_credentials(
+    args: argparse.Namespace,
+    target: str,
+    make_stub: Callable[[Any], Any],
+    handler: Callable[[argparse.Namespace, Any], int],
+    *,
+    refused: str,
+    failed: str,
+    hints: Mapping[str, str] | None = None,
+) -> int:
+    """`handler(args, stub)` over a channel to `target`, with the credentials in `args.metadata`.
+    A refusal naming fields becomes a UsageError "`refused`: field: why"; any other error one
+    `expertctl: error: <failed> at <target>: <error><hint>` line (hints by status code), exit 1."""
+    import grpc
+
+    from expert_system.client import CHANNEL_OPTIONS
+    from expert_system.errors import InvalidRequest, error_from_call
+
+    args.metadata = call_metadata(args)
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        try:
+            return handler(args, make_stub(channel))
+        except grpc.RpcError as exc:
+            error = error_from_call(exc)
+    if isinstance(error, InvalidRequest):
+        fields = "; ".join(f"{f}: {d}" for f, d in error.field_violations) or error.message
+        raise UsageError(f"{refused}: {fields}")
+    hint = (hints or {}).get(error.code, "")
+    print(f"expertctl: error: {failed} at {target}: {error}{hint}", file=sys.stderr)
+    return 1

@@ -16,8 +16,7 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from libs.expertctl.credentials import add_api_key_argument, call_metadata
-from libs.expertctl.errors import UsageError
+from libs.expertctl.credentials import add_api_key_argument, call_with_credentials
 
 _TIMEOUT = 10.0
 _PER_MINUTE = re.compile(r"^(?P<count>[0-9]+)(/min)?$")
@@ -67,34 +66,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         add_api_key_argument(action)
 
 
+_HINTS = {
+    "UNAUTHENTICATED": (
+        " (send an admin key with --api-key or $EXPERT_API_KEY, or set $EXPERT_INTERNAL_TOKEN)"
+    ),
+    "PERMISSION_DENIED": " (managing keys needs an admin key)",
+}
+
+
 def _with_keys(handler: Callable[[argparse.Namespace, object], int]) -> Callable[[argparse.Namespace], int]:
     """Open a channel to the reception's KeyService; its errors become one `expertctl: error:` line."""
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
-        import grpc
-
-        from expert_system.client import CHANNEL_OPTIONS, default_target
-        from expert_system.errors import InvalidRequest, error_from_call
+        from expert_system.client import default_target
         from libs.gen.expert.v1 import keys_pb2_grpc
 
-        target = args.target = args.target or default_target()
-        args.metadata = call_metadata(args)
-        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-            try:
-                return handler(args, keys_pb2_grpc.KeyServiceStub(channel))
-            except grpc.RpcError as exc:
-                error = error_from_call(exc)
-        if isinstance(error, InvalidRequest):
-            fields = "; ".join(f"{f}: {d}" for f, d in error.field_violations) or error.message
-            raise UsageError(f"refused: {fields}")
-        hint = ""
-        if error.code == "UNAUTHENTICATED":
-            hint = " (send an admin key with --api-key or $EXPERT_API_KEY, or set $EXPERT_INTERNAL_TOKEN)"
-        elif error.code == "PERMISSION_DENIED":
-            hint = " (managing keys needs an admin key)"
-        print(f"expertctl: error: the reception at {target}: {error}{hint}", file=sys.stderr)
-        return 1
+        args.target = args.target or default_target()
+        return call_with_credentials(
+            args,
+            args.target,
+            keys_pb2_grpc.KeyServiceStub,
+            handler,
+            refused="refused",
+            failed="the reception",
+            hints=_HINTS,
+        )
 
     return run
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from libs.expertctl.credentials import add_api_key_argument, call_metadata
+from libs.expertctl.credentials import add_api_key_argument, call_with_credentials
 from libs.expertctl.errors import UsageError
 from libs.expertctl.model_cmd import DEFAULT_MODEL_DIR
 
@@ -92,23 +92,17 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
-        import grpc
-
-        from expert_system.client import CHANNEL_OPTIONS
-        from expert_system.errors import InvalidRequest, error_from_call
         from libs.gen.expert.v1 import router_pb2_grpc
 
         target = args.router = _setting(args.router, ROUTER_ENV, DEFAULT_ROUTER)
-        args.metadata = call_metadata(args)
-        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-            try:
-                return handler(args, router_pb2_grpc.RouterServiceStub(channel))
-            except grpc.RpcError as exc:
-                error = error_from_call(exc)
-            if isinstance(error, InvalidRequest):
-                fields = "; ".join(f"{f}: {d}" for f, d in error.field_violations) or error.message
-                raise UsageError(f"the router refused it: {fields}")
-            return _fail(f"the router at {target}: {error}")
+        return call_with_credentials(
+            args,
+            target,
+            router_pb2_grpc.RouterServiceStub,
+            handler,
+            refused="the router refused it",
+            failed="the router",
+        )
 
     return run
 
