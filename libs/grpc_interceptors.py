@@ -11,6 +11,7 @@ sent as statuses like any other error.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import functools
@@ -79,12 +80,13 @@ def status_code(context: grpc.aio.ServicerContext, error: BaseException | None) 
 
 
 class ScopedInterceptor(grpc.aio.ServerInterceptor):
-    """Runs every servicer method inside `self.scope(handler_call_details, context)`."""
+    """Runs every servicer method inside `self.scope(handler_call_details, context)`, which each
+    interceptor defines."""
 
+    @abc.abstractmethod
     def scope(
         self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
-    ) -> contextlib.AbstractAsyncContextManager[None]:
-        raise NotImplementedError
+    ) -> contextlib.AbstractAsyncContextManager[None]: ...
 
     async def intercept_service(
         self,
