@@ -143,3 +143,10 @@ def _config_int(raw: dict[str, Any], name: str) -> int:
     if not _is_int(value) or value < 1:
         raise ManifestError(f"config.{name}", f"must be a positive integer, not {value!r}")
     return value
+
+
+def weights_fit(expert_hash: str, model_hash: str) -> bool:
+    """Whether an expert whose manifest's base_model.config_hash is `expert_hash` may serve a model
+    whose identity is `model_hash`. An unknown identity ("": a registration older than the field,
+    or a plan made before any engine reported its model) fits anything."""
+    return not expert_hash or not model_hash or expert_hash == model_hash

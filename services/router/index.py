@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from qdrant_client import QdrantClient, models
 
+from libs.experts.base_model import weights_fit
 from libs.experts.manifest import Manifest
 from services.router.calibration import DEFAULT_FLOOR, Background, FloorRule
 from services.router.embedding import SentenceEncoder
@@ -88,7 +89,7 @@ class IndexedExpert:
 
     def fits(self, base_model_hash: str) -> bool:
         """Whether its weights fit the model with this identity ("": any model)."""
-        return not base_model_hash or not self.base_model_hash or self.base_model_hash == base_model_hash
+        return weights_fit(self.base_model_hash, base_model_hash)
 
     @classmethod
     def from_payload(cls, payload: dict, stats: Stats) -> IndexedExpert:
