@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from libs.engine.errors import InvalidRequestError
+from libs.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -35,7 +36,9 @@ class SamplingParams:
     touches the eos ids, the stop_token_ids or the tokenizer's control tokens. A seed makes the
     sampled tokens reproducible whatever else shares the batch. `stop` strings never appear in the
     output text (unless include_stop_str_in_output). `logprobs` N returns the N most likely tokens
-    per position (0: only the sampled token's).
+    per position (0: only the sampled token's). `structured` constrains every output to a format
+    (JSON, a JSON schema, a regex or a grammar): only tokens that keep the output a prefix of one
+    the format accepts are sampled, and an end-of-sequence token only where the format can end.
     """
 
     n: int = 1
@@ -55,6 +58,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -125,6 +129,10 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, OutputKind):
             raise InvalidRequestError("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError(
+                "structured", f"expected a StructuredOutput, got {type(self.structured).__name__}"
+            )
         if self.logprobs is not None:
             _number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -30,8 +30,15 @@ LAYERS: list[set[str]] = [
     {""},  # the package's public names
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
-# What the engine library may use from the rest of libs/: settings and the expert package format.
-ENGINE_MAY_IMPORT = ("libs.config", "libs.experts.manifest", "libs.experts.package", "libs.experts.signing")
+# What the engine library may use from the rest of libs/: settings, the expert package format and
+# the structured output formats.
+ENGINE_MAY_IMPORT = (
+    "libs.config",
+    "libs.experts.manifest",
+    "libs.experts.package",
+    "libs.experts.signing",
+    "libs.structured_output",
+)
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,135 @@
+"""Structured output formats (docs/design.md#structured-output): what a request may constrain its
+output to, and the one translation of each into an llguidance grammar.
+
+Reception checks a format with `format_problem` before a job is queued, the engine compiles
+`grammar_text` into a token matcher, and postproc checks a finished text with `text_problem`. All
+three use this module, so a format means the same thing at every stage. It needs no model: the
+checks here run without a tokenizer (postproc's reads the text byte by byte).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import llguidance
+
+# seed 000's cap on a request's format: the schema's, regex's or grammar's UTF-8 bytes.
+MAX_FORMAT_BYTES = 16 * 1024
+
+Kind = Literal["json_object", "json_schema", "regex", "grammar"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "grammar")
+
+# How JSON is written under a schema. Whitespace stays flexible so that any document the schema
+# accepts can be generated (a model that writes `{"a": 1}` is not pushed to `{"a":1}`), but a run of
+# it is bounded: an unbounded run is what a small model falls into when it hesitates, and it then
+# pads with newlines to max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+
+_ANY_OBJECT = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output.
+
+    kind: json_object (any JSON object), json_schema (`spec` is the schema as JSON text), regex
+    (`spec` is a regular expression the whole output matches, in Rust's regex syntax without
+    look-around or backreferences), grammar (`spec` is a grammar in llguidance's Lark dialect).
+    """
+
+    kind: Kind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}; expected one of {KINDS}")
+
+    @property
+    def key(self) -> str:
+        """A content hash: equal formats share one compiled grammar."""
+        return hashlib.sha256(f"{self.kind}\0{self.spec}".encode()).hexdigest()
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_object", "json_schema")
+
+    @property
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must satisfy (json kinds), else None."""
+        if self.kind == "json_object":
+            return _ANY_OBJECT
+        return self.spec if self.kind == "json_schema" else None
+
+
+def grammar_text(output: StructuredOutput) -> str:
+    """The llguidance grammar of a format (ValueError when a schema is not a JSON object)."""
+    if output.is_json:
+        return llguidance.LLMatcher.grammar_from_json_schema(output.schema_text, defaults=JSON_OPTIONS)
+    if output.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(output.spec)
+    return llguidance.LLMatcher.grammar_from_lark(output.spec)
+
+
+def format_problem(output: StructuredOutput) -> str | None:
+    """Why a format cannot be enforced (too long, not a schema, a regex or grammar that does not
+    compile, a schema keyword the library does not implement), or None. Schema keywords are never
+    ignored: llguidance refuses what it cannot enforce, and so does this check."""
+    size = len(output.spec.encode())
+    if size > MAX_FORMAT_BYTES:
+        return f"at most {MAX_FORMAT_BYTES} bytes, got {size}"
+    if output.kind in ("regex", "grammar") and not output.spec:
+        return "must not be empty"
+    try:
+        grammar = grammar_text(output)
+    except ValueError as exc:
+        return f"not a JSON schema object: {exc}"
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if failed:
+        return _one_line(messages[0])
+    return None
+
+
+def text_problem(output: StructuredOutput, text: str) -> str | None:
+    """Why `text` is not an output of the format (the bytes that stop matching, or an end that
+    comes too early), or None when it matches it whole. Independent of any model's tokens: the
+    text is fed to the grammar one byte at a time."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar_text(output), log_level=0)
+    if matcher.is_error():
+        return _one_line(matcher.get_error())
+    data = text.encode()
+    accepted = matcher.try_consume_tokens(list(data))
+    if accepted < len(data):
+        return f"does not match from byte {accepted}: {_excerpt(data[accepted:])}"
+    if not matcher.is_accepting():
+        return "ends before the format is complete"
+    return None
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes, plus an end token: llguidance's view of text."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = 256
+        self.bos_token_id = None
+        self.special_token_ids = [256]
+        self.tokens = [bytes([b]) for b in range(256)] + [b"<end>"]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())[:400]
+
+
+def _excerpt(data: bytes) -> str:
+    return json.dumps(data[:40].decode(errors="replace"))
