@@ -33,6 +33,7 @@ from libs.engine.llm_engine import LLMEngine, Prompt
 from libs.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from libs.engine.request import Request
 from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,13 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def compile_structured(self, structured: StructuredOutput | None) -> None:
+        """Compile a structured output format into the engine's cache on an executor thread, so
+        that `add_request` finds it compiled: a slow schema then holds neither the engine thread
+        nor the event loop. Raises InvalidRequestError naming `structured` when it cannot be."""
+        if structured is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compile, structured)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; its stream ends with a finish_reason "abort" output.

@@ -19,6 +19,7 @@ from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManag
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import EngineConfig
 from libs.engine.errors import InvalidRequestError
+from libs.engine.grammar import GrammarCompiler
 from libs.engine.kernels import select_ops
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.decoder import DecoderModel
@@ -102,6 +103,7 @@ class LLMEngine:
             self.model, tensor, cache.block_size, self.max_model_len, static, self.experts.device_tier
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, adapters=self.experts.device_tier)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._builder = RequestBuilder(
             self.tokenizer,
             self.model_config,
@@ -110,6 +112,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             self.experts,
             random.Random(config.seed),
+            self.grammars,
         )
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from libs.engine.adapters.registry import ExpertUse
@@ -10,6 +11,8 @@ from libs.engine.sampler import SampledToken
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.sequence import Sequence, SequenceStatus
 from libs.engine.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,10 +109,21 @@ class Request:
             out.add_text(out.stream.finish())
             out.stop_reason = token if token in self.stop_ids else None
             return SequenceStatus.FINISHED_STOPPED
+        grammar_done = False
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept(token)
+            if not accepted:  # cannot happen while the mask holds; end the output rather than run on
+                log.error(
+                    "request %s: token %d outside its format: %s", self.request_id, token, seq.grammar.error
+                )
+            grammar_done = not accepted or seq.grammar.is_terminated
         delta = out.stream.append([token])
         out.add_text(delta.text)
         if delta.stop_string is not None:
             out.stop_reason = delta.stop_string
+            return SequenceStatus.FINISHED_STOPPED
+        if grammar_done:  # the format is complete and allows nothing more, not even an end token
+            out.add_text(out.stream.finish())
             return SequenceStatus.FINISHED_STOPPED
         at_max = self.params.max_tokens is not None and seq.num_output_tokens >= self.params.max_tokens
         if at_max or seq.num_tokens >= self.max_model_len:

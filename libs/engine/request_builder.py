@@ -9,6 +9,7 @@ from typing import Any
 
 from libs.engine.adapters.manager import ExpertManager, ExpertSpec
 from libs.engine.errors import InvalidRequestError
+from libs.engine.grammar import GrammarCompiler
 from libs.engine.models.config import ModelConfig
 from libs.engine.request import Request
 from libs.engine.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class RequestBuilder:
         max_num_seqs: int,
         experts: ExpertManager,
         rng: random.Random,
+        grammars: GrammarCompiler,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -40,6 +42,7 @@ class RequestBuilder:
         self.max_num_seqs = max_num_seqs
         self.experts = experts
         self._rng = rng
+        self.grammars = grammars
 
     def build(
         self,
@@ -67,6 +70,8 @@ class RequestBuilder:
                 raise InvalidRequestError(
                     f"stop_token_ids[{i}]", f"{token} is outside the vocabulary (size {vocab})"
                 )
+        # Cached after the first request with this format (AsyncLLMEngine compiles it beforehand).
+        grammar = None if params.structured is None else self.grammars.compile(params.structured).matcher()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(
@@ -80,6 +85,7 @@ class RequestBuilder:
             adapter_key=resolved.adapter_key,
             num_virtual_tokens=resolved.num_virtual_tokens,
             penalty_exempt_ids=self.penalty_exempt_ids(params),
+            grammar=grammar,
         )
         return Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
 

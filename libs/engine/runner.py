@@ -16,6 +16,7 @@ import torch
 
 from libs.engine.adapters.batch import build_adapter_batch
 from libs.engine.adapters.device import DeviceAdapters
+from libs.engine.grammar import bitmask_width
 from libs.engine.kernels import AttentionMetadata
 from libs.engine.models.decoder import DecoderModel
 from libs.engine.sampler import SampledToken, Sampler, SamplerOutput, SamplingBatch
@@ -166,7 +167,22 @@ class ModelRunner:
             batch.prompt_tokens = self._padded([s.prompt_token_ids for s in seqs])
             batch.output_tokens = self._padded([s.output_token_ids for s in seqs])
             batch.penalty_exempt = self._padded([list(s.penalty_exempt_ids) for s in seqs])
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            batch.constrained_rows = column(constrained, torch.int64)
+            batch.allowed_tokens = self._allowed_tokens([seqs[i] for i in constrained]).to(dev)
         return batch
+
+    def _allowed_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The constrained rows' token bitmasks, filled by their matchers on the CPU (llguidance
+        writes straight into the tensor). The n rows of a forking sequence share one mask."""
+        bitmask = torch.empty((len(seqs), bitmask_width(self.vocab_size)), dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            if row and seq is seqs[row - 1]:
+                bitmask[row] = bitmask[row - 1]
+            else:
+                seq.grammar.fill(bitmask, row)
+        return bitmask
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))

@@ -7,6 +7,10 @@ therefore depends only on its own logits, seed and position, never on what else 
 same seed, same tokens. Top-k and top-p look at the 256 most likely tokens of a row and sort the
 whole row only when those do not hold the requested mass, so the common case never sorts the
 vocabulary.
+
+Rows under a structured output format come with a token bitmask: their disallowed tokens get -inf
+after the penalties and before anything else, so every filter and draw sees only allowed tokens.
+The other rows are not touched at all, and a masked row's numbers depend on its own mask only.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class SamplingBatch:
     output_tokens: torch.Tensor | None = None  # [S, Lo] int64 padded with vocab_size
     # [S, Le] int64 padded with vocab_size: ids no penalty touches (EOS, stop ids, control tokens)
     penalty_exempt: torch.Tensor | None = None
+    # Structured output: the rows with a format, and their allowed tokens as bits ([C, ceil(V/32)]
+    # int32; bit i of word j allows token 32 * j + i).
+    constrained_rows: torch.Tensor | None = None  # [C] int64
+    allowed_tokens: torch.Tensor | None = None
     num_logprobs: int = -1  # max top-N logprobs any row wants, -1 = none
     all_greedy: bool = False
     any_top_k: bool = False
@@ -109,6 +117,16 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if batch.penalty_exempt is not None:
         logits = torch.where(_token_mask(batch.penalty_exempt, s, v), raw, logits)
     return logits
+
+
+def _allow_only(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf for every token a constrained row's bitmask leaves out (a new tensor;
+    rows not listed keep their values bit for bit)."""
+    v = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :v]
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -199,6 +217,9 @@ class Sampler:
             or batch.presence_penalty is not None
         ):
             logits = _apply_penalties(logits, batch)
+        if batch.allowed_tokens is not None:
+            # After the penalties, which hand the end-of-sequence ids their raw logits back.
+            logits = _allow_only(logits, batch.constrained_rows, batch.allowed_tokens)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -10,6 +10,7 @@ from libs.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from libs.engine.adapters.registry import ExpertUse, LoadedExpert
+    from libs.engine.grammar import GrammarMatcher
 
 _MASK64 = (1 << 64) - 1
 _seq_ids = itertools.count()
@@ -75,6 +76,7 @@ class Sequence:
         adapter_key: bytes = b"",
         num_virtual_tokens: int = 0,
         penalty_exempt_ids: tuple[int, ...] = (),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -85,6 +87,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.penalty_exempt_ids = penalty_exempt_ids  # RequestBuilder.penalty_exempt_ids
+        # The output's place in its structured format, advanced by every token it samples. It
+        # depends on the output tokens only, so preemption (which keeps them) leaves it valid.
+        self.grammar = grammar
         self.request_seed = request_seed
         self.seed = output_seed(request_seed, index)
         self.priority = priority
@@ -158,6 +163,7 @@ class Sequence:
             adapter_key=self.adapter_key,
             num_virtual_tokens=self.num_virtual_tokens,
             penalty_exempt_ids=self.penalty_exempt_ids,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
