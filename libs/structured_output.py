@@ -68,10 +68,49 @@ class StructuredOutput:
 def grammar_text(output: StructuredOutput) -> str:
     """The llguidance grammar of a format (ValueError when a schema is not a JSON object)."""
     if output.is_json:
-        return llguidance.LLMatcher.grammar_from_json_schema(output.schema_text, defaults=JSON_OPTIONS)
+        try:
+            schema = json.loads(output.schema_text)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"expected an object, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(only_declared(schema), defaults=JSON_OPTIONS)
     if output.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(output.spec)
     return llguidance.LLMatcher.grammar_from_lark(output.spec)
+
+
+def only_declared(schema: dict) -> dict:
+    """`schema`, changed in place so that an object that declares its properties and says nothing of others
+    has no others (`additionalProperties: false`), as xgrammar's strict mode and OpenAI's strict
+    schemas have it. JSON Schema would allow any extra property there, and a small model given that
+    freedom invents properties until max_tokens. Every document generated this way still satisfies
+    the original schema. The parts of an `allOf` are left open, since each may declare properties
+    the others add. Only subschemas are visited (never `enum` or `const` values), with a stack, so
+    no depth can exhaust the recursion limit."""
+    stack: list[tuple[object, bool]] = [(schema, True)]
+    while stack:
+        node, close = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if close and isinstance(node.get("properties"), dict) and not _OTHER_PROPERTIES & node.keys():
+            node["additionalProperties"] = False
+        for key in _SUBSCHEMA:
+            if key in node:
+                stack.append((node[key], True))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((part, key != "allOf") for part in node[key])
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((part, True) for part in node[key].values())
+    return schema
+
+
+_OTHER_PROPERTIES = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def format_problem(output: StructuredOutput) -> str | None:
@@ -85,7 +124,7 @@ def format_problem(output: StructuredOutput) -> str | None:
         return "must not be empty"
     try:
         grammar = grammar_text(output)
-    except ValueError as exc:
+    except ValueError as exc:  # json.JSONDecodeError included
         return f"not a JSON schema object: {exc}"
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if failed:
