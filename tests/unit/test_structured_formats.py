@@ -59,7 +59,7 @@ def test_a_text_that_stops_early_or_runs_on_is_told_apart():
         (StructuredOutput("json_schema", '{"not": {"type": "string"}}'), 'Unimplemented keys: ["not"]'),
         (StructuredOutput("json_schema", "[1]"), "not a JSON schema object"),
         (StructuredOutput("json_schema", "{"), "not a JSON schema object"),
-        (StructuredOutput("json_schema", '{"a":' * 3000 + "1" + "}" * 3000), "nested too deeply"),
+        (StructuredOutput("json_schema", "[" * 3000 + "]" * 3000), "nested too deeply"),
         (StructuredOutput("regex", "a" * (MAX_FORMAT_BYTES + 1)), f"at most {MAX_FORMAT_BYTES} bytes"),
     ],
 )
