@@ -17,7 +17,7 @@ from typing import Literal
 
 import llguidance
 
-# seed 000's cap on a request's format: the schema's, regex's or grammar's UTF-8 bytes.
+# The cap on a request's format: the schema's, regex's or grammar's UTF-8 bytes.
 MAX_FORMAT_BYTES = 16 * 1024
 
 Kind = Literal["json_object", "json_schema", "regex", "grammar"]
