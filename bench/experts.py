@@ -130,6 +130,7 @@ def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str],
     """FEEDBACK_JOBS JSON jobs with a schema: the expert chosen for each, and the job after which the
     good expert was chosen every time (None if it never settled)."""
     from libs.engine import SamplingParams
+    from libs.structured_output import StructuredOutput
     from services.postproc.validation import validate_output
     from services.router.features import extract_features
     from services.router.matching import PromptQuery
@@ -151,7 +152,9 @@ def feedback_loop(engine, index, encoder, recipe, good: str) -> tuple[list[str],
         (out,) = engine.generate(
             [[{"role": "user", "content": example.prompt}]], params, experts=names or None
         )
-        valid = validate_output(out.text, "json_parsing", json.dumps(schema)).valid
+        valid = validate_output(
+            out.text, "json_parsing", StructuredOutput("json_schema", json.dumps(schema))
+        ).valid
         for name in names:
             index.record_outcome(name, valid, alpha=0.1)
         chosen_names.append(",".join(names) or "-")

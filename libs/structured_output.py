@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 import llguidance
 
-# The cap on a request's format: the schema's, regex's or grammar's UTF-8 bytes.
+# The cap on a request's format: the schema's, regex's or grammar's UTF-8 bytes (a format is a
+# constraint, not content; the cap bounds the engine's work to compile it).
 MAX_FORMAT_BYTES = 16 * 1024
 
 Kind = Literal["json_object", "json_schema", "regex", "grammar"]
@@ -166,8 +168,19 @@ def _byte_tokenizer() -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
+# llguidance quotes the refused text before its reason (`invalid regex "<the regex>" ... error:
+# look-around ... is not supported 1 | start: /<the regex>/`): the reason goes first, so that a
+# message clipped here, or on the wire (a gRPC field violation keeps 192 bytes), still says it.
+# The last "error: " is the reason's ("regex parse error: <the regex> ^^^ error: <reason>").
+_REASON = re.compile(r"(.+)\berror: (.+?)(?: \d+ \| .*)?$")
+
+
 def _one_line(message: str) -> str:
-    return " ".join(message.split())[:400]
+    text = " ".join(message.split())
+    found = _REASON.fullmatch(text)
+    if found is not None:
+        text = f"{found.group(2)} ({found.group(1).strip()})"
+    return text[:400]
 
 
 def _excerpt(data: bytes) -> str:

@@ -108,7 +108,15 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-experts", type=_INT32, metavar="N")
     parser.add_argument("--context-size", type=_INT32, metavar="N")
     parser.add_argument("--raw", action="store_true", help="complete the text without the chat template")
-    parser.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON schema the output must meet")
+    # The output's format (docs/api.md#structured-output), enforced as it is generated: one at most.
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="a JSON schema the output must meet"
+    )
+    formats.add_argument("--regex", metavar="REGEX", help="a regex the whole output matches (Rust's syntax)")
+    formats.add_argument(
+        "--grammar", type=Path, metavar="FILE", help="a grammar the output follows (llguidance's Lark)"
+    )
 
 
 def _add_common_arguments(
@@ -125,7 +133,7 @@ def _add_common_arguments(
 
 
 # Request fields that options do not set as is; every other field comes from the option of its name.
-_BUILT_FIELDS = frozenset({"body", "messages", "raw", "json_schema"})
+_BUILT_FIELDS = frozenset({"body", "messages", "raw", "json_schema", "response_format", "regex", "grammar"})
 
 
 def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,14 +151,27 @@ def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["messages"] = [{"role": "system", "content": args.system}]
     if args.raw:
         fields["raw"] = True
+    response_format = _response_format(args)
+    if response_format is not None:
+        fields["response_format"] = response_format
+    return fields
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The format option given (the parser allows one), as the SDK's response_format: each one
+    lands in the request's response_format, so that a refusal names the part of it at fault."""
     if args.json_schema is not None:
         text = _read_file("--json-schema", args.json_schema)
         try:
             json.loads(text)
         except json.JSONDecodeError as exc:
             raise UsageError(f"--json-schema: {args.json_schema} is not JSON: {exc}") from None
-        fields["json_schema"] = text
-    return fields
+        return {"type": "json_schema", "json_schema": {"schema": text}}
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": _read_file("--grammar", args.grammar)}
+    return None
 
 
 def _read_body(value: str) -> str:

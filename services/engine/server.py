@@ -19,6 +19,7 @@ from libs.engine.tokenizer import Tokenizer
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.experts.base_model import BaseModelIdentity
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from libs.response_format import to_structured
 from services.engine.metrics import EngineMetrics
 
 FINISH_REASONS = {
@@ -29,7 +30,8 @@ FINISH_REASONS = {
 
 
 def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
-    """The engine's SamplingParams; zero top_p / repetition_penalty / max_tokens mean "not set"."""
+    """The engine's SamplingParams; zero top_p / repetition_penalty / max_tokens mean "not set", and
+    `response_format` becomes the format the engine enforces (`structured`)."""
     return SamplingParams(
         temperature=params.temperature,
         max_tokens=params.max_tokens or None,
@@ -44,6 +46,7 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         n=params.n or 1,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         output_kind=OutputKind.DELTA,
+        structured=to_structured(params.response_format),
     )
 
 

@@ -11,6 +11,7 @@ from libs.feedback import FEEDBACK_STREAM, entry_fields
 from libs.gen.expert.v1 import common_pb2, postproc_pb2
 from libs.job_results import job_result
 from libs.logging import get_logger
+from libs.response_format import to_structured
 from libs.timestamps import timestamp
 from services.postproc.metrics import PostprocMetrics
 from services.postproc.validation import Validation, validate_output
@@ -29,12 +30,17 @@ class Finalizer:
     async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
         started = time.perf_counter()
         outcome = request.outcome
-        schema = request.json_schema if request.HasField("json_schema") else None
+        output_format = to_structured(request.response_format)
         task_type = request.task_type or "general"
         # Each choice is validated; the result's own validation is the first choice's, and the job
         # passes (for the metrics and the routers' feedback) when every choice does.
-        validations = [validate_output(c.text, task_type, schema) for c in outcome.choices] or [
-            validate_output(outcome.text, task_type, schema)
+        validations = [
+            validate_output(c.text, task_type, output_format, cut_by_max_tokens=_cut(c.finish_reason))
+            for c in outcome.choices
+        ] or [
+            validate_output(
+                outcome.text, task_type, output_format, cut_by_max_tokens=_cut(outcome.finish_reason)
+            )
         ]
         validation = validations[0]
         passed = all(v.valid for v in validations)
@@ -101,6 +107,10 @@ class Finalizer:
             choice.validation.CopyFrom(_proto(checked))
         result.metrics.CopyFrom(metrics)
         return result
+
+
+def _cut(finish_reason: int) -> bool:
+    return finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def _proto(validation: Validation) -> common_pb2.ValidationResult:

@@ -1,5 +1,12 @@
-"""Output validation (docs/design.md#post-processing): JSON for JSON tasks (and a JSON schema when
-the request carries one), Python syntax for code tasks, non-empty text otherwise."""
+"""Output validation (docs/design.md#post-processing): an output with a format must be exactly a
+text of that format; without one, JSON for JSON tasks, Python syntax for code tasks, non-empty text
+otherwise.
+
+The format check is postproc's own, independent of the engine that enforced the format while
+sampling: a JSON output is parsed and checked against its schema with jsonschema, a regex or grammar
+output is read byte by byte against the format (libs.structured_output.text_problem), never through
+the engine's token matcher.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ from dataclasses import dataclass
 
 import jsonschema
 
+from libs.structured_output import StructuredOutput, text_problem
+
 # Models often fence their answer in markdown: validate what is inside a single fenced block.
 _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n```\s*$", re.DOTALL)
 
@@ -17,7 +26,9 @@ _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n```\s*$", re.DOTALL)
 @dataclass(frozen=True)
 class Validation:
     valid: bool
-    validator: str  # json, json_schema, python, generic
+    # json_schema (a JSON object or schema format), regex, grammar (those formats); without a
+    # format: json, python, generic
+    validator: str
     error: str = ""
 
 
@@ -26,22 +37,42 @@ def unfence(text: str) -> str:
     return match.group(1) if match else text.strip()
 
 
-def validate_output(output: str, task_type: str, json_schema: str | None = None) -> Validation:
+def validate_output(
+    output: str,
+    task_type: str,
+    output_format: StructuredOutput | None = None,
+    *,
+    cut_by_max_tokens: bool = False,
+) -> Validation:
+    """The check of one output: against its format when the request had one (an output that
+    max_tokens cut is not valid then, whatever its text), else by the task type."""
+    validator = _validator(task_type, output_format)
     try:
-        return _validate(output, task_type, json_schema)
+        if output_format is None:
+            return _validate_task(output, task_type)
+        problem = _format_problem(output, output_format)
     except RecursionError:
         # An output nested thousands of levels deep, or a schema whose $ref loops without consuming
         # the document (`{"$ref": "#"}`): the parsers recurse, so the check cannot be made.
-        validator = "json_schema" if json_schema is not None else _VALIDATORS.get(task_type, "generic")
         return Validation(False, validator, "nested too deeply to check")
+    if cut_by_max_tokens:
+        # The engine stopped the output at max_tokens, not where the format let it end: a text
+        # that happens to match (a regex's digits, say) is only the beginning of the one meant.
+        cut = "cut by max_tokens (finish_reason length) before the format ended"
+        return Validation(False, validator, f"{cut}: {problem}" if problem else cut)
+    return Validation(problem is None, validator, problem or "")
+
+
+def _validator(task_type: str, output_format: StructuredOutput | None) -> str:
+    if output_format is None:
+        return _VALIDATORS.get(task_type, "generic")
+    return "json_schema" if output_format.is_json else output_format.kind
 
 
 _VALIDATORS = {"json_parsing": "json", "code_generation": "python"}
 
 
-def _validate(output: str, task_type: str, json_schema: str | None) -> Validation:
-    if json_schema is not None:
-        return _validate_schema(output, json_schema)
+def _validate_task(output: str, task_type: str) -> Validation:
     if task_type == "json_parsing":
         try:
             json.loads(unfence(output))
@@ -59,18 +90,26 @@ def _validate(output: str, task_type: str, json_schema: str | None) -> Validatio
     return Validation(False, "generic", "empty output")
 
 
-def _validate_schema(output: str, schema_text: str) -> Validation:
+def _format_problem(output: str, output_format: StructuredOutput) -> str | None:
+    """Why the output is not a text of its format, or None. The engine generated it under the
+    format, so it is checked as it is: no fence is looked through."""
+    if output_format.is_json:
+        return _schema_problem(output, output_format.schema_text)
+    return text_problem(output_format, output)
+
+
+def _schema_problem(output: str, schema_text: str) -> str | None:
     try:
         schema = json.loads(schema_text)
         jsonschema.Draft202012Validator.check_schema(schema)
     except (json.JSONDecodeError, jsonschema.SchemaError) as exc:
-        return Validation(False, "json_schema", f"the request's json_schema is not a valid schema: {exc}")
+        return f"the request's json_schema is not a valid schema: {exc}"
     try:
-        document = json.loads(unfence(output))
+        document = json.loads(output)
     except json.JSONDecodeError as exc:
-        return Validation(False, "json_schema", f"not JSON: {exc}")
+        return f"not JSON: {exc}"
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(document))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-        return Validation(False, "json_schema", f"{where}: {error.message}")
-    return Validation(True, "json_schema")
+        return f"{where}: {error.message}"
+    return None

@@ -407,7 +407,6 @@ class Pipeline:
             self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
         )
         inference_ms = (time.time() - run.inference_started) * 1000 if run.inference_started else 0.0
-        job = run.record.request
         request = postproc_pb2.FinalizeRequest(
             job_id=run.job_id,
             outcome=outcome,
@@ -418,7 +417,8 @@ class Pipeline:
             timed_out=timed_out,
             cancelled=cancelled,
             task_type=run.plan.features.task_type or "general",
-            json_schema=job.json_schema if job.HasField("json_schema") else None,
+            # what the engine enforced; empty without a format, or when planning did not finish
+            response_format=run.plan.generation_params.response_format,
             reasoning_trace=reasoning_trace(run.plan, run.placement),
             router_latency_ms=run.plan.router_latency_ms,
             preparation_latency_ms=run.placement.preparation_latency_ms,

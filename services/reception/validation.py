@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import unicodedata
 
 import jsonschema
@@ -19,6 +20,8 @@ from referencing.jsonschema import DRAFT202012
 from libs.errors import invalid_arguments
 from libs.gen.expert.v1 import common_pb2
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
+from libs.response_format import from_request, to_structured
+from libs.structured_output import MAX_FORMAT_BYTES, format_problem
 
 # Bounds of what one request may hold (docs/design.md#input-limits): each keeps a request's cost
 # in memory and time proportional to what a legitimate request needs.
@@ -31,13 +34,15 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1_000  # per stop string
 MAX_NAME_CHARS = 256  # an expert name or a user id
 MAX_EXCLUDED_EXPERTS = 100
-MAX_SCHEMA_CHARS = 16_384  # structured-output formats are capped at 16 KB
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batch
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's logprobs
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in the schema text
+MAX_FORMAT_NAME_CHARS = 64  # OpenAI's bound on response_format.json_schema.name
+MAX_FORMAT_DESCRIPTION_CHARS = 1_000  # kept with the request, never shown to the model
 ROLES = ("system", "user", "assistant", "tool")
 TEXT_FIELDS = ("prompt", "template", "body", "user_id", "json_schema")
 _ALWAYS_PRESENT = ("prompt", "user_id")  # plain proto3 fields: no presence to test
+_FORMAT_NAME = re.compile(rf"[a-zA-Z0-9_-]{{1,{MAX_FORMAT_NAME_CHARS}}}")
 
 
 def normalize(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
@@ -63,6 +68,27 @@ def normalize(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
             problems.append((f"request.stop[{i}]", "must not contain NUL bytes"))
         else:
             request.stop[i] = unicodedata.normalize("NFC", stop)
+    return problems + _normalize_format(request.response_format)
+
+
+def _normalize_format(response_format: common_pb2.ResponseFormat) -> list[tuple[str, str]]:
+    """The format's texts, normalized as the request's others are (a schema like the json_schema
+    shorthand, a regex or a grammar like a stop string)."""
+    kind = response_format.WhichOneof("format")
+    if kind == "json_schema":
+        owner, names = response_format.json_schema, ("name", "schema", "description")
+    elif kind in ("regex", "grammar"):
+        owner, names = response_format, (kind,)
+    else:
+        return []
+    problems = []
+    for name in names:
+        value = getattr(owner, name)
+        if "\x00" in value:
+            field = f"request.response_format.{kind}" + (f".{name}" if owner is not response_format else "")
+            problems.append((field, "must not contain NUL bytes"))
+        else:
+            setattr(owner, name, unicodedata.normalize("NFC", value))
     return problems
 
 
@@ -124,8 +150,7 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     problems += _messages(request)
     problems += _input_size(request)
     problems += _limits(request, max_model_len)
-    if request.HasField("json_schema"):
-        problems += _schema(request.json_schema)
+    problems += _format(request)
     if problems:
         raise invalid_arguments(problems)
 
@@ -232,20 +257,79 @@ def _limits(request: common_pb2.InferenceRequest, max_model_len: int) -> list[tu
     return problems
 
 
-def _schema(text: str) -> list[tuple[str, str]]:
-    if len(text) > MAX_SCHEMA_CHARS:
-        return [("request.json_schema", f"at most {MAX_SCHEMA_CHARS} characters, got {len(text)}")]
+def format_field(kind: str, shorthand: bool = False) -> str:
+    """The field that holds the text of a format of this kind, as violations name it."""
+    if shorthand:
+        return "request.json_schema"
+    if kind == "json_schema":
+        return "request.response_format.json_schema.schema"
+    if kind in ("regex", "grammar"):
+        return f"request.response_format.{kind}"
+    return "request.response_format"  # json_object has no text
+
+
+def _format(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
+    """The output format (docs/api.md#structured-output): json_schema or response_format, not both;
+    a schema must be a valid JSON Schema; then every kind must be one the engine can enforce
+    (libs.structured_output refuses what llguidance cannot: a keyword it does not implement is
+    refused here rather than ignored when the engine samples)."""
+    shorthand = request.HasField("json_schema")
+    if shorthand and request.HasField("response_format"):
+        return [("request.json_schema", "set either json_schema or response_format")]
+    if request.HasField("response_format") and request.response_format.WhichOneof("format") is None:
+        return [("request.response_format", "set one of json_object, json_schema, regex or grammar")]
+    response_format = from_request(request)
+    if response_format is None:
+        return []
+    kind = response_format.WhichOneof("format")
+    if kind == "json_schema":
+        problems = _schema_details(response_format.json_schema)
+        schema_problems = _schema(response_format.json_schema.schema, format_field(kind, shorthand))
+        if schema_problems:  # llguidance's check would only repeat them
+            return problems + schema_problems
+    else:
+        problems = []
+    problem = format_problem(to_structured(response_format))
+    if problem is not None:
+        problems.append((format_field(kind, shorthand), problem))
+    return problems
+
+
+def _schema_details(spec: common_pb2.JsonSchemaFormat) -> list[tuple[str, str]]:
+    """A json_schema format's name (optional on gRPC; OpenAI's bound when set) and description."""
+    problems = []
+    if spec.name and not _FORMAT_NAME.fullmatch(spec.name):
+        problems.append(
+            (
+                "request.response_format.json_schema.name",
+                f"at most {MAX_FORMAT_NAME_CHARS} of a-z, A-Z, 0-9, _ and -, got {spec.name[:80]!r}",
+            )
+        )
+    if len(spec.description) > MAX_FORMAT_DESCRIPTION_CHARS:
+        problems.append(
+            (
+                "request.response_format.json_schema.description",
+                f"at most {MAX_FORMAT_DESCRIPTION_CHARS} characters, got {len(spec.description)}",
+            )
+        )
+    return problems
+
+
+def _schema(text: str, field: str) -> list[tuple[str, str]]:
+    size = len(text.encode())
+    if size > MAX_FORMAT_BYTES:
+        return [(field, f"at most {MAX_FORMAT_BYTES} bytes, got {size}")]
     depth = json_depth(text)
     if depth > MAX_SCHEMA_DEPTH:
-        return [("request.json_schema", f"nested {depth} levels deep, above the limit of {MAX_SCHEMA_DEPTH}")]
+        return [(field, f"nested {depth} levels deep, above the limit of {MAX_SCHEMA_DEPTH}")]
     try:
         schema = json.loads(text)
         jsonschema.Draft202012Validator.check_schema(schema)
     except (json.JSONDecodeError, jsonschema.SchemaError) as exc:
-        return [("request.json_schema", f"not a valid JSON schema: {str(exc).splitlines()[0]}")]
+        return [(field, f"not a valid JSON schema: {str(exc).splitlines()[0]}")]
     unresolved = _unresolved_reference(schema)
     if unresolved is not None:
-        return [("request.json_schema", f"$ref {unresolved!r} does not resolve within the schema")]
+        return [(field, f"$ref {unresolved!r} does not resolve within the schema")]
     return []
 
 

@@ -3,6 +3,7 @@ type by patterns."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -36,7 +37,16 @@ TASK_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
         re.compile(r"\?\s*$|^\s*(what|who|when|where|why|how|which|is|are|does|do|can)\b", re.IGNORECASE),
     ),
 )
-TASK_TYPES = ("general", *(name for name, _ in TASK_PATTERNS))
+# A request that constrains its output (docs/design.md#structured-output) is a structured task,
+# whatever its prompt reads as: a JSON format is json_parsing's, a regex or a grammar is
+# structured_output's, a task no prompt pattern names.
+FORMAT_TASK_TYPES = {
+    "json_object": "json_parsing",
+    "json_schema": "json_parsing",
+    "regex": "structured_output",
+    "grammar": "structured_output",
+}
+TASK_TYPES = ("general", *(name for name, _ in TASK_PATTERNS), "structured_output")
 
 
 @dataclass(frozen=True)
@@ -127,3 +137,11 @@ def extract_features(prompt: str, body: str | None = None) -> Features:
         has_code=any(keyword in lowered for keyword in CODE_KEYWORDS),
         task_type=classify_task(prompt),
     )
+
+
+def for_format(features: Features, format_kind: str | None) -> Features:
+    """The features of a request whose output has a format of this kind (None: no format): the
+    format's task type in place of the prompt's."""
+    if format_kind is None:
+        return features
+    return dataclasses.replace(features, task_type=FORMAT_TASK_TYPES[format_kind])

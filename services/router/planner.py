@@ -10,7 +10,8 @@ import time
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, render_template
-from services.router.features import Features, extract_features
+from libs.response_format import from_request
+from services.router.features import Features, extract_features, for_format
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
 from services.router.selection import MAX_EXPERTS, Selection, select_experts
@@ -47,6 +48,13 @@ def input_bytes(model_input: common_pb2.ModelInput) -> int:
     return sum(len(m.content.encode()) + TEMPLATE_OVERHEAD_BYTES for m in messages) + TEMPLATE_OVERHEAD_BYTES
 
 
+def _format_trace(request: common_pb2.InferenceRequest, format_kind: str | None) -> list[str]:
+    if format_kind is None:
+        return []
+    source = "json_schema, the shorthand" if request.HasField("json_schema") else "response_format"
+    return [f"format: {format_kind} (the request's {source}), enforced by the engine as it samples"]
+
+
 class Planner:
     """Builds ExpertPlans: the reasoning stage over the expert index (without an index, or with
     nothing registered, every plan is the base-model fallback)."""
@@ -70,29 +78,38 @@ class Planner:
         started = time.perf_counter()
         text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
         body = request.body if request.HasField("body") else None
+        output_format = from_request(request)
+        format_kind = output_format.WhichOneof("format") if output_format is not None else None
         if self._can_select(request):
             # CPU work (the language model in numpy, the encoder in torch) and the index's Qdrant and Redis
             # reads: off the event loop, in one executor call, since splitting the CPU work only makes
             # its parts contend for the GIL.
-            features, selection = await asyncio.get_running_loop().run_in_executor(
-                None, self._analyse_and_select, request, text_for_features, body, base_model_hash
+            prompt_features, selection = await asyncio.get_running_loop().run_in_executor(
+                None, self._analyse_and_select, request, text_for_features, body, base_model_hash, format_kind
             )
         else:
-            features = extract_features(text_for_features, body)
-            selection = self._select(request, features, None, base_model_hash)
+            prompt_features = extract_features(text_for_features, body)
+            selection = self._select(request, for_format(prompt_features, format_kind), None, base_model_hash)
+        features = for_format(prompt_features, format_kind)
         params, tuning_trace = tune_parameters(
             features, request, max_model_len, model_defaults, self.max_tokens_ceiling
         )
+        if output_format is not None:
+            params.response_format.CopyFrom(output_format)
         model_in, text = model_input(request)
+        task = f"task {features.task_type}"
+        if format_kind is not None:
+            task += f" (the request's {format_kind} format; the prompt reads as {prompt_features.task_type})"
         trace = [
             f"features: language {features.language}, has_json {features.has_json}, "
-            f"has_code {features.has_code}, task {features.task_type}",
+            f"has_code {features.has_code}, {task}",
             *(
                 selection.trace
                 if selection
                 else ["experts: none registered; the base model answers (fallback)"]
             ),
             *tuning_trace,
+            *_format_trace(request, format_kind),
             "input: "
             + ("raw completion" if request.raw else "chat template, as the last user turn")
             + (", template rendered" if request.HasField("template") else "")
@@ -135,11 +152,18 @@ class Planner:
         return self.index is not None and (bool(request.force_experts) or self.index.count() > 0)
 
     def _analyse_and_select(
-        self, request: common_pb2.InferenceRequest, text: str, body: str | None, base_model_hash: str
+        self,
+        request: common_pb2.InferenceRequest,
+        text: str,
+        body: str | None,
+        base_model_hash: str,
+        format_kind: str | None,
     ) -> tuple[Features, Selection | None]:
-        features = extract_features(text, body)
+        """The prompt's own features, and the selection for the request's (its format's task type)."""
+        prompt_features = extract_features(text, body)
         query = PromptQuery.encode(self.index.encoder, text)
-        return features, self._select(request, features, query, base_model_hash)
+        selection = self._select(request, for_format(prompt_features, format_kind), query, base_model_hash)
+        return prompt_features, selection
 
     def _select(
         self,

@@ -18,9 +18,13 @@ class Tuning:
     repetition_penalty: float
 
 
-# The defaults by task type; every other task type gets the default row.
+# The defaults by task type; every other task type gets the default row. A regex or a grammar is
+# tuned as JSON is: the output must follow a format, and a penalty on repeated tokens would fight
+# the tokens the format needs again and again (quotes, brackets, separators).
+_STRUCTURED = Tuning(temperature=0.2, max_tokens=2048, top_p=0.95, repetition_penalty=1.0)
 TASK_DEFAULTS = {
-    "json_parsing": Tuning(temperature=0.2, max_tokens=2048, top_p=0.95, repetition_penalty=1.0),
+    "json_parsing": _STRUCTURED,
+    "structured_output": _STRUCTURED,
     "creative_writing": Tuning(temperature=0.8, max_tokens=4096, top_p=0.95, repetition_penalty=1.1),
     "code_generation": Tuning(temperature=0.4, max_tokens=8192, top_p=0.95, repetition_penalty=1.05),
 }

@@ -90,8 +90,40 @@ def test_infer_options_become_request_fields(run, fakes, tmp_path):
         max_experts=2,
         context_size=4096,
         raw=True,
-        json_schema='{"type": "object"}',
+        response_format=common_pb2.ResponseFormat(json_schema={"schema": '{"type": "object"}'}),
     )
+
+
+@pytest.mark.parametrize("command", ["infer", "stream", "submit"])
+def test_a_regex_or_a_grammar_file_becomes_the_requests_format(run, fakes, tmp_path, command):
+    assert run(command, "Phone?", "--regex", "[0-9]{3}-[0-9]{4}")[0] == 0
+    assert fakes.reception.last_request.response_format == common_pb2.ResponseFormat(
+        regex="[0-9]{3}-[0-9]{4}"
+    )
+    grammar = 'start: "yes" | "no"\n'
+    (tmp_path / "answer.lark").write_text(grammar)
+    assert run(command, "Yes or no?", "--grammar", str(tmp_path / "answer.lark"))[0] == 0
+    assert fakes.reception.last_request.response_format == common_pb2.ResponseFormat(grammar=grammar)
+    assert not fakes.reception.last_request.HasField("json_schema")
+
+
+def test_at_most_one_format_option_is_given(run, fakes, tmp_path):
+    sent = len(fakes.reception.requests)
+    (tmp_path / "schema.json").write_text("{}")
+    status, _, err = run("infer", "hello", "--regex", "a+", "--json-schema", str(tmp_path / "schema.json"))
+    assert status == 2
+    assert "expertctl: error: argument --json-schema: not allowed with argument --regex" in err
+    status, _, err = run("infer", "hello", "--grammar", "/no/such.lark")
+    assert (status, err) == (
+        2,
+        "expertctl: error: --grammar: cannot read /no/such.lark: No such file or directory\n",
+    )
+    (tmp_path / "bad.json").write_text("{not json")
+    status, _, err = run("infer", "hello", "--json-schema", str(tmp_path / "bad.json"))
+    assert status == 2 and err.startswith(
+        f"expertctl: error: --json-schema: {tmp_path / 'bad.json'} is not JSON"
+    )
+    assert len(fakes.reception.requests) == sent
 
 
 def test_infer_without_options_leaves_the_fields_to_the_router(run, fakes):

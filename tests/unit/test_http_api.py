@@ -96,6 +96,10 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape(parts):
         ("request.messages[0].role", CHAT, "messages[0].role"),
         ("request.max_tokens", {**CHAT, "max_completion_tokens": 9}, "max_completion_tokens"),
         ("request.max_tokens", {"model": "base", "prompt": "x"}, "max_tokens"),
+        ("request.response_format.regex", CHAT, "response_format.regex"),
+        ("request.response_format.grammar", {"model": "base", "prompt": "x"}, "response_format.grammar"),
+        ("request.response_format.json_schema.schema", CHAT, "response_format.json_schema.schema"),
+        ("request.response_format.json_schema.name", CHAT, "response_format.json_schema.name"),
     ],
 )
 def test_a_violation_names_the_field_as_the_client_sent_it(parts, field, body, param):

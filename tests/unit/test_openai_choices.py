@@ -65,10 +65,14 @@ def test_n_logprobs_and_response_format_map_onto_the_request():
             **CHAT, n=3, logprobs=True, top_logprobs=4, response_format={"type": "json_object"}
         )
     )
-    assert (chat.n, chat.logprobs, json.loads(chat.json_schema)) == (3, 4, {"type": "object"})
+    assert (chat.n, chat.logprobs) == (3, 4)
+    assert chat.response_format == common_pb2.ResponseFormat(json_object={})
+    assert not chat.HasField("json_schema")  # the shorthand is the gRPC API's, not OpenAI's
     assert to_request(ChatCompletionRequest(**CHAT, logprobs=True)).logprobs == 0
     plain = to_request(ChatCompletionRequest(**CHAT, logprobs=False, response_format={"type": "text"}))
-    assert not plain.HasField("logprobs") and not plain.HasField("json_schema") and not plain.HasField("n")
+    assert (
+        not plain.HasField("logprobs") and not plain.HasField("response_format") and not plain.HasField("n")
+    )
     schema = {"type": "object", "required": ["city"]}
     completion = to_request(
         CompletionRequest(
@@ -81,7 +85,27 @@ def test_n_logprobs_and_response_format_map_onto_the_request():
             },
         )
     )
-    assert (completion.logprobs, json.loads(completion.json_schema)) == (2, schema)
+    assert completion.logprobs == 2
+    spec = completion.response_format.json_schema
+    assert (spec.name, json.loads(spec.schema), spec.strict) == ("c", schema, True)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "expected"),
+    [
+        ({"type": "regex", "regex": "[0-9]{3}"}, {"regex": "[0-9]{3}"}),
+        ({"type": "grammar", "grammar": 'start: "yes" | "no"'}, {"grammar": 'start: "yes" | "no"'}),
+        (
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "description": "what for"}},
+            {"json_schema": {"name": "n", "schema": "{}", "description": "what for"}},
+        ),
+    ],
+)
+def test_the_regex_and_grammar_extensions_and_a_described_schema_map_onto_the_format(
+    response_format, expected
+):
+    request = to_request(ChatCompletionRequest(**CHAT, response_format=response_format))
+    assert request.response_format == common_pb2.ResponseFormat(**expected)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +113,24 @@ def test_n_logprobs_and_response_format_map_onto_the_request():
     [
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "regex"}}, "response_format.regex"),
+        ({"response_format": {"type": "regex", "regex": ["a"]}}, "response_format.regex"),
+        ({"response_format": {"type": "grammar", "grammar": None}}, "response_format.grammar"),
+        ({"response_format": {"type": "regex", "regex": "a", "grammar": "b"}}, "response_format.grammar"),
+        ({"response_format": {"type": "json_object", "json_schema": {}}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+            "response_format.json_schema.schema",  # OpenAI's schema is an object, not its text
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "description": 1},
+                }
+            },
+            "response_format.json_schema.description",
+        ),
         ({"response_format": {"type": "text", "json_schema": {}}}, "response_format.json_schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (

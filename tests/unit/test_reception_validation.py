@@ -9,6 +9,7 @@ import pytest
 
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
+from libs.structured_output import MAX_FORMAT_BYTES
 from services.reception.validation import (
     MAX_BODY_CHARS,
     MAX_EXCLUDED_EXPERTS,
@@ -16,7 +17,6 @@ from services.reception.validation import (
     MAX_MESSAGES,
     MAX_NAME_CHARS,
     MAX_PROMPT_CHARS,
-    MAX_SCHEMA_CHARS,
     MAX_SCHEMA_DEPTH,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -185,7 +185,7 @@ def test_a_json_schema_must_be_a_valid_schema():
 
 
 def test_a_schema_is_bounded_in_size_and_depth_without_recursing():
-    assert list(problems(request(json_schema='{"type": "string"}' + " " * MAX_SCHEMA_CHARS))) == [
+    assert list(problems(request(json_schema='{"type": "string"}' + " " * MAX_FORMAT_BYTES))) == [
         "request.json_schema"
     ]
     nested = '{"type": "object", "properties": {"a": ' * 8 + "{}" + "}}" * 8
@@ -193,7 +193,7 @@ def test_a_schema_is_bounded_in_size_and_depth_without_recursing():
     too_deep = '{"items": ' * (MAX_SCHEMA_DEPTH + 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH + 1)
     assert "nested" in problems(request(json_schema=too_deep))["request.json_schema"]
     # deeper than Python's recursion limit, within the size cap: refused, not a RecursionError
-    hostile = "[" * (MAX_SCHEMA_CHARS // 2) + "]" * (MAX_SCHEMA_CHARS // 2)
+    hostile = "[" * (MAX_FORMAT_BYTES // 2) + "]" * (MAX_FORMAT_BYTES // 2)
     assert list(problems(request(json_schema=hostile))) == ["request.json_schema"]
 
 
@@ -235,3 +235,119 @@ def test_n_is_1_to_16_and_logprobs_0_to_20():
     assert problems(request(n=2, temperature=0.0)) == {}  # identical choices, as vLLM allows
     assert set(problems(request(n=0, logprobs=-1))) == {"request.n", "request.logprobs"}
     assert set(problems(request(n=17, logprobs=21))) == {"request.n", "request.logprobs"}
+
+
+# Structured output (docs/api.md#structured-output): every kind of format is checked before the job is
+# queued, each refusal naming the part at fault.
+
+SCHEMA_FIELD = "request.response_format.json_schema.schema"
+REGEX_FIELD = "request.response_format.regex"
+GRAMMAR_FIELD = "request.response_format.grammar"
+NAME_FIELD = "request.response_format.json_schema.name"
+
+
+def formatted(**response_format) -> common_pb2.InferenceRequest:
+    return request(response_format=common_pb2.ResponseFormat(**response_format))
+
+
+def schema_format(schema: str, **fields) -> common_pb2.InferenceRequest:
+    return formatted(json_schema=common_pb2.JsonSchemaFormat(schema=schema, **fields))
+
+
+def test_each_kind_of_format_is_accepted_when_the_engine_can_enforce_it():
+    assert problems(formatted(json_object=common_pb2.JsonObjectFormat())) == {}
+    assert problems(schema_format('{"type": "object"}', name="person", strict=True)) == {}
+    assert problems(schema_format('{"type": "object"}')) == {}  # the name is optional on gRPC
+    assert problems(formatted(regex=r"[0-9]{3}-[0-9]{4}")) == {}
+    assert problems(formatted(grammar='start: "yes" | "no"')) == {}
+
+
+@pytest.mark.parametrize(
+    ("req", "field", "says"),
+    [
+        (schema_format('{"type": 12}'), SCHEMA_FIELD, "not a valid JSON schema"),
+        (schema_format("{not json"), SCHEMA_FIELD, "not a valid JSON schema"),
+        (
+            schema_format('{"not": {"type": "string"}}'),
+            SCHEMA_FIELD,
+            'Unimplemented keys: ["not"]',
+        ),
+        (
+            request(json_schema='{"uniqueItems": true}'),
+            "request.json_schema",
+            'Unimplemented keys: ["uniqueItems"]',
+        ),
+        (formatted(regex="a(?=b)"), REGEX_FIELD, "look-around"),
+        (formatted(regex=r"(a)\1"), REGEX_FIELD, "backreferences are not supported"),
+        (formatted(regex="[a"), REGEX_FIELD, "unclosed character class"),
+        (formatted(regex=""), REGEX_FIELD, "must not be empty"),
+        (formatted(grammar="start: undefined_rule"), GRAMMAR_FIELD, "unknown name"),
+        (formatted(grammar=""), GRAMMAR_FIELD, "must not be empty"),
+        (request(response_format=common_pb2.ResponseFormat()), "request.response_format", "set one of"),
+    ],
+)
+def test_a_format_the_engine_cannot_enforce_is_refused_naming_its_part(req, field, says):
+    found = problems(req)
+    assert list(found) == [field]
+    assert says in found[field]
+
+
+def test_the_reason_of_a_bad_regex_survives_the_clipping_of_long_descriptions():
+    long_regex = "[a-z]+@example" * 12 + "(?=x)"
+    description = problems(formatted(regex=long_regex))[REGEX_FIELD]
+    assert description.startswith("look-around, including look-ahead and look-behind, is not supported (")
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"),
+    [
+        ("json_schema", SCHEMA_FIELD),
+        ("regex", REGEX_FIELD),
+        ("grammar", GRAMMAR_FIELD),
+        ("shorthand", "request.json_schema"),
+    ],
+)
+def test_a_format_over_16_kb_is_refused_naming_its_field(kind, field):
+    text = {
+        "json_schema": '{"type": "string"}' + " " * MAX_FORMAT_BYTES,
+        "shorthand": '{"type": "string"}' + " " * MAX_FORMAT_BYTES,
+        "regex": "a" * (MAX_FORMAT_BYTES + 1),
+        "grammar": 'start: "' + "a" * MAX_FORMAT_BYTES + '"',
+    }[kind]
+    req = {
+        "json_schema": lambda: schema_format(text),
+        "shorthand": lambda: request(json_schema=text),
+        "regex": lambda: formatted(regex=text),
+        "grammar": lambda: formatted(grammar=text),
+    }[kind]()
+    found = problems(req)
+    assert list(found) == [field] and f"at most {MAX_FORMAT_BYTES} bytes" in found[field]
+
+
+def test_the_16_kb_cap_counts_bytes():
+    assert problems(formatted(regex="é" * (MAX_FORMAT_BYTES // 2))) == {}
+    assert "bytes" in problems(formatted(regex="é" * (MAX_FORMAT_BYTES // 2 + 1)))[REGEX_FIELD]
+
+
+def test_json_schema_and_response_format_are_not_both_set():
+    both = request(json_schema='{"type": "object"}', response_format={"regex": "a+"})
+    assert problems(both) == {"request.json_schema": "set either json_schema or response_format"}
+
+
+def test_a_schema_format_name_is_bounded_and_its_description_too():
+    assert problems(schema_format("{}", name="a-Z_09" * 10)) == {}  # 60 characters
+    found = problems(schema_format("{}", name="x" * 65, description="d" * 1001))
+    assert set(found) == {
+        NAME_FIELD,
+        "request.response_format.json_schema.description",
+    }
+    assert "at most 64" in problems(schema_format("{}", name="has space"))[NAME_FIELD]
+
+
+def test_a_format_is_nfc_normalized_and_refuses_nul_bytes():
+    req = formatted(regex="caf\u0065\u0301")
+    validate(req)
+    assert req.response_format.regex == "café"
+    assert list(problems(formatted(regex="a\x00"))) == [REGEX_FIELD]
+    nul_name = problems(schema_format("{}", name="a\x00"))
+    assert NAME_FIELD in nul_name

@@ -118,6 +118,55 @@ def test_every_field_maps_onto_the_request_under_its_proto_name():
     assert to_json(request) == fields
 
 
+@pytest.mark.parametrize(
+    ("response_format", "expected"),
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"json_object": {}}),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},  # no name: ours allows it
+            {"json_schema": {"schema": '{"type": "object"}'}},
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": '{"type": "object"}', "strict": True},
+            },
+            {
+                "json_schema": {"name": "p", "schema": '{"type": "object"}', "strict": True}
+            },  # text, as json_schema
+        ),
+        ({"type": "regex", "regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"type": "grammar", "grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+    ],
+)
+def test_response_format_takes_openais_shape_with_the_regex_and_grammar_types(
+    parts, response_format, expected
+):
+    servicer, http = parts
+    assert (
+        http.post("/v1/infer", json={"prompt": "hi", "response_format": response_format}).status_code == 200
+    )
+    request = servicer.requests[-1]
+    if expected is None:
+        assert not request.HasField("response_format")
+    else:
+        assert request.response_format == common_pb2.ResponseFormat(**expected)
+
+
+def test_a_refused_format_names_its_part_as_sent(parts):
+    servicer, http = parts
+    servicer.error = invalid_arguments([("request.response_format.regex", "must not be empty")])
+    body = {"prompt": "hi", "response_format": {"type": "regex", "regex": ""}}
+    error = http.post("/v1/jobs", json=body).json()["error"]
+    assert (error["param"], error["message"]) == (
+        "response_format.regex",
+        "response_format.regex: must not be empty",
+    )
+    servicer.error = invalid_arguments([("request.json_schema", "set either json_schema or response_format")])
+    assert http.post("/v1/jobs", json={"prompt": "hi"}).json()["error"]["param"] == "json_schema"
+
+
 def test_unset_fields_stay_unset():
     request = to_request(JobBody(prompt="p"))
     assert not request.HasField("temperature") and not request.HasField("priority")
@@ -190,6 +239,23 @@ def test_service_errors_keep_the_proto_field_names(parts, error, status, param):
         ({"prompt": "hi", "max_tokens": 2**31}, "max_tokens", "invalid_type"),
         ({"prompt": "hi", "stop": "x"}, "stop", "invalid_type"),
         ({"prompt": "hi", "modle": "x"}, "modle", "unknown_parameter"),
+        ({"prompt": "hi", "response_format": "json"}, "response_format", "invalid_type"),
+        ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+        (
+            {"prompt": "hi", "response_format": {"type": "regex", "regex": 1}},
+            "response_format.regex",
+            "invalid_value",
+        ),
+        (
+            {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
+            "response_format.json_schema.schema",
+            "invalid_value",
+        ),
+        (
+            {"prompt": "hi", "response_format": {"type": "grammar", "grammar": "g", "x": 1}},
+            "response_format.x",
+            "unknown_parameter",
+        ),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(parts, body, param, code):

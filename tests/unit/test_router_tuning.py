@@ -1,15 +1,19 @@
 """The router's parameter tuning: the task-type table, the model's generation_config.json over it, the
 deployment's ceiling on the default max_tokens, the context window, then the user's values; each
-decision is a trace line."""
+decision is a trace line. A request with an output format is a structured task, and its plan
+carries the format to the engine."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from libs.config import ConfigError
 from libs.gen.expert.v1 import common_pb2
 from services.router.config import RouterConfig
-from services.router.features import Features
+from services.router.features import TASK_TYPES, Features, for_format
+from services.router.planner import Planner
 from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
 
 
@@ -81,3 +85,64 @@ def test_the_users_n_and_logprobs_pass_through_untouched():
     assert "tuning: n = 3 (user)" in trace and "tuning: logprobs = 0 (user)" in trace
     default, _ = tune_parameters(features(), common_pb2.InferenceRequest(prompt="x"))
     assert default.n == 0 and not default.HasField("logprobs")  # the engine's 1 choice, no logprobs
+
+
+# A request with an output format (docs/design.md#structured-output) is a structured task.
+
+
+@pytest.mark.parametrize(
+    ("response_format", "task"),
+    [
+        ({"json_object": {}}, "json_parsing"),
+        ({"json_schema": {"schema": '{"type": "object"}'}}, "json_parsing"),
+        ({"regex": "[0-9]+"}, "structured_output"),
+        ({"grammar": 'start: "yes" | "no"'}, "structured_output"),
+    ],
+)
+def test_a_format_makes_the_task_structured_whatever_the_prompt_reads_as(response_format, task):
+    prompt = "Write a poem about the sea"  # creative_writing by its words
+    request = common_pb2.InferenceRequest(prompt=prompt, response_format=response_format)
+    plan, _ = asyncio.run(Planner().plan(request))
+    assert plan.features.task_type == task
+    assert task in TASK_TYPES
+    assert plan.generation_params.response_format == request.response_format  # for the engine
+    params = plan.generation_params
+    assert (params.temperature, params.repetition_penalty) == (pytest.approx(0.2), pytest.approx(1.0))
+    kind = next(iter(response_format))
+    lines = plan.reasoning_trace.splitlines()
+    assert lines[0].endswith(
+        f"task {task} (the request's {kind} format; the prompt reads as creative_writing)"
+    )
+    assert f"format: {kind} (the request's response_format), enforced by the engine as it samples" in lines
+
+
+def test_the_json_schema_shorthand_is_planned_as_a_json_schema_format():
+    request = common_pb2.InferenceRequest(prompt="Hello there", json_schema='{"type": "object"}')
+    plan, _ = asyncio.run(Planner().plan(request))
+    assert plan.features.task_type == "json_parsing"
+    assert plan.generation_params.response_format == common_pb2.ResponseFormat(
+        json_schema={"schema": '{"type": "object"}'}
+    )
+    assert "format: json_schema (the request's json_schema, the shorthand)" in plan.reasoning_trace
+
+
+def test_without_a_format_the_prompt_decides_and_the_plan_carries_none():
+    plan, _ = asyncio.run(Planner().plan(common_pb2.InferenceRequest(prompt="Write a poem about the sea")))
+    assert plan.features.task_type == "creative_writing"
+    assert not plan.generation_params.HasField("response_format")
+    assert "format:" not in plan.reasoning_trace and "reads as" not in plan.reasoning_trace
+
+
+def test_structured_output_is_tuned_as_json_parsing():
+    structured, trace = tune_parameters(
+        features("structured_output"), common_pb2.InferenceRequest(prompt="x")
+    )
+    json_task, _ = tune_parameters(features("json_parsing"), common_pb2.InferenceRequest(prompt="x"))
+    assert structured == json_task
+    assert trace[0].startswith("tuning: task structured_output -> temperature 0.2, max_tokens 2048")
+
+
+def test_for_format_replaces_only_the_task_type():
+    prompt = features("question_answering")
+    assert for_format(prompt, None) is prompt
+    assert for_format(prompt, "grammar") == Features("en", False, False, "structured_output")

@@ -62,7 +62,16 @@ ALL_FIELDS = {
     "model": "SmolLM2-135M-Instruct",
     "n": 2,
     "logprobs": 3,
+    # in OpenAI's shape (reception refuses it beside json_schema; the SDK sends what it is given)
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": {"type": "object"}},
+    },
 }
+# What ALL_FIELDS' response_format becomes on the wire.
+PERSON_FORMAT = common_pb2.ResponseFormat(
+    json_schema=common_pb2.JsonSchemaFormat(name="person", schema='{"type": "object"}')
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +86,19 @@ def client(fakes):
         yield client
 
 
-def test_the_keywords_are_exactly_the_request_fields_besides_prompt():
+def test_the_keywords_are_the_request_fields_besides_prompt_and_the_regex_and_grammar_shorthands():
     proto_fields = set(common_pb2.InferenceRequest.DESCRIPTOR.fields_by_name) - {"prompt"}
-    assert set(RequestFields.__annotations__) == proto_fields == set(ALL_FIELDS)
+    assert proto_fields == set(ALL_FIELDS)
+    assert set(RequestFields.__annotations__) == proto_fields | {"regex", "grammar"}
 
 
 def test_every_keyword_reaches_its_proto_field(client, fakes):
     client.infer(prompt="Parse this JSON", **ALL_FIELDS)
     expected = common_pb2.InferenceRequest(
         prompt="Parse this JSON",
-        **{k: v for k, v in ALL_FIELDS.items() if k != "messages"},
+        **{k: v for k, v in ALL_FIELDS.items() if k not in ("messages", "response_format")},
         messages=[common_pb2.ChatMessage(role="system", content="Be brief.")],
+        response_format=PERSON_FORMAT,
     )
     assert fakes.reception.last_request == expected
 
@@ -131,6 +142,110 @@ def test_a_lone_stop_string_is_one_stop_and_a_schema_dict_is_serialised(client, 
     request = fakes.reception.last_request
     assert list(request.stop) == ["END"]
     assert json.loads(request.json_schema) == {"type": "object"}
+
+
+@pytest.mark.parametrize(
+    ("keywords", "expected"),
+    [
+        ({"response_format": {"type": "json_object"}}, {"json_object": {}}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": '{"type": "array"}',
+                        "strict": True,
+                        "description": "d",
+                    },
+                }
+            },
+            {"json_schema": {"name": "n", "schema": '{"type": "array"}', "strict": True, "description": "d"}},
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            {"json_schema": {"schema": "{}"}},
+        ),
+        ({"response_format": {"type": "regex", "regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"response_format": {"type": "grammar", "grammar": 'start: "a"'}}, {"grammar": 'start: "a"'}),
+        ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+        ({"regex": ""}, {"regex": ""}),  # sent: reception says why it is refused
+    ],
+)
+def test_each_kind_of_format_reaches_response_format(client, fakes, keywords, expected):
+    client.infer(prompt="hello", **keywords)
+    request = fakes.reception.last_request
+    assert request.response_format == common_pb2.ResponseFormat(**expected)
+    assert not request.HasField("json_schema")
+
+
+def test_a_text_response_format_sets_no_format(client, fakes):
+    client.infer(prompt="hello", response_format={"type": "text"})
+    assert not fakes.reception.last_request.HasField("response_format")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error", "message"),
+    [
+        ({"response_format": "json"}, TypeError, r"^response_format: expected a dict with 'type'"),
+        ({"response_format": {"type": "xml"}}, ValueError, r"^response_format\.type: must be one of text, "),
+        ({"response_format": {}}, ValueError, r"^response_format\.type: "),
+        (
+            {"response_format": {"type": "json_object", "schema": {}}},
+            ValueError,
+            r"^response_format\.schema: ",
+        ),
+        ({"response_format": {"type": "regex"}}, ValueError, r"^response_format\.regex: required"),
+        ({"response_format": {"type": "regex", "regex": 5}}, TypeError, r"^response_format\.regex: "),
+        (
+            {"response_format": {"type": "json_schema"}},
+            TypeError,
+            r"^response_format\.json_schema: expected a dict",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            ValueError,
+            r"^response_format\.json_schema\.schema: required",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            TypeError,
+            r"^response_format\.json_schema\.schema: expected a dict or JSON text",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}},
+            ValueError,
+            r"^response_format\.json_schema\.extra: not an argument",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "name": 7}}},
+            TypeError,
+            r"^response_format\.json_schema\.name: ",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}},
+            TypeError,
+            r"^response_format\.json_schema\.strict: expected True or False",
+        ),
+        ({"regex": ["a"]}, TypeError, r"^regex: "),
+        (
+            {"regex": "a", "grammar": 'start: "a"'},
+            ValueError,
+            r"^grammar: give one of response_format, regex and grammar",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "regex": "a"},
+            ValueError,
+            r"^regex: give one of response_format, regex and grammar, not response_format too",
+        ),
+    ],
+)
+def test_a_bad_format_is_refused_before_sending_naming_its_part(client, fakes, keywords, error, message):
+    sent = len(fakes.reception.requests)
+    with pytest.raises(error, match=message):
+        client.infer(prompt="hello", **keywords)
+    assert len(fakes.reception.requests) == sent
 
 
 def test_infer_returns_frozen_dataclasses_with_string_enums(client):

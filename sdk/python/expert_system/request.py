@@ -1,7 +1,9 @@
 """Keyword arguments -> `InferenceRequest`: the fields a caller sets, and only those.
 
 The proto's optional fields keep their presence: a keyword left out (or passed as None) stays
-unset, so the router decides it; a keyword passed as 0 or "" is sent as that value.
+unset, so the router decides it; a keyword passed as 0 or "" is sent as that value. The output's
+format is given in OpenAI's shape (`response_format={"type": "json_schema", ...}`), or as
+`regex=` or `grammar=` (docs/api.md#structured-output).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
+
+from google.protobuf.message import Message
 
 from ._proto.expert.v1 import common_pb2
 
@@ -19,7 +23,8 @@ class ChatMessageDict(TypedDict):
 
 
 class RequestFields(TypedDict, total=False):
-    """Every field of `InferenceRequest` except `prompt`, as keyword arguments of the client calls."""
+    """Every field of `InferenceRequest` except `prompt`, as keyword arguments of the client calls,
+    and `regex` and `grammar`, shorthands for a `response_format` of that kind."""
 
     template: str
     body: str
@@ -50,10 +55,22 @@ class RequestFields(TypedDict, total=False):
     n: int
     # Each generated token's logprob plus this many most likely alternatives (0-20).
     logprobs: int
+    # The output's format, in OpenAI's shape: {"type": "json_object"}, {"type": "json_schema",
+    # "json_schema": {"name", "schema", "strict", "description"}} (the schema a dict or JSON text),
+    # {"type": "regex", "regex": ...}, {"type": "grammar", "grammar": ...}; {"type": "text"}: none.
+    response_format: Mapping[str, Any]
+    # A regex the whole output matches: response_format={"type": "regex", "regex": ...}.
+    regex: str
+    # A grammar in llguidance's Lark dialect: response_format={"type": "grammar", "grammar": ...}.
+    grammar: str
 
 
 FIELD_NAMES = frozenset(RequestFields.__annotations__)
 _REPEATED_STRINGS = frozenset({"force_experts", "exclude_experts", "stop"})
+# The keywords that each set the request's response_format: one of them at most.
+_FORMAT_KEYWORDS = ("response_format", "regex", "grammar")
+_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
 
 
 def build_request(caller: str, prompt: str, fields: Mapping[str, Any]) -> common_pb2.InferenceRequest:
@@ -62,6 +79,11 @@ def build_request(caller: str, prompt: str, fields: Mapping[str, Any]) -> common
     for name in fields:
         if name not in FIELD_NAMES:
             raise TypeError(f"{caller}() got an unexpected keyword argument '{name}'")
+    formats = [name for name in _FORMAT_KEYWORDS if fields.get(name) is not None]
+    if len(formats) > 1:
+        raise ValueError(
+            f"{formats[1]}: give one of response_format, regex and grammar, not {formats[0]} too"
+        )
     request = common_pb2.InferenceRequest()
     _set(request, "prompt", prompt)
     for name, value in fields.items():
@@ -75,16 +97,64 @@ def build_request(caller: str, prompt: str, fields: Mapping[str, Any]) -> common
             _set_repeated(request, name, items)
         elif name == "json_schema" and isinstance(value, Mapping):
             request.json_schema = json.dumps(value)
+        elif name == "response_format":
+            _response_format(request, value)
+        elif name in ("regex", "grammar"):
+            _set(request.response_format, name, value)
         else:
             _set(request, name, value)
     return request
 
 
-def _set(request: common_pb2.InferenceRequest, name: str, value: Any) -> None:
+def _response_format(request: common_pb2.InferenceRequest, value: Any) -> None:
+    """`response_format` in OpenAI's shape (plus the regex and grammar types) into the request."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"response_format: expected a dict with 'type', got {value!r}")
+    kind = value.get("type")
+    if kind not in _FORMAT_TYPES:
+        raise ValueError(f"response_format.type: must be one of {', '.join(_FORMAT_TYPES)}, got {kind!r}")
+    allowed = {"type"} if kind in ("text", "json_object") else {"type", kind}
+    for key in value:
+        if key not in allowed:
+            raise ValueError(f"response_format.{key}: not an argument of type {kind!r}")
+    if kind == "text":
+        return  # free text: no format
+    if kind == "json_object":
+        request.response_format.json_object.SetInParent()
+    elif kind == "json_schema":
+        _json_schema_format(request.response_format.json_schema, value.get("json_schema"))
+    else:
+        if kind not in value:
+            raise ValueError(f"response_format.{kind}: required with type {kind!r}")
+        _set(request.response_format, kind, value[kind], f"response_format.{kind}")
+
+
+def _json_schema_format(spec: common_pb2.JsonSchemaFormat, value: Any) -> None:
+    field = "response_format.json_schema"
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{field}: expected a dict with 'schema', got {value!r}")
+    for key in value:
+        if key not in _JSON_SCHEMA_KEYS:
+            raise ValueError(f"{field}.{key}: not an argument (expected name, schema, strict, description)")
+    if "schema" not in value:
+        raise ValueError(f"{field}.schema: required")
+    schema = value["schema"]
+    if not isinstance(schema, str | Mapping):
+        raise TypeError(f"{field}.schema: expected a dict or JSON text, got {type(schema).__name__}")
+    spec.schema = schema if isinstance(schema, str) else json.dumps(schema)
+    if value.get("strict") is not None and not isinstance(value["strict"], bool):
+        raise TypeError(f"{field}.strict: expected True or False, got {value['strict']!r}")
+    for key in ("name", "strict", "description"):
+        if value.get(key) is not None:
+            _set(spec, key, value[key], f"{field}.{key}")
+
+
+def _set(message: Message, name: str, value: Any, field: str | None = None) -> None:
+    """`message.name = value`; an error names `field` (default: `name`)."""
     try:
-        setattr(request, name, value)
+        setattr(message, name, value)
     except (TypeError, ValueError) as exc:  # protobuf's messages do not say which field
-        raise type(exc)(f"{name}: {exc}") from None
+        raise type(exc)(f"{field or name}: {exc}") from None
 
 
 def _set_repeated(request: common_pb2.InferenceRequest, name: str, items: list[Any]) -> None:

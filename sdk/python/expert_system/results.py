@@ -70,7 +70,8 @@ class AppliedExpert:
 
 @dataclass(frozen=True)
 class ValidationResult:
-    """Postproc's check of the output (`validator`: json, json_schema, python or generic)."""
+    """Postproc's check of the output (`validator`: json_schema, regex or grammar with a format;
+    json, python or generic without)."""
 
     valid: bool
     validator: str

@@ -83,8 +83,6 @@ def param_of(field: str, body: object) -> str | None:
         base = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     elif base == "logprobs" and isinstance(body, ChatCompletionRequest):
         base = "top_logprobs" if body.top_logprobs is not None else "logprobs"
-    elif base == "json_schema" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
-        return "response_format.json_schema.schema"  # the only way an OpenAI body sets one
     elif base == "force_experts" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         return _forced_param(rest, body)
     return base + rest

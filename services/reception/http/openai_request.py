@@ -1,11 +1,9 @@
 """An OpenAI chat or completions body as the InferenceRequest the pipeline runs, refusing (400, the
 param named) what this API does not support yet rather than ignoring it. `n` and the logprobs map to
-the request's own fields; `response_format` becomes its `json_schema` (json_object: any object)."""
+the request's own fields; `response_format` becomes its `response_format`, the format the engine
+enforces (with the regex and grammar extensions: services/reception/http/response_format.py)."""
 
 from __future__ import annotations
-
-import json
-from typing import Any
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.http.errors import HttpError, not_supported
@@ -15,6 +13,7 @@ from services.reception.http.openai_schema import (
     Message,
     SamplingFields,
 )
+from services.reception.http.response_format import parse_response_format
 
 
 def _refuse_unsupported(body: SamplingFields) -> None:
@@ -76,9 +75,9 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
     if logprobs is not None:
         request.logprobs = logprobs
     if body.response_format is not None:
-        schema = _response_schema(body.response_format)
-        if schema is not None:
-            request.json_schema = schema
+        response_format = parse_response_format(body.response_format, openai=True)
+        if response_format is not None:
+            request.response_format.CopyFrom(response_format)
     if body.top_k == -1:  # vLLM's "off"
         request.top_k = 0
     if body.stop is not None:
@@ -98,42 +97,6 @@ def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
         raise HttpError(400, "top_logprobs requires logprobs: true", "top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
-
-
-# What `{"type": "json_object"}` asks for: any JSON object.
-JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
-_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
-
-
-def _bad(param: str, message: str, code: str = "invalid_value") -> HttpError:
-    return HttpError(400, f"{param} {message}", param, code)
-
-
-def _response_schema(response_format: dict[str, Any]) -> str | None:
-    """The JSON schema `response_format` asks the output to satisfy (None for plain text). Postproc
-    checks each choice against it after generation; sampling does not enforce it (yet)."""
-    kind = response_format.get("type")
-    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(kind)
-    if allowed is None:
-        raise _bad("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
-    for key in set(response_format) - allowed:
-        raise _bad(f"response_format.{key}", "is not an argument of this type", "unknown_parameter")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return JSON_OBJECT_SCHEMA
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
-        raise _bad("response_format.json_schema", "must be an object with name and schema")
-    for key in set(spec) - _JSON_SCHEMA_KEYS:
-        raise _bad(f"response_format.json_schema.{key}", "is not an argument", "unknown_parameter")
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise _bad("response_format.json_schema.name", "must be a non-empty string")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise _bad("response_format.json_schema.strict", "must be true or false")
-    if not isinstance(spec.get("schema"), dict):
-        raise _bad("response_format.json_schema.schema", "must be a JSON Schema object")
-    return json.dumps(spec["schema"])
 
 
 def _role(role: str) -> str:

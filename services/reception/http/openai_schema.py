@@ -45,7 +45,7 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=-INT32, le=INT32)
-    # checked field by field in openai_request (the errors name response_format's parts)
+    # checked part by part in response_format.py (the errors name the part)
     response_format: dict[str, Any] | None = None
     # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
     logit_bias: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from libs.gen.expert.v1 import common_pb2
 from services.reception.http.calls import unless_disconnected
 from services.reception.http.errors import HttpError, error_response
+from services.reception.http.response_format import parse_response_format
 from services.reception.http.rest_schema import InferBody, JobBody
 from services.reception.server import ReceptionServicer
 
@@ -34,14 +35,20 @@ _TIMESTAMP = "google.protobuf.Timestamp"
 
 
 def to_request(body: JobBody) -> common_pb2.InferenceRequest:
-    """The InferenceRequest a REST body spells out field for field (its unset fields stay unset)."""
-    fields = body.model_dump(exclude_none=True, exclude={"stream"})
+    """The InferenceRequest a REST body spells out field for field (its unset fields stay unset),
+    and the format its `response_format` asks for in OpenAI's shape."""
+    fields = body.model_dump(exclude_none=True, exclude={"stream", "response_format"})
     try:
-        return json_format.ParseDict(fields, common_pb2.InferenceRequest())
+        request = json_format.ParseDict(fields, common_pb2.InferenceRequest())
     except json_format.ParseError as exc:  # e.g. a float beyond float32's range
         found = re.search(r"at InferenceRequest\.([\w.\[\]]+)", str(exc))
         param = found.group(1) if found else None
         raise HttpError(400, f"{param or 'body'}: {exc}", param, "invalid_type") from None
+    if body.response_format is not None:
+        response_format = parse_response_format(body.response_format, openai=False)
+        if response_format is not None:
+            request.response_format.CopyFrom(response_format)
+    return request
 
 
 def to_json(message: Message) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The request body of the Expert System's own REST API (`/v1/infer`, `/v1/jobs`): the fields of an
 InferenceRequest under their proto names. Unknown fields are refused, and the integers are bounded
-to what the proto's fields hold; every other bound is reception's validation."""
+to what the proto's fields hold; every other bound is reception's validation. `response_format` is
+the one field in another shape: OpenAI's, as the SDK and the OpenAI endpoints take it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +52,8 @@ class JobBody(_Body):
     model: str | None = None
     n: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    # OpenAI's shape plus the regex and grammar types, checked part by part in response_format.py
+    response_format: dict[str, Any] | None = None
 
 
 class InferBody(JobBody):
