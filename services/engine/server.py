@@ -134,10 +134,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         experts = [
             (e.name + (f"@{e.version}" if e.version else ""), e.weight or 1.0) for e in request.experts
         ]
+        params = sampling_params(request.params)
+        # A format is compiled on an executor thread (cached by content) before the request joins
+        # the batch: a slow schema holds neither the engine thread nor this event loop.
+        await self.engine.compile_structured(params.structured)
         stream = self.engine.add_request(
             request_id,
             self._prompt(request.input),
-            sampling_params(request.params),
+            params,
             priority=request.priority,
             experts=experts or None,
             stream_interval=max(1, request.stream_interval),  # held back on the engine thread

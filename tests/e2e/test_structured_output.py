@@ -190,7 +190,6 @@ def test_the_rest_api_takes_a_format_and_names_a_refused_part(stack):
         assert "backreferences are not supported" in error["message"]
 
 
-@pytest.mark.xfail(reason="the engine's enforcement lands on main", strict=True)
 def test_each_kind_is_enforced_end_to_end(client):
     for kind, (keywords, output_format, _) in KINDS.items():
         result = _infer(client, keywords)
