@@ -244,3 +244,29 @@ def test_a_compiled_format_is_reused(tiny):
     for _ in range(3):
         tiny.generate(["hello"], SamplingParams(max_tokens=30, structured=structured))
     assert (tiny.grammars.hits - before[0], tiny.grammars.misses - before[1]) == (2, 1)
+
+
+def test_a_stop_string_ends_a_constrained_output_where_it_appears(tiny):
+    structured = StructuredOutput("regex", r"(ab|cd){3,12}")
+    free = tiny.generate(
+        ["hello"], SamplingParams(temperature=1.0, seed=8, max_tokens=40, structured=structured)
+    )[0]
+    text = free.outputs[0].text
+    assert re.fullmatch(structured.spec, text), text
+    stop = text[4:6]  # the third pair: the output stops just before it
+    cut = tiny.generate(
+        ["hello"], SamplingParams(temperature=1.0, seed=8, max_tokens=40, structured=structured, stop=[stop])
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+
+
+def test_a_constrained_request_reuses_the_prefix_cache_and_keeps_its_output(tiny_llama):
+    engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=512, num_blocks=200)
+    prompt = "a shared prefix that fills several blocks of the cache " * 4
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=200, structured=ENUMS)
+    first = engine.generate([prompt], params)[0]
+    second = engine.generate([prompt], params)[0]
+    assert second.metrics.num_cached_tokens > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert _conforms(second.outputs[0].text, ENUM_SCHEMA)
