@@ -131,6 +131,19 @@ def format_problem(output: StructuredOutput) -> str | None:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if failed:
         return _one_line(messages[0])
+    # Some problems show only at the first mask, once the parser runs: a grammar whose start rule
+    # can never end (`start: start`) allows no text at all. A first mask over bytes finds them here
+    # instead of in the engine, mid-batch.
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        reason = matcher.get_error().split("<state>")[0].strip()  # the parser's state dump follows
+        return (
+            _one_line(reason)
+            if " " in reason
+            else f"no output can be generated under it (llguidance: {reason})"
+        )
     return None
 
 

@@ -56,6 +56,29 @@ def _schema_text() -> st.SearchStrategy[str]:
     return st.one_of(st.builds(json.dumps, schemas), nested, brackets, refs, st.text(max_size=30))
 
 
+def _response_format() -> st.SearchStrategy[common_pb2.ResponseFormat]:
+    regexes = st.one_of(st.text(max_size=20), st.sampled_from(["[a-z", "(?=a)b", r"(\w)\1", "(a|b)*c", ".*"]))
+    grammars = st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(['start: "a"', "start: x", "start: start", 'start: %json {"type": "object"}']),
+    )
+    return st.one_of(
+        st.just(common_pb2.ResponseFormat()),
+        st.just(common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat())),
+        st.builds(
+            lambda schema, name: common_pb2.ResponseFormat(
+                json_schema=common_pb2.JsonSchemaFormat(name=name, schema=schema)
+            ),
+            _schema_text(),
+            _text(12),
+        ),
+        st.builds(lambda regex: common_pb2.ResponseFormat(regex=regex), st.one_of(regexes, _long_text())),
+        st.builds(
+            lambda grammar: common_pb2.ResponseFormat(grammar=grammar), st.one_of(grammars, _long_text())
+        ),
+    )
+
+
 def _floats() -> st.SearchStrategy[float]:
     return st.floats(allow_nan=True, allow_infinity=True, width=32)
 
@@ -99,6 +122,7 @@ REQUESTS = st.fixed_dictionaries(
         "messages": _messages(),
         "raw": st.booleans(),
         "json_schema": _schema_text(),
+        "response_format": _response_format(),
     },
 )
 

@@ -56,6 +56,7 @@ def test_a_text_that_stops_early_or_runs_on_is_told_apart():
         (StructuredOutput("regex", "(?=a)b"), "look-around"),
         (StructuredOutput("regex", ""), "must not be empty"),
         (StructuredOutput("grammar", "start: nothing_here\n"), 'unknown name: "nothing_here"'),
+        (StructuredOutput("grammar", "start: start\n"), "no output can be generated under it"),
         (StructuredOutput("json_schema", '{"not": {"type": "string"}}'), 'Unimplemented keys: ["not"]'),
         (StructuredOutput("json_schema", "[1]"), "not a JSON schema object"),
         (StructuredOutput("json_schema", "{"), "not a JSON schema object"),
