@@ -36,6 +36,11 @@ CHANNEL_OPTIONS: Sequence[tuple[str, Any]] = (
 # compose service with replicas) resolves to one address per replica, and with the default
 # pick_first every call of a channel would go to the first of them.
 BALANCED_OPTIONS: Sequence[tuple[str, Any]] = (("grpc.lb_policy_name", "round_robin"),)
+# A channel to one replica keeps its connections to itself. gRPC shares a subchannel between the
+# channels of a process that have the same target and options, so the channel that replaces one in
+# TRANSIENT_FAILURE (Channels.replica) would otherwise inherit its reconnect backoff and fail at once
+# with "connection refused" while the restarted replica is already listening.
+REPLICA_OPTIONS: Sequence[tuple[str, Any]] = (("grpc.use_local_subchannel_pool", 1),)
 
 # Backoff between attempts of `call`: full jitter over an exponentially growing window.
 _BACKOFF_BASE_S = 0.1
@@ -48,7 +53,7 @@ def insecure_channel(target: str, *, balanced: bool = True, internal_token: str 
     such as an engine at the address it registered). Every call sends `internal_token` when one is
     given (EXPERT_INTERNAL_TOKEN: how services prove they are services). Create one per peer and
     reuse it; close it with `await channel.close()`."""
-    options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else ())]
+    options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else REPLICA_OPTIONS)]
     interceptors = internal_token_interceptors(internal_token) if internal_token else None
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
