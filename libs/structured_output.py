@@ -128,19 +128,17 @@ def format_problem(output: StructuredOutput) -> str | None:
         grammar = grammar_text(output)
     except ValueError as exc:  # json.JSONDecodeError included
         return f"not a JSON schema object: {exc}"
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    if failed:
-        return _one_line(messages[0])
-    # Some problems show only at the first mask, once the parser runs: a grammar whose start rule
-    # can never end (`start: start`) allows no text at all. A first mask over bytes finds them here
-    # instead of in the engine, mid-batch.
+    # Compiled once, over bytes: the compile refuses what llguidance cannot enforce, and the first
+    # mask finds what shows only once the parser runs, such as a grammar whose start rule can never
+    # end (`start: start`), under which no text at all can be generated.
     matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    if not matcher.is_error():
-        matcher.compute_bitmask()
+    if matcher.is_error():
+        return error_reason(matcher.get_error())
+    matcher.compute_bitmask()
     if matcher.is_error():
         reason = matcher.get_error().split("<state>")[0].strip()  # the parser's state dump follows
         return (
-            _one_line(reason)
+            error_reason(reason)
             if " " in reason
             else f"no output can be generated under it (llguidance: {reason})"
         )
@@ -153,7 +151,7 @@ def text_problem(output: StructuredOutput, text: str) -> str | None:
     text is fed to the grammar one byte at a time."""
     matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar_text(output), log_level=0)
     if matcher.is_error():
-        return _one_line(matcher.get_error())
+        return error_reason(matcher.get_error())
     data = text.encode()
     accepted = matcher.try_consume_tokens(list(data))
     if accepted < len(data):
@@ -188,7 +186,8 @@ def _byte_tokenizer() -> llguidance.LLTokenizer:
 _REASON = re.compile(r"(.+)\berror: (.+?)(?: \d+ \| .*)?$")
 
 
-def _one_line(message: str) -> str:
+def error_reason(message: str) -> str:
+    """An llguidance error on one line, its reason first (before the compiler's position)."""
     text = " ".join(message.split())
     found = _REASON.fullmatch(text)
     if found is not None:

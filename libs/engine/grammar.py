@@ -18,7 +18,7 @@ import torch
 
 from libs.engine.errors import InvalidRequestError
 from libs.engine.tokenizer import Tokenizer
-from libs.structured_output import StructuredOutput, grammar_text
+from libs.structured_output import StructuredOutput, error_reason, grammar_text
 
 CACHE_SIZE = 256  # compiled formats kept; a repeated schema (the common case) is never compiled twice
 
@@ -106,7 +106,7 @@ class GrammarCompiler:
             raise InvalidRequestError("structured", f"not a JSON schema object: {exc}") from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError("structured", " ".join(matcher.get_error().split())[:400])
+            raise InvalidRequestError("structured", error_reason(matcher.get_error()))
         compiled = CompiledGrammar(matcher)
         with self._lock:
             self._cache[key] = compiled
