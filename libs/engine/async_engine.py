@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,7 @@ from libs.engine.llm_engine import LLMEngine, Prompt
 from libs.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from libs.engine.request import Request
 from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.engine.sessions import SessionError, SessionRef
 from libs.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._sessions_checked = 0.0  # engine thread: when idle sessions were last looked at
         self._dead: BaseException | None = None
         self._stats: EngineStats | None = self.engine.get_stats() if self.engine is not None else None
         # Published by the engine thread, like the stats: what the fleet's heartbeat reports must
@@ -181,6 +184,7 @@ class AsyncLLMEngine:
         experts: ExpertSpec | None = None,
         stream_interval: int = 1,
         on_finished: Callable[[RequestOutput], None] | None = None,
+        session: SessionRef | None = None,
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
@@ -192,7 +196,8 @@ class AsyncLLMEngine:
         the stream, whether or not anyone reads the stream any more: once for every request that
         finishes, aborted ones (a cancelled caller, a deadline, shutdown) included.
 
-        Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input.
+        Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input;
+        a session turn the engine cannot take (SessionError) ends the stream with that error.
         """
         if stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"must be at least 1, got {stream_interval}")
@@ -202,7 +207,9 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        request = self.engine.prepare_request(request_id, prompt, params, priority=priority, experts=experts)
+        request = self.engine.prepare_request(
+            request_id, prompt, params, priority=priority, experts=experts, session=session
+        )
         stream = RequestStream(request_id, request.params.output_kind, self.max_pending, on_finished)
         self._streams[request_id] = stream
         self._inbox.put(("add", (request, stream_interval)))
@@ -255,6 +262,10 @@ class AsyncLLMEngine:
     ) -> tuple[str, str]:
         """LLMEngine.load_expert, run on the engine thread between steps."""
         return await self._call("load_expert", source, trusted_keys_dir)
+
+    async def end_session(self, session_id: str) -> bool:
+        """LLMEngine.end_session, run on the engine thread between steps."""
+        return await self._call("end_session", session_id)
 
     async def unload_expert(self, name: str) -> None:
         await self._call("unload_expert", name)
@@ -333,7 +344,7 @@ class AsyncLLMEngine:
                 request: Request = payload[0]
                 try:
                     self.engine.enqueue(request)
-                except (InvalidRequestError, ExpertError) as exc:
+                except (InvalidRequestError, ExpertError, SessionError) as exc:
                     self._deliver(request.request_id, exc, final=True)
                     continue
                 if payload[1] > 1:
@@ -342,6 +353,15 @@ class AsyncLLMEngine:
                 self.engine.abort_request(payload)
             else:
                 self._run_call(*payload)
+
+    def _expire_sessions(self) -> None:
+        """End the sessions idle past their timeout, checked about once a second (the loop wakes at
+        least every half second when idle)."""
+        now = time.monotonic()
+        if now - self._sessions_checked >= 1.0:
+            self._sessions_checked = now
+            for session_id in self.engine.expire_sessions():
+                log.info("session %s ended: idle past its timeout", session_id)
 
     def _run_call(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future) -> None:
         try:
@@ -385,6 +405,7 @@ class AsyncLLMEngine:
         try:
             while not self._stopping:
                 self._drain_inbox()
+                self._expire_sessions()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.get_stats()
                     self._wake.wait(timeout=0.5)

@@ -218,6 +218,17 @@ class KVCacheManager:
         self.pool.touch(self.pool.blocks[i] for i in child.block_table)
         self._registered[child.seq_id] = self._registered.get(parent.seq_id, 0)
 
+    def transfer(self, src: Sequence, dst: Sequence, num_tokens: int) -> None:
+        """Hand `src`'s KV for its first `num_tokens` tokens to `dst`, whose tokens start the same
+        (a session's next turn continuing its last one); `src`'s blocks past them are freed."""
+        keep = self.blocks_for(num_tokens)
+        table, src.block_table = src.block_table, []
+        self.pool.free(self.pool.blocks[i] for i in reversed(table[keep:]))
+        dst.block_table = table[:keep]
+        num_full = num_tokens // self.block_size
+        dst.block_hashes = src.block_hashes[:num_full]
+        self._registered[dst.seq_id] = min(self._registered.pop(src.seq_id, 0), num_full)
+
     def free(self, seq: Sequence) -> None:
         """Release every block of the sequence (tail first, so shared prefixes stay cached longest)."""
         owned = set(seq.block_table)

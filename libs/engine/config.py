@@ -68,8 +68,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     aging_seconds: float = 2.0  # one priority level gained per this many seconds of waiting
+    max_sessions: int = 256  # sessions whose KV the engine keeps between turns (sessions.py)
 
     def __post_init__(self) -> None:
+        if self.max_sessions < 0:
+            raise ConfigError(f"max_sessions: must be >= 0 (0 refuses sessions), got {self.max_sessions}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -208,6 +211,7 @@ class EngineConfig:
                 max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS", 64),
                 max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS", 2048),
                 aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
+                max_sessions=reader.integer("EXPERT_MAX_SESSIONS", 256),
             ),
             adapters=AdapterConfig(
                 host_bytes=reader.integer("EXPERT_ADAPTER_HOST_BYTES", 2 << 30),
@@ -236,6 +240,7 @@ ENV_VARIABLES = {
     "max_num_seqs": "EXPERT_MAX_NUM_SEQS",
     "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
     "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",
+    "max_sessions": "EXPERT_MAX_SESSIONS",
     "host_bytes": "EXPERT_ADAPTER_HOST_BYTES",
     "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
     "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",

@@ -32,6 +32,7 @@ from libs.engine.runner import ModelRunner
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.scheduler import Scheduler
 from libs.engine.sequence import Sequence, SequenceStatus
+from libs.engine.sessions import SessionRef, SessionTable
 from libs.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, tensor, cache.block_size, self.max_model_len, static, self.experts.device_tier
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, adapters=self.experts.device_tier)
+        self.sessions = SessionTable(self.kv, config.scheduler.max_sessions)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, adapters=self.experts.device_tier, sessions=self.sessions
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._builder = RequestBuilder(
             self.tokenizer,
@@ -170,13 +174,25 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         experts: ExpertSpec | None = None,
+        session: SessionRef | None = None,
     ) -> None:
         """Queue a request, optionally with experts: up to 10 ("name", weight) pairs (a bare name
         means weight 1; "name@version" pins a version). Raises InvalidRequestError naming the field
-        (ExpertNotFoundError for an expert that is not loaded) for anything unservable."""
+        (ExpertNotFoundError for an expert that is not loaded) for anything unservable.
+
+        With `session`, the request is a turn of that session: its prompt is the session's token
+        history and the turn's new tokens (`Tokenizer.encode_turn`); what the engine kept of the
+        history is not computed again, and the turn's KV is kept for the next one (`sessions.py`).
+        SessionError when the engine cannot take the turn."""
         self.enqueue(
             self.prepare_request(
-                request_id, prompt, params, priority=priority, arrival_time=arrival_time, experts=experts
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                arrival_time=arrival_time,
+                experts=experts,
+                session=session,
             )
         )
 
@@ -189,14 +205,17 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         experts: ExpertSpec | None = None,
+        session: SessionRef | None = None,
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
-        return self._builder.build(request_id, prompt, params, priority, arrival_time, experts)
+        return self._builder.build(request_id, prompt, params, priority, arrival_time, experts, session)
 
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler."""
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        if request.session is not None:
+            self.sessions.begin_turn(request.seqs[0], request.session)
         self.experts.pin(request.experts)
         self._requests[request.request_id] = request
         seq = request.seqs[0]
@@ -225,6 +244,25 @@ class LLMEngine:
             self.experts.unpin(request.experts)
             self._finished_by_reason["abort"] += 1
             self._aborted.append(request)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def end_session(self, session_id: str) -> bool:
+        """End a session: its running turn is aborted and every block it keeps freed. False for a
+        session this engine does not hold."""
+        active = self.sessions.active_request(session_id)
+        if not self.sessions.end(session_id):
+            return False
+        if active is not None:
+            self.abort_request(active)  # its session is gone, so its blocks are freed, not kept
+        return True
+
+    def expire_sessions(self) -> list[str]:
+        """End the sessions idle past their idle timeout; returns their ids."""
+        expired = self.sessions.expired()
+        for session_id in expired:
+            self.end_session(session_id)
+        return expired
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
@@ -381,6 +419,7 @@ class LLMEngine:
             requests_finished_total=dict(self._finished_by_reason),
             num_steps_total=self._counters["steps"],
             experts=self.experts.stats(),
+            sessions=self.sessions.stats(),
         )
 
 

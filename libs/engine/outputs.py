@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.engine.sampling_params import OutputKind
+from libs.engine.sessions import SessionStats
 
 
 @dataclass(frozen=True)
@@ -181,3 +182,4 @@ class EngineStats:
     requests_finished_total: dict[str, int]  # by finish reason
     num_steps_total: int
     experts: ExpertStats | None = None
+    sessions: SessionStats | None = None

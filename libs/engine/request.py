@@ -10,6 +10,7 @@ from libs.engine.outputs import AppliedExpert, CompletionOutput, Logprob, Reques
 from libs.engine.sampler import SampledToken
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.sequence import Sequence, SequenceStatus
+from libs.engine.sessions import SessionRef
 from libs.engine.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Request:
         self.seqs: list[Sequence] = []
         self._outputs: list[_Output] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.session: SessionRef | None = None  # set when the request is a turn of a session
         self.experts: tuple[ExpertUse, ...] = first.experts
         self.applied = [
             AppliedExpert(u.expert.name, u.expert.version, u.expert.adapter_type, u.weight)

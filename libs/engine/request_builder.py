@@ -14,6 +14,7 @@ from libs.engine.models.config import ModelConfig
 from libs.engine.request import Request
 from libs.engine.sampling_params import SamplingParams
 from libs.engine.sequence import Sequence
+from libs.engine.sessions import SessionRef
 from libs.engine.tokenizer import ChatTemplateError, Tokenizer
 
 # A prompt: text, token ids, or a chat conversation (a list of {"role", "content"} messages).
@@ -52,11 +53,17 @@ class RequestBuilder:
         priority: int,
         arrival_time: float | None,
         experts: ExpertSpec | None,
+        session: SessionRef | None = None,
     ) -> Request:
         """The Request and its first sequence, or InvalidRequestError naming the field."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
+        if session is not None:
+            if not session.session_id:
+                raise InvalidRequestError("session.session_id", "must be a non-empty string")
+            if params.n != 1:  # one conversation continues from one output
+                raise InvalidRequestError("n", f"a session turn has one output, not {params.n}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
         if params.n > self.max_num_seqs:
@@ -87,7 +94,9 @@ class RequestBuilder:
             penalty_exempt_ids=self.penalty_exempt_ids(params),
             grammar=grammar,
         )
-        return Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
+        request = Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
+        request.session = session
+        return request
 
     def penalty_exempt_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids a request's penalties leave alone: the tokenizer's control tokens (eos ids included,

@@ -6,7 +6,9 @@ waiting sequences in priority order, a chunk each. So a long prompt is spread ov
 and never holds back the running decodes. When a running sequence needs a block and the pool is
 empty, the least important running sequence (lowest effective priority, then latest arrival) is
 preempted: its blocks are freed and it goes back to waiting, to be recomputed later from its
-tokens (which the prefix cache often makes cheap). A waiting sequence that does not fit may
+tokens (which the prefix cache often makes cheap). Before any running sequence is preempted, the
+blocks that idle sessions keep between turns are given up, least recently used first
+(`sessions.py`). A waiting sequence that does not fit may
 likewise preempt running ones of strictly lower effective priority. Effective priority =
 priority + seconds since arrival / aging_seconds, so nothing starves. Higher values are more
 important.
@@ -22,6 +24,9 @@ from typing import Protocol
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import SchedulerConfig
 from libs.engine.sequence import Sequence, SequenceStatus
+from libs.engine.sessions import SessionTable
+
+_ADMITTED, _NO_BLOCKS, _NO_ROOM = object(), object(), object()  # how an admission went
 
 
 @dataclass
@@ -71,11 +76,13 @@ class Scheduler:
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
         adapters: AdapterResidency | None = None,
+        sessions: SessionTable | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
         self.adapters = adapters  # needed only when sequences carry experts
+        self.sessions = sessions  # needed only when sequences are session turns
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -104,14 +111,20 @@ class Scheduler:
         self.running.append(child)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Retire a sequence (stopped, length, aborted) and free its blocks."""
+        """Retire a sequence (stopped, length, aborted) and free its blocks, or keep them for the
+        next turn of its session."""
         if seq in self.running:
             self.running.remove(seq)
             self._release_adapters(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
         seq.status = status
+        if seq.session_id is None or self.sessions is None or not self.sessions.park(seq):
+            self.kv.free(seq)
+
+    def _evict_idle_session(self) -> bool:
+        """Free the blocks an idle session keeps, before anything running is preempted."""
+        return self.sessions is not None and self.sessions.evict_one()
 
     def _effective_priority(self, seq: Sequence, now: float) -> float:
         aging = self.config.aging_seconds
@@ -151,6 +164,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(seq, num_new):
+                if self._evict_idle_session():
+                    continue
                 victim = max(self.running, key=key)
                 self._preempt_in_step(victim, step)
                 if victim is seq:
@@ -179,7 +194,9 @@ class Scheduler:
         """
         admitted: set[int] = set()
         for seq in sorted(self.waiting, key=key):
-            while not self._try_admit(seq, step):
+            while (outcome := self._try_admit(seq, step)) is not _ADMITTED:
+                if outcome is _NO_BLOCKS and self._evict_idle_session():
+                    continue
                 victim = max(self.running, key=key, default=None)
                 if step.budget == 0 or victim is None or priority[victim.seq_id] >= priority[seq.seq_id]:
                     self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
@@ -188,27 +205,31 @@ class Scheduler:
             admitted.add(seq.seq_id)
         self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
 
-    def _try_admit(self, seq: Sequence, step: _Step) -> bool:
+    def _try_admit(self, seq: Sequence, step: _Step) -> object:
+        """_ADMITTED, _NO_BLOCKS when only the KV pool is short, _NO_ROOM otherwise."""
         # A request with n outputs will fork into n running sequences: count them all now.
         if step.budget == 0 or len(self.running) + seq.num_pending_forks > self.config.max_num_seqs:
-            return False
+            return _NO_ROOM
         # Its experts must be on the device before it runs (they may not fit while others are pinned).
         if seq.experts and not self.adapters.acquire(seq.adapter_experts):
-            return False
-        cached = self.kv.find_cached_prefix(seq)
-        num_cached = len(cached) * self.kv.block_size
+            return _NO_ROOM
+        # A session turn continuing its kept KV starts after it; anything else looks for a cached prefix.
+        resumed = seq.num_computed_tokens > 0
+        cached = [] if resumed else self.kv.find_cached_prefix(seq)
+        num_cached = seq.num_computed_tokens if resumed else len(cached) * self.kv.block_size
         num_new = min(seq.num_tokens - num_cached, step.budget)
         # The watermark keeps admissions from forcing preemptions; an idle engine needs none.
         if not self.kv.allocate_slots(seq, num_new, cached, keep_watermark=bool(self.running)):
             self._release_adapters(seq)
-            return False
-        self.kv.record_prefix_lookup(seq.num_tokens, num_cached)
-        seq.num_computed_tokens = num_cached
-        seq.num_cached_tokens = num_cached
+            return _NO_BLOCKS
+        if not resumed:
+            self.kv.record_prefix_lookup(seq.num_tokens, num_cached)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         step.add(seq, num_new)
-        return True
+        return _ADMITTED
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """Account for the tokens the step computed and publish completed blocks for reuse."""

@@ -105,6 +105,8 @@ class Sequence:
         # Samples still to draw from the first logits row: n for a request's first sequence
         # with n > 1 (it forks into n), 1 otherwise.
         self.num_pending_forks = params.n if index == 0 else 1
+        # The session this sequence is a turn of (SessionTable.begin_turn): kept, not freed, at its end.
+        self.session_id: str | None = None
 
     @property
     def num_tokens(self) -> int:
