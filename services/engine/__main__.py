@@ -17,6 +17,7 @@ from libs.engine.adapters.registry import (
 from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from libs.engine.errors import InvalidRequestError
 from libs.engine.sampling_params import SamplingParams
+from libs.engine.sessions import SessionBusyError, SessionLimitError
 from libs.errors import (
     ServiceError,
     failed_precondition,
@@ -52,6 +53,10 @@ def map_error(error: BaseException) -> ServiceError | None:
         return resource_exhausted(str(error))
     if isinstance(error, EngineDeadError):
         return unavailable(str(error))
+    if isinstance(error, SessionLimitError):
+        return resource_exhausted(str(error))
+    if isinstance(error, SessionBusyError):
+        return failed_precondition(str(error))
     return None
 
 

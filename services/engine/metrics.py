@@ -61,6 +61,16 @@ class EngineMetrics:
         self.preemptions = Counter("expert_engine_num_preemptions_total", "Sequences preempted")
         self.experts_resident = Gauge("expert_engine_experts_resident", "Experts in the device tier")
         self.expert_bytes = Gauge("expert_engine_expert_bytes", "Expert weights held", ["tier"])
+        self.sessions = Gauge("expert_engine_sessions", "Sessions whose KV the engine keeps between turns")
+        self.session_blocks = Gauge("expert_engine_session_kv_blocks", "KV blocks idle sessions keep")
+        self.session_evictions = Counter(
+            "expert_engine_session_evictions_total", "Idle sessions whose KV was given up under pressure"
+        )
+        self.session_recomputes = Counter(
+            "expert_engine_session_recomputes_total",
+            "Session turns that recomputed their history (evicted, diverged, new_here)",
+            ["reason"],
+        )
         self._last: EngineStats | None = None
 
     def observe_request(self, m: RequestMetrics, finished_reason: str) -> None:
@@ -97,4 +107,17 @@ class EngineMetrics:
             self.experts_resident.set(stats.experts.experts_resident)
             self.expert_bytes.labels("host").set(stats.experts.host_bytes)
             self.expert_bytes.labels("device").set(stats.experts.device_bytes)
+        if stats.sessions is not None:
+            self._update_sessions(stats.sessions, last.sessions if last else None)
         self._last = stats
+
+    def _update_sessions(self, now, before) -> None:
+        self.sessions.set(now.sessions)
+        self.session_blocks.set(now.idle_blocks)
+        evicted = now.evictions_total - (before.evictions_total if before else 0)
+        if evicted > 0:
+            self.session_evictions.inc(evicted)
+        for reason, count in now.recomputes_total.items():
+            new = count - (before.recomputes_total.get(reason, 0) if before else 0)
+            if new > 0:
+                self.session_recomputes.labels(reason).inc(new)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,8 +16,10 @@ from libs.engine.adapters.registry import ExpertNotFoundError
 from libs.engine.async_engine import AsyncLLMEngine
 from libs.engine.outputs import Logprob, RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
-from libs.engine.tokenizer import Tokenizer
-from libs.errors import invalid_argument, not_found, unavailable
+from libs.engine.sessions import SessionRef
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+from libs.engine.tokenizer.turns import encode_turn
+from libs.errors import failed_precondition, invalid_argument, not_found, unavailable
 from libs.experts.base_model import BaseModelIdentity
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.response_format import to_structured
@@ -138,25 +141,74 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # A format is compiled on an executor thread (cached by content) before the request joins
         # the batch: a slow schema holds neither the engine thread nor this event loop.
         await self.engine.compile_structured(params.structured)
+        session, turn_input = None, []
+        if request.HasField("session"):
+            prompt, turn_input, params = self._session_turn(request.session, params)
+            session = SessionRef(
+                request.session.session_id,
+                history_tokens=len(request.session.history),
+                idle_seconds=request.session.idle_seconds,
+            )
+        else:
+            prompt = self._prompt(request.input)
         stream = self.engine.add_request(
             request_id,
-            self._prompt(request.input),
+            prompt,
             params,
             priority=request.priority,
             experts=experts or None,
             stream_interval=max(1, request.stream_interval),  # held back on the engine thread
             on_finished=self._observe,  # every finished request once, a cancelled call's too
+            session=session,
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
         finished: set[int] = set()  # the choices whose finish_reason was sent
         try:
             async for output in stream:
-                for response in self._responses(output, finished, expiry.expired, request.params.logprobs):
+                responses = self._responses(output, finished, expiry.expired, request.params.logprobs)
+                if output.finished and turn_input:
+                    responses[-1].session_input_token_ids.extend(turn_input)
+                for response in responses:
                     yield response
         finally:
             expiry.cancel()
             if not stream.finished:  # the caller went away or was cancelled: free the KV now
                 self.engine.abort(request_id)
+
+    def _session_turn(
+        self, turn: engine_pb2.SessionTurn, params: SamplingParams
+    ) -> tuple[list[int], list[int], SamplingParams]:
+        """A session turn's prompt (its history and the tokens the turn adds), those added tokens,
+        and its params with max_tokens cut to what the session's token limit leaves."""
+        if not turn.session_id:
+            raise invalid_argument("session.session_id", "must not be empty")
+        engine = self.engine.engine
+        messages = [{"role": m.role, "content": m.content} for m in turn.messages]
+        try:
+            added = encode_turn(engine.tokenizer, list(turn.history), messages)
+        except ChatTemplateError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise invalid_argument(f"session.{field}", message) from None
+        prompt = [*turn.history, *added]
+        limit, name = engine.max_model_len, f"the model's context window ({engine.max_model_len} tokens)"
+        if 0 < turn.max_tokens < limit:
+            limit, name = turn.max_tokens, f"EXPERT_SESSION_MAX_TOKENS ({turn.max_tokens})"
+        room = limit - len(prompt)
+        if room < 1:
+            raise failed_precondition(
+                f"the session holds {len(prompt)} tokens with this turn, and {name} leaves no room "
+                "for a reply: end it and start a new one"
+            )
+        if params.max_tokens is None or params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+        return prompt, added, params
+
+    async def ReleaseSession(
+        self, request: engine_pb2.ReleaseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ReleaseSessionResponse:
+        if not request.session_id:
+            raise invalid_argument("session_id", "must not be empty")
+        return engine_pb2.ReleaseSessionResponse(found=await self._ready().end_session(request.session_id))
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -337,12 +389,17 @@ def expert_holdings(holdings: ExpertHoldings) -> common_pb2.ExpertHoldings:
 
 def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:
     stats = engine.get_stats()
+    sessions = stats.sessions
     return common_pb2.EngineLoad(
         kv_blocks_total=stats.kv_num_blocks,
-        kv_blocks_free=stats.kv_free_blocks,
+        # The blocks idle sessions keep are given up when a request needs them.
+        kv_blocks_free=stats.kv_free_blocks + sessions.idle_blocks,
         running=stats.num_running,
         waiting=stats.num_waiting,
         max_num_seqs=engine.engine.config.scheduler.max_num_seqs,
+        sessions=sessions.sessions,
+        max_sessions=engine.engine.config.scheduler.max_sessions,
+        kv_blocks_sessions=sessions.idle_blocks,
     )
 
 
