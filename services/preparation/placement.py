@@ -32,6 +32,18 @@ def eligible(fleet: Fleet, exclude: set[str], model: str = "") -> list[Engine]:
     return engines
 
 
+def for_session(engines: list[Engine], session_engine: str) -> list[Engine]:
+    """The engines a session turn may go to. A session stays on its engine while that engine is
+    registered (its KV is there: the turn waits for room rather than move); its first turn, or one
+    whose engine is gone, goes to an engine with room for another session, or, when every engine is
+    at its limit, to any (whose refusal then names the limit)."""
+    pinned = [e for e in engines if e.engine_id == session_engine]
+    if pinned:
+        return pinned
+    with_room = [e for e in engines if e.info.load.sessions < e.info.load.max_sessions]
+    return with_room or engines
+
+
 def choose_engine(
     engines: list[Engine],
     plan: common_pb2.ExpertPlan,

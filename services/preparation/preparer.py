@@ -17,7 +17,7 @@ from libs.gen.expert.v1 import common_pb2
 from services.preparation.budget import Dropped, fit_to_budget
 from services.preparation.fleet import Engine, Fleet, expert_key, kv_bytes
 from services.preparation.metrics import PreparationMetrics
-from services.preparation.placement import choose_engine, eligible
+from services.preparation.placement import choose_engine, eligible, for_session
 from services.preparation.staging import Stager
 
 
@@ -28,10 +28,20 @@ class Preparer:
         self.metrics = metrics
 
     async def prepare(
-        self, job_id: str, plan: common_pb2.ExpertPlan, exclude: set[str] = frozenset(), model: str = ""
+        self,
+        job_id: str,
+        plan: common_pb2.ExpertPlan,
+        exclude: set[str] = frozenset(),
+        model: str = "",
+        session: bool = False,
+        session_engine: str = "",
     ) -> common_pb2.Placement:
+        """`session`: the job is a turn of a session, pinned to `session_engine` ("" before its first
+        turn)."""
         started = time.perf_counter()
         engines = eligible(self.fleet, exclude, model)
+        if session:
+            engines = for_session(engines, session_engine)
         experts = list(plan.experts)
         sizes = {e.name: self._size_estimate(e, engines) for e in experts}
         largest = max(e.holdings.device_budget_bytes for e in engines)

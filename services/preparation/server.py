@@ -65,7 +65,12 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
             started = time.perf_counter()
             try:
                 placement = await self.preparer.prepare(
-                    request.job_id, request.plan, set(request.exclude_engines), request.model
+                    request.job_id,
+                    request.plan,
+                    set(request.exclude_engines),
+                    request.model,
+                    session=request.session,
+                    session_engine=request.session_engine,
                 )
             except Exception as exc:
                 self.metrics.refused.labels(getattr(getattr(exc, "code", None), "name", "INTERNAL")).inc()

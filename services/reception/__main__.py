@@ -25,6 +25,10 @@ from services.reception.peers import Peers
 from services.reception.pipeline import Pipeline
 from services.reception.queue import JobQueue
 from services.reception.server import ACCESS, ReceptionServicer, add_to_server
+from services.reception.session_server import ACCESS as SESSION_ACCESS
+from services.reception.session_server import SessionServicer
+from services.reception.session_server import add_to_server as add_sessions_to_server
+from services.reception.sessions import SessionStore
 from services.reception.stages import GrpcStages
 
 
@@ -38,7 +42,7 @@ async def main() -> None:
     )
     key_store, limiter = KeyStore(redis), KeyLimiter(redis)
     # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
-    auth = Authenticator(config.auth, {**ACCESS, **keys.ACCESS}, key_store)
+    auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, key_store)
     queue, metrics = JobQueue(redis), ReceptionMetrics()
     audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
     jobs = JobStore(
@@ -53,12 +57,15 @@ async def main() -> None:
     capacity = Capacity(peers.preparation)
     served = ServedModels(capacity, peers.router)
     servicer = ReceptionServicer(jobs, queue, capacity, metrics, limiter=limiter)
+    stages, sessions = GrpcStages(peers), SessionStore(redis, config.sessions)
+    session_servicer = SessionServicer(servicer, sessions, stages, config.session_stream_buffer)
     pipeline = Pipeline(
         jobs,
-        GrpcStages(peers),
+        stages,
         config.engine_retries,
         lambda: capacity.last,
         stream_interval=config.stream_interval,
+        sessions=sessions,
     )
     dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)
     dispatcher.on_finished = servicer.observe_job
@@ -71,7 +78,11 @@ async def main() -> None:
         http.bind()  # a taken port fails the start at once, like the gRPC port
 
     def register(server: grpc.aio.Server) -> list[str]:
-        return [add_to_server(servicer, server), keys.add_to_server(keys.KeyServicer(key_store), server)]
+        return [
+            add_to_server(servicer, server),
+            add_sessions_to_server(session_servicer, server),
+            keys.add_to_server(keys.KeyServicer(key_store), server),
+        ]
 
     watch: asyncio.Task | None = None
 

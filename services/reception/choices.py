@@ -13,6 +13,7 @@ from libs.gen.expert.v1 import common_pb2, engine_pb2
 class _Choice:
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -29,6 +30,7 @@ class Choices:
         """Record an engine message; the delta to announce (None: no new text or logprobs)."""
         choice = self._choices.setdefault(response.index, _Choice())
         choice.tokens += len(response.token_ids)
+        choice.token_ids.extend(response.token_ids)
         choice.logprobs.extend(response.logprobs)
         if response.finish_reason:
             choice.finish_reason = response.finish_reason
@@ -37,6 +39,11 @@ class Choices:
         if response.text:
             choice.pieces.append(response.text)
         return common_pb2.ChoiceDelta(index=response.index, text=response.text, logprobs=response.logprobs)
+
+    def token_ids(self, index: int) -> list[int]:
+        """The tokens choice `index` generated so far."""
+        choice = self._choices.get(index)
+        return list(choice.token_ids) if choice else []
 
     @property
     def completion_tokens(self) -> int:

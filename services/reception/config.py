@@ -9,6 +9,7 @@ from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 from services.reception.dispatcher import DispatchSettings
 from services.reception.pipeline import DEFAULT_STREAM_INTERVAL
+from services.reception.sessions import SessionLimits
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -32,6 +33,8 @@ class ReceptionConfig:
     store_text: bool  # keep prompts and outputs in the job records after the jobs end
     audit_log: str  # where the audit log goes: "off", "stdout" or a file path
     audit_clear_text: bool  # the audit lines carry the prompt and output, not only their SHA-256s
+    sessions: SessionLimits = field(default_factory=lambda: SessionLimits(600.0, 0))
+    session_stream_buffer: int = 256  # messages a session's stream may fall behind before its turn stops
     auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
     @classmethod
@@ -65,6 +68,11 @@ class ReceptionConfig:
             store_text=reader.boolean("EXPERT_STORE_REQUEST_TEXT", True),
             audit_log=_audit_destination(reader.text("EXPERT_AUDIT_LOG", "stdout")),
             audit_clear_text=reader.boolean("EXPERT_AUDIT_CLEAR_TEXT", False),
+            sessions=SessionLimits(
+                idle_seconds=reader.number("EXPERT_SESSION_IDLE_SECONDS", 600.0, minimum=1.0),
+                max_tokens=reader.integer("EXPERT_SESSION_MAX_TOKENS", 0, minimum=0),
+            ),
+            session_stream_buffer=reader.integer("EXPERT_SESSION_STREAM_BUFFER", 256, minimum=1),
         )
 
 

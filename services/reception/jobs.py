@@ -152,11 +152,11 @@ return 1
 
 # KEYS: job hash, its events, the deadline set, the queue stream ("" for none)
 # ARGV: request, queued status, priority, now, ttl, deadline ("" for none), job id, reception ms,
-# streaming ("1" or "0"), the API key's id ("" for none)
+# streaming ("1" or "0"), the API key's id ("" for none), the session it is a turn of ("" for none)
 _ADMIT = """
 redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2], 'priority', ARGV[3],
            'submitted_at', ARGV[4], 'updated_at', ARGV[4], 'attempts', 0, 'reception_ms', ARGV[8],
-           'streaming', ARGV[9], 'key_id', ARGV[10])
+           'streaming', ARGV[9], 'key_id', ARGV[10], 'session_id', ARGV[11])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('XADD', KEYS[2], '*', 'kind', 'status', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -208,6 +208,7 @@ class JobRecord:
     streaming: bool = False  # a client shows its tokens as they come (InferStream)
     deliveries: int = 0  # times a dispatcher took the job from the queue (a reclaim is another)
     key_id: str | None = None  # the API key that submitted the job (None: auth off, or a service)
+    session_id: str = ""  # the session the job is a turn of ("": none)
 
     @property
     def final(self) -> bool:
@@ -251,6 +252,7 @@ def _record(job_id: str, fields: dict[bytes, bytes]) -> JobRecord | None:
         streaming=fields.get(b"streaming") == b"1",
         deliveries=int(fields.get(b"deliveries", 0)),
         key_id=fields.get(b"key_id", b"").decode() or None,
+        session_id=fields.get(b"session_id", b"").decode(),
     )
 
 
@@ -301,12 +303,14 @@ class JobStore:
         reception_ms: float = 0.0,
         streaming: bool = False,
         key_id: str | None = None,
+        session_id: str = "",
     ) -> float:
         """Write the job's record and, with `queue`, enqueue it there: one atomic script, so that a
         job is never queued without its record and admission takes one round trip. `reception_ms`
         is the time reception spent on the request before this write, for the job's metrics;
         `streaming` says a client shows the job's tokens as they come; `key_id` names the API key
-        that submitted it (its audit line and its tokens-per-minute count)."""
+        that submitted it (its audit line and its tokens-per-minute count); `session_id` the
+        session the job is a turn of."""
         now = time.time()
         deadline = job_deadline(request, now, self.default_timeout_s)
         await self._admit(
@@ -322,6 +326,7 @@ class JobStore:
                 repr(reception_ms),
                 "1" if streaming else "0",
                 key_id or "",
+                session_id,
             ],
         )
         return now

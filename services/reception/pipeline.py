@@ -28,13 +28,21 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.errors import ServiceError, field_violations
-from libs.gen.expert.v1 import common_pb2, engine_pb2, postproc_pb2, preparation_pb2, router_pb2
+from libs.gen.expert.v1 import (
+    common_pb2,
+    engine_pb2,
+    postproc_pb2,
+    preparation_pb2,
+    router_pb2,
+    session_state_pb2,
+)
 from libs.job_results import job_result, reasoning_trace
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.capacity import served_model
 from services.reception.choices import Choices
 from services.reception.jobs import JobRecord, JobStore, job_deadline
+from services.reception.sessions import SessionStore, turn_plan
 from services.reception.stages import Stages
 
 log = get_logger(__name__)
@@ -51,6 +59,8 @@ _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A Prepare that ended with these may have reserved a slot before the answer was lost.
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 DEFAULT_STREAM_INTERVAL = 16
+# Tokens a chat template may add around a message (as the router bounds a prompt's tokens).
+TEMPLATE_OVERHEAD = 64
 # gRPC measures a call's timeout on its own clock: its DEADLINE_EXCEEDED may come a hair before ours.
 DEADLINE_SLACK_S = 0.05
 # The engine ends a request at the job's deadline (or when asked to Abort it) and sends the text it
@@ -93,6 +103,11 @@ class JobRun:
     model: str = ""  # the model the job runs on ("": any engine, while none was known at planning)
     started: float = field(default_factory=time.time)
     inference_started: float | None = None
+    # A session turn: the session's record as the turn began, and what the engine confirmed of the
+    # turn (the tokens it added before the reply, and the reply's tokens).
+    session: session_state_pb2.SessionRecord | None = None
+    turn_tokens: tuple[list[int], list[int]] | None = None
+    turn_usage: common_pb2.GenerationUsage = field(default_factory=common_pb2.GenerationUsage)
 
     @property
     def job_id(self) -> str:
@@ -123,8 +138,10 @@ class Pipeline:
         fleet: Callable[[], preparation_pb2.GetCapacityResponse],
         place_retry_s: float = 0.05,
         stream_interval: int = DEFAULT_STREAM_INTERVAL,
+        sessions: SessionStore | None = None,
     ) -> None:
         self.jobs = jobs
+        self.sessions = sessions  # the session records, for the jobs that are session turns
         # Tokens per engine message for a job no client streams (a streamed job gets every token).
         self.stream_interval = stream_interval
         # The fleet as preparation last reported it: the models it serves (context window, sampling).
@@ -187,6 +204,8 @@ class Pipeline:
         try:
             if run.cancel.is_set():
                 raise JobStopped("cancelled")
+            if run.record.session_id:
+                run.session = await self._session_turn(run)
             outcome = await self._stages(run)
         except JobStopped as stop:
             timed_out, cancelled = stop.reason == "timeout", stop.reason == "cancelled"
@@ -214,8 +233,36 @@ class Pipeline:
             result.error_fields.extend(
                 common_pb2.FieldError(field=f, description=d) for f, d in failure.fields
             )
+        if run.session is not None:  # before the result is announced: the session is free for the next turn
+            await self._settle_turn(run, result)
         await self.jobs.finish(run.job_id, result)
         return result
+
+    async def _session_turn(self, run: JobRun) -> session_state_pb2.SessionRecord:
+        record = await self.sessions.running_turn(run.record.session_id, run.job_id)
+        if record is None:
+            raise JobFailed(f"session {run.record.session_id} ended before its turn ran", "NOT_FOUND")
+        return record
+
+    async def _settle_turn(self, run: JobRun, result: common_pb2.InferenceResult) -> None:
+        """The turn's end in the session's record: what the engine confirmed joins the history;
+        a turn the engine never finished gives its input back, to be answered next."""
+        session_id = run.session.session_id
+        if run.turn_tokens is None:
+            await self.sessions.abandon_turn(session_id, run.job_id)
+            return
+        input_ids, output_ids = run.turn_tokens
+        await self.sessions.end_turn(
+            session_id,
+            run.job_id,
+            plan=run.plan,
+            placement=run.placement,
+            input_ids=input_ids,
+            output_ids=output_ids,
+            reply=result.text,
+            finish_reason=result.finish_reason,
+            usage=run.turn_usage,
+        )
 
     async def _stages(self, run: JobRun) -> common_pb2.GenerationOutcome:
         # The dispatcher moved the job to PLANNING when it took it (JobStore.begin).
@@ -232,11 +279,21 @@ class Pipeline:
             plan_request.base_model_hash = model.base_model_hash
         else:  # no engine yet: placement waits for one serving the model asked for (or any)
             run.model = request.model
-        try:
-            run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
-        except grpc.aio.AioRpcError as exc:
-            _stop_if_expired(run, exc)
-            raise JobFailed(f"router: {exc.details()}", exc.code().name, field_violations(exc)) from None
+        if run.session is not None and run.session.planned:
+            # A later turn of a session: the experts stay those its first turn chose.
+            run.plan = turn_plan(run.session, request)
+        else:
+            try:
+                run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
+            except grpc.aio.AioRpcError as exc:
+                _stop_if_expired(run, exc)
+                raise JobFailed(f"router: {exc.details()}", exc.code().name, field_violations(exc)) from None
+        if run.session is not None:
+            # The engine computes at most the history and the turn's messages (bytes bound tokens).
+            turn_bytes = sum(len(m.content.encode()) for m in self.sessions.engine_turn(run.session).messages)
+            run.plan.prompt_bytes = (
+                len(run.session.token_ids) + turn_bytes + 64 * (1 + len(run.session.turn_input))
+            )
         excluded: list[str] = []
         for attempt in range(self.engine_retries + 1):
             try:
@@ -306,6 +363,9 @@ class Pipeline:
         request = preparation_pb2.PrepareRequest(
             job_id=run.job_id, plan=run.plan, exclude_engines=excluded, model=run.model
         )
+        if run.session is not None:
+            request.session = True
+            request.session_engine = run.session.engine_id
         delay = self.place_retry_s
         while True:
             # Shielded and kept on the run: if the job is stopped while the call is in flight,
@@ -348,6 +408,9 @@ class Pipeline:
             priority=run.record.priority,
             stream_interval=1 if run.record.streaming else self.stream_interval,
         )
+        if run.session is not None:
+            request.ClearField("input")
+            request.session.CopyFrom(self.sessions.engine_turn(run.session))
         remaining = run.remaining()
         if run.deadline is not None:
             request.deadline.CopyFrom(timestamp(run.deadline))
@@ -370,6 +433,9 @@ class Pipeline:
                     await self.jobs.append_delta(run.job_id, delta)
                 if response.HasField("usage"):  # the very last message: every choice finished
                     final = response
+                    if run.session is not None:
+                        run.turn_tokens = (list(response.session_input_token_ids), run.choices.token_ids(0))
+                        run.turn_usage.CopyFrom(response.usage)
 
         try:
             # One race against the deadline and the cancellation for the whole stream, not one per
@@ -378,7 +444,11 @@ class Pipeline:
             await self._until(run, consume(), grace_s=ENGINE_STOP_GRACE_S, on_cancel=abort)
         except grpc.aio.AioRpcError as exc:
             _stop_if_expired(run, exc)
-            if exc.code() in _REQUEST_ERRORS:
+            # A session turn the engine has no room for (its session limit) is refused, not retried.
+            refused = exc.code() in _REQUEST_ERRORS or (
+                run.session is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+            if refused:
                 raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
             raise EngineLost(f"{exc.code().name}: {exc.details()}") from None
         finally:

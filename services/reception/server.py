@@ -81,7 +81,12 @@ class ReceptionServicer:
         return served_model(capacity, request)
 
     async def _admit(
-        self, request: common_pb2.InferenceRequest | Undecodable, streaming: bool = False
+        self,
+        request: common_pb2.InferenceRequest | Undecodable,
+        streaming: bool = False,
+        *,
+        job_id: str | None = None,
+        session_id: str = "",
     ) -> tuple[str, float, int]:
         started = time.perf_counter()
         # The caller the credentials proved (gRPC interceptor or HTTP front); None with auth off.
@@ -101,7 +106,7 @@ class ReceptionServicer:
                 self.metrics.rejected.labels(field.split("[")[0]).inc()
             raise
         priority = request.priority if request.HasField("priority") else DEFAULT_PRIORITY
-        job_id = uuid.uuid4().hex
+        job_id = job_id or uuid.uuid4().hex
         # The reception stage ends here (validated, normalized, a job id): its time goes into the
         # job's metrics. The enqueue that follows is the queue's, and counts in its wait.
         reception_ms = (time.perf_counter() - started_work) * 1000
@@ -113,6 +118,7 @@ class ReceptionServicer:
             reception_ms=reception_ms,
             streaming=streaming,
             key_id=caller.key_id if caller is not None else None,
+            session_id=session_id,
         )
         admission = time.perf_counter() - started
         self.metrics.submitted.labels(str(priority)).inc()

@@ -56,6 +56,9 @@ class Stages(Protocol):
 
     async def abort(self, address: str, request_id: str, timeout: float) -> None: ...
 
+    async def release_session(self, address: str, session_id: str, timeout: float) -> None:
+        """Have the engine at `address` forget a session and free the KV it keeps."""
+
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float
     ) -> common_pb2.InferenceResult: ...
@@ -107,6 +110,10 @@ class GrpcStages:
     async def abort(self, address: str, request_id: str, timeout: float) -> None:
         stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
         await stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=timeout)
+
+    async def release_session(self, address: str, session_id: str, timeout: float) -> None:
+        stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
+        await stub.ReleaseSession(engine_pb2.ReleaseSessionRequest(session_id=session_id), timeout=timeout)
 
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float

@@ -1,0 +1,330 @@
+"""Sessions in Redis: each one's record (`expert:session:{id}`, a SessionRecord) holds everything a
+conversation is: its settings, its messages, the tokens of its turns, the experts and sampling its
+first turn fixed, the engine it is pinned to, and the turn running now. The record expires after
+EXPERT_SESSION_IDLE_SECONDS without use; every change refreshes that.
+
+The record is the session's one owner. An engine keeps a session's KV only as a cache of its
+tokens: a turn sends the whole token history with its new messages, so an engine that lost the KV
+(evicted, restarted, or a new engine after a failure) recomputes it and answers the same.
+
+Changes are optimistic transactions (WATCH / MULTI): an AppendInput racing the end of a turn never
+loses either.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import WatchError
+
+from libs.errors import failed_precondition, not_found
+from libs.gen.expert.v1 import common_pb2, engine_pb2, session_pb2, session_state_pb2
+from libs.response_format import from_request
+from libs.timestamps import timestamp
+
+PREFIX = "expert:session:"
+T = TypeVar("T")
+# How a reply may end and still be continued by a turn that appends nothing.
+_CONTINUABLE = (
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_ABORT,
+    common_pb2.FINISH_REASON_TIMEOUT,
+)
+# The sampling fields a session (or a turn) sets explicitly, as InferenceRequest fields.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    idle_seconds: float  # EXPERT_SESSION_IDLE_SECONDS
+    max_tokens: int  # EXPERT_SESSION_MAX_TOKENS (0: the model's context window)
+
+
+def session_key(session_id: str) -> str:
+    return PREFIX + session_id
+
+
+class SessionStore:
+    def __init__(self, redis: Redis, limits: SessionLimits) -> None:
+        self.redis = redis
+        self.limits = limits
+
+    @property
+    def _ttl(self) -> int:
+        return max(1, math.ceil(self.limits.idle_seconds))
+
+    async def create(
+        self, session_id: str, settings: session_pb2.CreateSessionRequest
+    ) -> session_state_pb2.SessionRecord:
+        now = time.time()
+        record = session_state_pb2.SessionRecord(
+            session_id=session_id,
+            settings=settings,
+            pending=settings.messages,
+            created_at=now,
+            last_used_at=now,
+            model=settings.model,
+        )
+        record.settings.ClearField("messages")
+        if settings.HasField("system_prompt"):
+            record.messages.append(common_pb2.ChatMessage(role="system", content=settings.system_prompt))
+        await self.redis.set(session_key(session_id), record.SerializeToString(), ex=self._ttl, nx=True)
+        return record
+
+    async def get(self, session_id: str) -> session_state_pb2.SessionRecord:
+        raw = await self.redis.get(session_key(session_id))
+        if raw is None:
+            raise _unknown(session_id)
+        return session_state_pb2.SessionRecord.FromString(raw)
+
+    async def append(
+        self, session_id: str, messages: list[common_pb2.ChatMessage]
+    ) -> session_state_pb2.SessionRecord:
+        def change(record: session_state_pb2.SessionRecord) -> None:
+            record.pending.extend(messages)
+
+        return (await self._update(session_id, change))[0]
+
+    async def begin_turn(self, session_id: str, job_id: str) -> session_state_pb2.SessionRecord:
+        """Make `job_id` the session's running turn, taking what was appended as its input.
+        FAILED_PRECONDITION while another turn runs, or when there is nothing to answer."""
+
+        def change(record: session_state_pb2.SessionRecord) -> None:
+            if record.job_id:
+                raise failed_precondition(
+                    f"session {session_id} is generating (job {record.job_id}): wait for its end or "
+                    "CancelGenerate it"
+                )
+            if not record.pending and not (record.turns and record.last_finish_reason in _CONTINUABLE):
+                raise failed_precondition(
+                    f"session {session_id} has nothing to answer: AppendInput first"
+                    + (" (its last reply is complete)" if record.turns else "")
+                )
+            record.job_id = job_id
+            record.turn_input.extend(record.pending)
+            del record.pending[:]
+
+        return (await self._update(session_id, change))[0]
+
+    async def running_turn(self, session_id: str, job_id: str) -> session_state_pb2.SessionRecord | None:
+        """The record, if `job_id` is its running turn (None: the session ended meanwhile)."""
+        raw = await self.redis.get(session_key(session_id))
+        if raw is None:
+            return None
+        record = session_state_pb2.SessionRecord.FromString(raw)
+        return record if record.job_id == job_id else None
+
+    async def end_turn(
+        self,
+        session_id: str,
+        job_id: str,
+        *,
+        plan: common_pb2.ExpertPlan,
+        placement: common_pb2.Placement,
+        input_ids: list[int],
+        output_ids: list[int],
+        reply: str,
+        finish_reason: int,
+        usage: common_pb2.GenerationUsage,
+    ) -> None:
+        """Record a turn the engine answered: its tokens join the history, its input and reply the
+        messages; the plan and the engine stay the session's."""
+
+        def change(record: session_state_pb2.SessionRecord) -> None:
+            if record.job_id != job_id:
+                return
+            if record.turn_input:
+                record.messages.extend(record.turn_input)
+                record.messages.append(common_pb2.ChatMessage(role="assistant", content=reply))
+            elif record.messages and record.messages[-1].role == "assistant":  # a cut reply went on
+                record.messages[-1].content += reply
+            record.token_ids.extend(input_ids)
+            record.token_ids.extend(output_ids)
+            del record.turn_input[:]
+            record.turns += 1
+            record.last_finish_reason = finish_reason
+            record.last_usage.CopyFrom(usage)
+            record.engine_id, record.engine_address = placement.engine_id, placement.address
+            if not record.planned:
+                record.plan.CopyFrom(plan)
+                record.planned = True
+            record.job_id = ""
+
+        await self._update(session_id, change, missing_ok=True)
+
+    async def abandon_turn(self, session_id: str, job_id: str) -> None:
+        """A turn that produced nothing the engine confirmed: its input goes back to be answered next."""
+
+        def change(record: session_state_pb2.SessionRecord) -> None:
+            if record.job_id != job_id:
+                return
+            pending = [*record.turn_input, *record.pending]
+            del record.turn_input[:]
+            del record.pending[:]
+            record.pending.extend(pending)
+            record.job_id = ""
+
+        await self._update(session_id, change, missing_ok=True)
+
+    async def end(self, session_id: str) -> session_state_pb2.SessionRecord:
+        """Delete the session; returns its last record (NOT_FOUND if there is none)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(session_key(session_id))
+            pipe.delete(session_key(session_id))
+            raw, _ = await pipe.execute()
+        if raw is None:
+            raise _unknown(session_id)
+        return session_state_pb2.SessionRecord.FromString(raw)
+
+    async def _update(
+        self,
+        session_id: str,
+        change: Callable[[session_state_pb2.SessionRecord], T],
+        missing_ok: bool = False,
+    ) -> tuple[session_state_pb2.SessionRecord | None, T | None]:
+        key = session_key(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        await pipe.unwatch()
+                        if missing_ok:
+                            return None, None
+                        raise _unknown(session_id)
+                    record = session_state_pb2.SessionRecord.FromString(raw)
+                    result = change(record)
+                    record.last_used_at = time.time()
+                    pipe.multi()
+                    pipe.set(key, record.SerializeToString(), ex=self._ttl)
+                    await pipe.execute()
+                    return record, result
+                except WatchError:
+                    continue
+
+    # -- what the pipeline and the API need of a record ----------------------------------------
+
+    def engine_turn(self, record: session_state_pb2.SessionRecord) -> engine_pb2.SessionTurn:
+        """The SessionTurn the engine answers: the history, and the turn's messages (the whole
+        conversation for a first turn)."""
+        history = list(record.token_ids)
+        messages = [*([] if history else record.messages), *record.turn_input]
+        return engine_pb2.SessionTurn(
+            session_id=record.session_id,
+            history=history,
+            messages=messages,
+            max_tokens=self.limits.max_tokens,
+            idle_seconds=self.limits.idle_seconds,
+        )
+
+    def view(self, record: session_state_pb2.SessionRecord, ended: bool = False) -> session_pb2.Session:
+        now = time.time()
+        state = (
+            session_pb2.SESSION_STATE_ENDED
+            if ended
+            else session_pb2.SESSION_STATE_GENERATING
+            if record.job_id
+            else session_pb2.SESSION_STATE_IDLE
+        )
+        session = session_pb2.Session(
+            session_id=record.session_id,
+            state=state,
+            turns=record.turns,
+            tokens=len(record.token_ids),
+            engine_id=record.engine_id,
+            experts=[
+                common_pb2.ExpertRef(name=e.name, version=e.version, weight=e.weight)
+                for e in record.plan.experts
+            ],
+            model=record.model,
+            pending_messages=len(record.pending),
+            created_at=timestamp(record.created_at),
+            last_used_at=timestamp(record.last_used_at),
+            idle_seconds=0.0 if record.job_id else max(0.0, now - record.last_used_at),
+            last_finish_reason=record.last_finish_reason,
+            job_id=record.job_id,
+        )
+        if not ended:
+            session.expires_at.CopyFrom(timestamp(record.last_used_at + self.limits.idle_seconds))
+        return session
+
+
+def turn_request(
+    record: session_state_pb2.SessionRecord, turn: session_pb2.GenerateStreamRequest
+) -> common_pb2.InferenceRequest:
+    """The job of a turn: the session's settings, its sampling with the turn's overrides, and the
+    messages the turn answers (the whole conversation for the first turn, which the router plans)."""
+    settings = record.settings
+    request = common_pb2.InferenceRequest(
+        force_experts=settings.force_experts, exclude_experts=settings.exclude_experts
+    )
+    for name in ("max_experts", "priority", "model"):
+        if settings.HasField(name):
+            setattr(request, name, getattr(settings, name))
+    messages = list(record.turn_input) if record.turns else [*record.messages, *record.turn_input]
+    if not messages:  # going on with a cut reply: the router is not asked again, the validation is
+        messages = [record.messages[-1]] if record.messages else []
+    request.messages.extend(messages)
+    for sampling in (settings.sampling, turn.sampling):
+        for name in _SAMPLING:
+            if sampling.HasField(name):
+                setattr(request, name, getattr(sampling, name))
+        if sampling.HasField("max_new_tokens"):
+            request.max_tokens = sampling.max_new_tokens
+        if sampling.stop:
+            del request.stop[:]
+            request.stop.extend(sampling.stop)
+    if turn.HasField("response_format"):
+        request.response_format.CopyFrom(turn.response_format)
+    if turn.HasField("timeout_ms"):
+        request.timeout_ms = turn.timeout_ms
+    return request
+
+
+def turn_plan(
+    record: session_state_pb2.SessionRecord, request: common_pb2.InferenceRequest
+) -> common_pb2.ExpertPlan:
+    """A later turn's plan: the experts and sampling the first turn fixed (the KV the engine keeps
+    is valid under these experts only), with this turn's explicit sampling."""
+    plan = common_pb2.ExpertPlan()
+    plan.CopyFrom(record.plan)
+    params = plan.generation_params
+    for name in _SAMPLING:
+        if request.HasField(name):
+            setattr(params, name, getattr(request, name))
+    if request.HasField("max_tokens"):
+        params.max_tokens = request.max_tokens
+    if request.stop:
+        del params.stop[:]
+        params.stop.extend(request.stop)
+    params.ClearField("response_format")
+    output_format = from_request(request)
+    if output_format is not None:
+        params.response_format.CopyFrom(output_format)
+    plan.ClearField("model_input")
+    experts = ", ".join(f"{e.name}@{e.version}" for e in plan.experts) or "none (the base model)"
+    plan.reasoning_trace = (
+        f"session turn {record.turns + 1}: the experts its first turn chose stay ({experts}); "
+        "the engine continues the conversation's kept KV"
+    )
+    plan.router_latency_ms = 0.0
+    return plan
+
+
+def _unknown(session_id: str):
+    return not_found(f"session {session_id!r} does not exist (it ended, or expired)")
