@@ -281,3 +281,38 @@ def test_sessions_over_the_engine_limit_are_refused(tiny_llama, tmp_path):
             _turn(stub, _create(stub), "a second one")
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "EXPERT_MAX_SESSIONS=1" in error.value.details()
+
+
+def test_a_client_reading_too_slowly_has_its_turn_stopped_and_keeps_its_session(tiny_llama, tmp_path):
+    # The client's receive window is kept small, so the server's writes wait on it as soon as it
+    # stops reading (the default 64 KiB window, grown by BDP probes, would hold a whole reply).
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    with (
+        ready_tiny_stack(tiny_llama, tmp_path, EXPERT_SESSION_STREAM_BUFFER="4") as stack,
+        grpc.insecure_channel(stack.target("reception"), options=options) as channel,
+    ):
+        stub = session_pb2_grpc.SessionServiceStub(channel)
+        session_id = _create(stub)
+        stub.AppendInput(session_pb2.AppendInputRequest(session_id=session_id, text="go on and on"))
+        call = stub.GenerateStream(
+            session_pb2.GenerateStreamRequest(
+                session_id=session_id,
+                sampling=session_pb2.SessionSampling(max_new_tokens=600),
+                response_format=common_pb2.ResponseFormat(regex="(abc def ){280}"),  # no early end
+            )
+        )
+        deadline = time.monotonic() + 60
+        state = session_pb2.SESSION_STATE_GENERATING
+        while state == session_pb2.SESSION_STATE_GENERATING and time.monotonic() < deadline:
+            time.sleep(0.2)  # not reading
+            state = stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id)).session.state
+        session = stub.GetSession(session_pb2.GetSessionRequest(session_id=session_id)).session
+        assert session.state == session_pb2.SESSION_STATE_IDLE
+        assert session.last_finish_reason == common_pb2.FINISH_REASON_ABORT
+        with pytest.raises(grpc.RpcError) as error:
+            list(call)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "EXPERT_SESSION_STREAM_BUFFER" in error.value.details()
+        # The session is usable: the cut reply goes on where it stopped.
+        _, end = _generate(stub, session_id)
+        assert end.session.turns == 2
