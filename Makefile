@@ -67,6 +67,7 @@ bench: setup model
 	$(PY) bench/routing.py --model $(MODEL_DIR)
 	$(PY) bench/experts.py --model $(MODEL_DIR)
 	$(PY) bench/structured.py --model $(MODEL_DIR)
+	$(PY) bench/sessions.py --model $(MODEL_DIR)
 
 # A bounded soak of the whole stack (docs/operations.md#benchmarks): SOAK_MINUTES of mixed traffic,
 # then what is left unfinished, RSS, Redis memory per job and KV at the end. Run it on an idle machine.

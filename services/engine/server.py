@@ -285,6 +285,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             experts_resident=experts.experts_resident if experts else 0,
             expert_host_bytes=experts.host_bytes if experts else 0,
             expert_device_bytes=experts.device_bytes if experts else 0,
+            session_evictions_total=stats.sessions.evictions_total,
+            session_recomputes_total=sum(stats.sessions.recomputes_total.values()),
         )
 
     async def LoadExpert(

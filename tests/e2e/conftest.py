@@ -55,7 +55,7 @@ TINY_SETTINGS = {"EXPERT_MAX_MODEL_LEN": "1024", "EXPERT_KV_NUM_BLOCKS": "160", 
 @contextlib.contextmanager
 def ready_tiny_stack(model: Path, root: Path, **extra: str) -> Iterator[LocalStack]:
     """A stack on the tiny `model` under `root`, once its HTTP front reports ready; stopped after."""
-    stack = LocalStack.on_free_ports(root, env=stack_env(model, **TINY_SETTINGS, **extra))
+    stack = LocalStack.on_free_ports(root, env=stack_env(model, **(TINY_SETTINGS | extra)))
     stack.start()
     try:
         wait_ready(stack)

@@ -316,3 +316,26 @@ def test_a_client_reading_too_slowly_has_its_turn_stopped_and_keeps_its_session(
         # The session is usable: the cut reply goes on where it stopped.
         _, end = _generate(stub, session_id)
         assert end.session.turns == 2
+
+
+def test_a_tiny_kv_pool_evicts_idle_sessions_and_they_recompute_the_same_text(
+    tiny_llama, tmp_path, reference
+):
+    # 40 blocks of 16 tokens: four conversations of ~150 tokens each cannot all stay.
+    with (
+        ready_tiny_stack(tiny_llama, tmp_path, EXPERT_KV_NUM_BLOCKS="40") as stack,
+        grpc.insecure_channel(stack.target("reception")) as channel,
+    ):
+        stub = session_pb2_grpc.SessionServiceStub(channel)
+        ids = [_create(stub) for _ in range(4)]
+        for round_ in range(3):
+            for index, session_id in enumerate(ids):
+                _, end = _turn(stub, session_id, f"conversation {index}, round {round_}: " + "word " * 30)
+                record = _record(stack, session_id)
+                output = list(record.token_ids[len(record.token_ids) - end.usage.completion_tokens :])
+                prompt = list(record.token_ids[: len(record.token_ids) - len(output)])
+                assert _stateless(reference, record, prompt) == output
+        with grpc.insecure_channel(stack.target("engine")) as engine_channel:
+            stats = engine_pb2_grpc.EngineServiceStub(engine_channel).GetStats(engine_pb2.GetStatsRequest())
+        assert stats.session_evictions_total > 0 and stats.session_recomputes_total > 0
+        assert stats.preemptions_total == 0  # idle sessions went first
