@@ -17,12 +17,22 @@ from libs.gen.expert.v1 import (
     postproc_pb2,
     preparation_pb2,
     router_pb2,
+    session_pb2,
 )
 
 API = (Path(__file__).resolve().parents[2] / "docs/api.md").read_text()
 FILES = [
     m.DESCRIPTOR
-    for m in (common_pb2, inference_pb2, keys_pb2, router_pb2, preparation_pb2, engine_pb2, postproc_pb2)
+    for m in (
+        common_pb2,
+        inference_pb2,
+        keys_pb2,
+        session_pb2,
+        router_pb2,
+        preparation_pb2,
+        engine_pb2,
+        postproc_pb2,
+    )
 ]
 MESSAGES = {name: message for f in FILES for name, message in f.message_types_by_name.items()}
 _HEADING = re.compile(r"#+ `(\w+)`")
