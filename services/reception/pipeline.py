@@ -202,10 +202,10 @@ class Pipeline:
         """Take the job to its final state and return the result recorded for it."""
         outcome, timed_out, cancelled, failure = common_pb2.GenerationOutcome(), False, False, None
         try:
+            if run.record.session_id:  # first: a turn stopped at once still settles in its session
+                run.session = await self._session_turn(run)
             if run.cancel.is_set():
                 raise JobStopped("cancelled")
-            if run.record.session_id:
-                run.session = await self._session_turn(run)
             outcome = await self._stages(run)
         except JobStopped as stop:
             timed_out, cancelled = stop.reason == "timeout", stop.reason == "cancelled"

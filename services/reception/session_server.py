@@ -146,9 +146,12 @@ class SessionServicer:
         return session_pb2.AppendInputResponse(session=self.store.view(record))
 
     async def GetSession(self, request, context) -> session_pb2.GetSessionResponse:
-        return session_pb2.GetSessionResponse(
-            session=self.store.view(await self.store.get(_session_id(request)))
-        )
+        session_id = _session_id(request)
+        record = await self.store.get(session_id)
+        if record.job_id:
+            await self._settle_stale_turn(record)
+            record = await self.store.get(session_id)
+        return session_pb2.GetSessionResponse(session=self.store.view(record))
 
     async def CancelGenerate(self, request, context) -> session_pb2.CancelGenerateResponse:
         session_id = _session_id(request)
@@ -161,8 +164,10 @@ class SessionServicer:
         # the next GenerateStream can follow at once.
         deadline = time.monotonic() + CANCEL_WAIT_S
         while record.job_id == job_id and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+            await self._settle_stale_turn(record)  # a turn cancelled while queued never runs
             record = await self.store.get(session_id)
+            if record.job_id == job_id:
+                await asyncio.sleep(0.02)
         return session_pb2.CancelGenerateResponse(cancelled=True, session=self.store.view(record))
 
     async def EndSession(self, request, context) -> session_pb2.EndSessionResponse:
@@ -183,7 +188,7 @@ class SessionServicer:
 
     async def GenerateStream(self, request, context) -> None:
         session_id = _session_id(request)
-        record = await self.store.get(session_id)
+        await self._settle_stale_turn(await self.store.get(session_id))
         job_id = uuid.uuid4().hex
         record = await self.store.begin_turn(session_id, job_id)
         try:
@@ -213,6 +218,15 @@ class SessionServicer:
                 await producer
             if not ended:  # the client went away: do not leave the turn running
                 self.reception._cancel_in_background(job_id)
+
+    async def _settle_stale_turn(self, record: session_state_pb2.SessionRecord) -> None:
+        """A turn whose job ended without the pipeline settling it (cancelled while queued, swept
+        at its deadline, dead-lettered) gives its input back, so the session is not left busy."""
+        if not record.job_id:
+            return
+        job = await self.reception.jobs.get(record.job_id)
+        if job is None or job.final:
+            await self.store.abandon_turn(record.session_id, record.job_id)
 
     async def _produce(self, job_id: str, session_id: str, queue: asyncio.Queue) -> None:
         """The turn's events as messages, into `queue`; a full queue (the client reads too slowly)
