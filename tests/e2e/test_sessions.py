@@ -225,12 +225,14 @@ def test_thirty_two_sessions_at_once_keep_their_own_text(stack, sessions, refere
     for thread in threads:
         thread.join(timeout=300)
     assert not errors
-    for session_id in ids:
+    for index, session_id in enumerate(ids):
         record = _record(stack, session_id)
         assert record.turns == 2
-        # The last turn's reply is what a stateless request with this session's history answers.
-        messages = list(record.messages)
-        assert messages[-2].content.startswith(f"session {ids.index(session_id)} turn 1")
+        assert record.messages[-2].content.startswith(f"session {index} turn 1")
+        # The last reply is what a stateless request with this session's own history answers.
+        reply = record.last_usage.completion_tokens
+        prompt, output = list(record.token_ids[:-reply]), list(record.token_ids[-reply:])
+        assert _stateless(reference, record, prompt) == output
         sessions.EndSession(session_pb2.EndSessionRequest(session_id=session_id))
 
 

@@ -13,6 +13,11 @@ with ExpertClient("localhost:50051") as client:  # default: $EXPERT_RECEPTION_TA
             print("\\n[restarted]")
         print(chunk.text, end="", flush=True)
     stream.result
+
+    with client.session(system_prompt="Be brief.", max_new_tokens=64) as session:  # multi-turn
+        session.append("Hello")
+        for chunk in session.generate():
+            print(chunk.text, end="", flush=True)
 ```
 
 `AsyncExpertClient` offers the same calls for asyncio. Results are frozen dataclasses; a failed
@@ -45,15 +50,31 @@ from .results import (
     TopLogprob,
     ValidationResult,
 )
+from .session import (
+    AsyncSession,
+    AsyncTurnStream,
+    ExpertRef,
+    SamplingFields,
+    Session,
+    SessionFields,
+    SessionInfo,
+    TurnEnd,
+    TurnFields,
+    TurnStream,
+    TurnUsage,
+)
 from .stream import AsyncInferStream, InferStream
 
 __all__ = [
     "AppliedExpert",
     "AsyncExpertClient",
     "AsyncInferStream",
+    "AsyncSession",
+    "AsyncTurnStream",
     "Choice",
     "DeadlineExceeded",
     "ExpertClient",
+    "ExpertRef",
     "ExpertSystemError",
     "FailedPrecondition",
     "InferStream",
@@ -66,9 +87,17 @@ __all__ = [
     "PermissionDenied",
     "RequestFields",
     "ResourceExhausted",
+    "SamplingFields",
+    "Session",
+    "SessionFields",
+    "SessionInfo",
     "StreamChunk",
     "TokenLogprob",
     "TopLogprob",
+    "TurnEnd",
+    "TurnFields",
+    "TurnStream",
+    "TurnUsage",
     "Unauthenticated",
     "Unavailable",
     "ValidationResult",

@@ -18,6 +18,7 @@ from .results import (
     result_from_proto,
     submission_from_proto,
 )
+from .session import AsyncSession, SessionFields
 from .stream import AsyncInferStream
 
 
@@ -85,6 +86,13 @@ class AsyncExpertClient:
             inference_pb2.CancelJobRequest(job_id=job_id), timeout=timeout, metadata=self._metadata
         )
         return job_from_proto((await _call(call)).job)
+
+    def session(
+        self, *, timeout: float | None = DEFAULT_TIMEOUT, **settings: Unpack[SessionFields]
+    ) -> AsyncSession:
+        """A multi-turn session, created by `async with client.session(...) as session:` (which
+        ends it on exit) or by `session = await client.session(...)`."""
+        return AsyncSession(self._channel, self._metadata, settings, timeout)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TypeVar, Unpack
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import grpc
 
@@ -20,6 +20,9 @@ from .results import (
     submission_from_proto,
 )
 from .stream import InferStream
+
+if TYPE_CHECKING:
+    from .session import Session, SessionFields
 
 DEFAULT_TARGET = "localhost:50051"
 TARGET_ENV = "EXPERT_RECEPTION_TARGET"
@@ -104,6 +107,15 @@ class ExpertClient:
         """Stop a job; returns its record after the cancellation."""
         request = inference_pb2.CancelJobRequest(job_id=job_id)
         return job_from_proto(self._call(self._stub.CancelJob, request, timeout).job)
+
+    def session(
+        self, *, timeout: float | None = DEFAULT_TIMEOUT, **settings: Unpack[SessionFields]
+    ) -> Session:
+        """Open a multi-turn session (its settings are the keywords of `SessionFields`), created
+        at once; use it as a context manager, which ends it on exit. See `expert_system.session`."""
+        from .session import Session  # it imports this module
+
+        return Session(self._channel, self._metadata, settings, timeout)
 
     def _call(self, method: Callable[..., _Response], request, timeout: float | None) -> _Response:
         try:
