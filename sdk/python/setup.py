@@ -18,7 +18,15 @@ from setuptools.command.sdist import sdist
 HERE = Path(__file__).resolve().parent
 STUBS = HERE / "expert_system" / "_proto"
 GENERATOR = HERE.parents[1] / "protos" / "generate.py"
-MODULES = ("common_pb2.py", "inference_pb2.py", "inference_pb2_grpc.py", "keys_pb2.py", "keys_pb2_grpc.py")
+MODULES = (
+    "common_pb2.py",
+    "inference_pb2.py",
+    "inference_pb2_grpc.py",
+    "keys_pb2.py",
+    "keys_pb2_grpc.py",
+    "session_pb2.py",
+    "session_pb2_grpc.py",
+)
 
 
 def ensure_stubs() -> None:
