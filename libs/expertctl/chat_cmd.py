@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -112,18 +113,7 @@ class Chat:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def loop(self, stdin: TextIO, stdout: TextIO) -> None:
-        while True:
-            if stdin.isatty():
-                stdout.write("you> ")
-                stdout.flush()
-            line = stdin.readline()
-            if not line:
-                return
-            text = line.strip()
-            if not text:
-                continue
-            if text == "/exit":
-                return
+        for text in _lines(stdin, stdout):
             if text == "/reset":
                 self.reset()
                 continue
@@ -157,6 +147,22 @@ class Chat:
         stdout.write("\n")
         stdout.flush()
         return "".join(pieces)
+
+
+def _lines(stdin: TextIO, stdout: TextIO) -> Iterator[str]:
+    """The user's non-empty lines, stripped, until end of input or `/exit` (prompting on a tty)."""
+    while True:
+        if stdin.isatty():
+            stdout.write("you> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            return
+        text = line.strip()
+        if text == "/exit":
+            return
+        if text:
+            yield text
 
 
 def _run_remote(args: argparse.Namespace) -> int:
@@ -229,18 +235,7 @@ class RemoteChat:
         from expert_system import ExpertSystemError
 
         try:
-            while True:
-                if stdin.isatty():
-                    stdout.write("you> ")
-                    stdout.flush()
-                line = stdin.readline()
-                if not line:
-                    return
-                text = line.strip()
-                if not text:
-                    continue
-                if text == "/exit":
-                    return
+            for text in _lines(stdin, stdout):
                 try:
                     if text == "/reset":
                         self.reset()

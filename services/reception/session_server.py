@@ -26,7 +26,7 @@ from libs.errors import ServiceError, invalid_argument, invalid_arguments, resou
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.logging import get_logger
 from services.reception.server import MAX_JOB_ID_CHARS, ReceptionServicer, Undecodable, tolerant
-from services.reception.sessions import SessionStore, turn_request
+from services.reception.sessions import SAMPLING_FIELDS, SessionStore, turn_request
 from services.reception.stages import Stages
 from services.reception.validation import MAX_MESSAGES, MAX_PROMPT_CHARS, validate
 
@@ -47,17 +47,7 @@ def _renamed(field: str) -> str:
     if name == "max_tokens":
         return "sampling.max_new_tokens"
     head = name.split("[")[0].split(".")[0]
-    if head in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "stop",
-    ):
+    if head in (*SAMPLING_FIELDS, "stop"):
         return "sampling." + name
     return name
 

@@ -36,7 +36,7 @@ _CONTINUABLE = (
     common_pb2.FINISH_REASON_TIMEOUT,
 )
 # The sampling fields a session (or a turn) sets explicitly, as InferenceRequest fields.
-_SAMPLING = (
+SAMPLING_FIELDS = (
     "temperature",
     "top_p",
     "top_k",
@@ -281,14 +281,7 @@ def turn_request(
         messages = [record.messages[-1]] if record.messages else []
     request.messages.extend(messages)
     for sampling in (settings.sampling, turn.sampling):
-        for name in _SAMPLING:
-            if sampling.HasField(name):
-                setattr(request, name, getattr(sampling, name))
-        if sampling.HasField("max_new_tokens"):
-            request.max_tokens = sampling.max_new_tokens
-        if sampling.stop:
-            del request.stop[:]
-            request.stop.extend(sampling.stop)
+        _copy_sampling(sampling, "max_new_tokens", request, "max_tokens")
     if turn.HasField("response_format"):
         request.response_format.CopyFrom(turn.response_format)
     if turn.HasField("timeout_ms"):
@@ -304,14 +297,7 @@ def turn_plan(
     plan = common_pb2.ExpertPlan()
     plan.CopyFrom(record.plan)
     params = plan.generation_params
-    for name in _SAMPLING:
-        if request.HasField(name):
-            setattr(params, name, getattr(request, name))
-    if request.HasField("max_tokens"):
-        params.max_tokens = request.max_tokens
-    if request.stop:
-        del params.stop[:]
-        params.stop.extend(request.stop)
+    _copy_sampling(request, "max_tokens", params, "max_tokens")
     params.ClearField("response_format")
     output_format = from_request(request)
     if output_format is not None:
@@ -324,6 +310,19 @@ def turn_plan(
     )
     plan.router_latency_ms = 0.0
     return plan
+
+
+def _copy_sampling(source, source_max: str, target, target_max: str) -> None:
+    """The sampling fields `source` sets explicitly, onto `target` (its stop strings replace the
+    target's); `source_max` and `target_max` name the token limit on each side."""
+    for name in SAMPLING_FIELDS:
+        if source.HasField(name):
+            setattr(target, name, getattr(source, name))
+    if source.HasField(source_max):
+        setattr(target, target_max, getattr(source, source_max))
+    if source.stop:
+        del target.stop[:]
+        target.stop.extend(source.stop)
 
 
 def _unknown(session_id: str):
