@@ -16,7 +16,7 @@ ENGINE = REPO / "libs/engine"
 # (kernels, tokenizer, the GGUF importer) are one unit each.
 LAYERS: list[set[str]] = [
     {"errors", "sampler", "kernels", "tokenizer", "models.errors", "models.gguf", "adapters", "models"},
-    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar"},
+    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar", "quant"},
     {"models.config"},
     {"adapters.weights", "kv_cache", "models.loader"},
     {"adapters.registry"},
