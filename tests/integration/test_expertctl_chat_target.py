@@ -113,7 +113,9 @@ def test_ctrl_c_cancels_the_reply_and_the_next_line_is_answered(target, capsys):
         chat.loop(_Lines("tell me a long story\nand now?\n"), out)
     assert "expertctl: error" not in capsys.readouterr().err  # the cancelled turn settled in time
     assert out.getvalue().startswith(" [stopped]\n") and out.getvalue().endswith("\n")
-    assert chat.cancels == [True]  # Ctrl-C stopped a running turn
+    # Ctrl-C cancelled once. Dropping the call already stops the turn on the server (a client that
+    # hangs up cancels its job), so the explicit cancel may find it stopped (False) or stop it (True).
+    assert len(chat.cancels) == 1
     assert chat.last.turns == 2 and chat.last.state == "idle"
     assert _gone(target, session_id)
 
