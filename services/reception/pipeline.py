@@ -59,8 +59,6 @@ _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A Prepare that ended with these may have reserved a slot before the answer was lost.
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 DEFAULT_STREAM_INTERVAL = 16
-# Tokens a chat template may add around a message (as the router bounds a prompt's tokens).
-TEMPLATE_OVERHEAD = 64
 # gRPC measures a call's timeout on its own clock: its DEADLINE_EXCEEDED may come a hair before ours.
 DEADLINE_SLACK_S = 0.05
 # The engine ends a request at the job's deadline (or when asked to Abort it) and sends the text it
@@ -397,9 +395,12 @@ class Pipeline:
 
     async def _generate(self, run: JobRun, attempt: int) -> common_pb2.GenerationOutcome:
         plan, placement = run.plan, run.placement
+        # A session turn sends the session's history and new messages instead of an input.
+        session = None if run.session is None else self.sessions.engine_turn(run.session)
         request = engine_pb2.GenerateRequest(
             request_id=f"{run.job_id}-{attempt}",
-            input=plan.model_input,
+            input=plan.model_input if session is None else None,
+            session=session,
             params=plan.generation_params,
             experts=[
                 common_pb2.ExpertRef(name=e.name, version=e.version, weight=e.weight)
@@ -408,9 +409,6 @@ class Pipeline:
             priority=run.record.priority,
             stream_interval=1 if run.record.streaming else self.stream_interval,
         )
-        if run.session is not None:
-            request.ClearField("input")
-            request.session.CopyFrom(self.sessions.engine_turn(run.session))
         remaining = run.remaining()
         if run.deadline is not None:
             request.deadline.CopyFrom(timestamp(run.deadline))

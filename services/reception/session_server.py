@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -52,17 +52,27 @@ def _renamed(field: str) -> str:
     return name
 
 
-def _check(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> None:
-    """Reception's request rules on a turn's (or a session's) settings, naming the session API's
-    fields. The messages are checked where they are appended; a stand-in prompt takes their place."""
-    probe = common_pb2.InferenceRequest()
-    probe.CopyFrom(request)
+@contextlib.contextmanager
+def _session_fields() -> Iterator[None]:
+    """Reception's refusals of a turn's InferenceRequest, naming the session API's fields."""
+    try:
+        yield
+    except ServiceError as exc:
+        if not exc.violations:
+            raise
+        raise invalid_arguments([(_renamed(f), d) for f, d in exc.violations]) from None
+
+
+def _check_settings(settings: session_pb2.CreateSessionRequest) -> None:
+    """Reception's request rules on a new session's settings, as its turns will carry them. Its
+    messages are checked like appended ones; a stand-in prompt takes their place here."""
+    probe = turn_request(
+        session_state_pb2.SessionRecord(settings=settings), session_pb2.GenerateStreamRequest()
+    )
     del probe.messages[:]
     probe.prompt = "."
-    try:
-        validate(probe, max_model_len)
-    except ServiceError as exc:
-        raise invalid_arguments([(_renamed(f), d) for f, d in exc.violations]) from None
+    with _session_fields():
+        validate(probe)
 
 
 def _messages(messages: list[common_pb2.ChatMessage], field: str) -> list[common_pb2.ChatMessage]:
@@ -115,8 +125,7 @@ class SessionServicer:
         _messages(list(settings.messages), "messages")
         if settings.HasField("system_prompt") and len(settings.system_prompt) > MAX_PROMPT_CHARS:
             raise invalid_argument("system_prompt", f"at most {MAX_PROMPT_CHARS} characters")
-        draft = session_state_pb2.SessionRecord(settings=settings)
-        _check(turn_request(draft, session_pb2.GenerateStreamRequest()))
+        _check_settings(settings)
         record = await self.store.create(uuid.uuid4().hex, settings)
         log.info("session created", session_id=record.session_id)
         return session_pb2.CreateSessionResponse(session=self.store.view(record))
@@ -182,10 +191,10 @@ class SessionServicer:
         job_id = uuid.uuid4().hex
         record = await self.store.begin_turn(session_id, job_id)
         try:
-            turn = turn_request(record, request)
-            model = await self.reception._model(turn)
-            _check(turn, model.max_model_len if model is not None else 0)
-            await self.reception._admit(turn, streaming=True, job_id=job_id, session_id=session_id)
+            with _session_fields():  # the admission validates the turn, as any request
+                await self.reception._admit(
+                    turn_request(record, request), streaming=True, job_id=job_id, session_id=session_id
+                )
         except BaseException:
             await self.store.abandon_turn(session_id, job_id)
             raise

@@ -9,6 +9,7 @@ import time
 
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
+from libs.input_size import input_bytes
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, render_template
 from libs.response_format import from_request
 from services.router.features import Features, extract_features, for_format
@@ -16,9 +17,6 @@ from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
 from services.router.selection import MAX_EXPERTS, Selection, select_experts
 from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
-
-# Tokens a chat template adds around each message, for the KV budget's upper bound.
-TEMPLATE_OVERHEAD_BYTES = 64
 
 
 def model_input(request: common_pb2.InferenceRequest) -> tuple[common_pb2.ModelInput, str]:
@@ -37,15 +35,6 @@ def model_input(request: common_pb2.InferenceRequest) -> tuple[common_pb2.ModelI
     if text:
         messages.append(common_pb2.ChatMessage(role="user", content=text))
     return common_pb2.ModelInput(conversation=common_pb2.Conversation(messages=messages)), text
-
-
-def input_bytes(model_input: common_pb2.ModelInput) -> int:
-    """An upper bound of the input's token count: its UTF-8 bytes (a byte-level BPE never needs more)
-    plus what a chat template adds per message."""
-    if model_input.HasField("text"):
-        return len(model_input.text.encode())
-    messages = model_input.conversation.messages
-    return sum(len(m.content.encode()) + TEMPLATE_OVERHEAD_BYTES for m in messages) + TEMPLATE_OVERHEAD_BYTES
 
 
 def _format_trace(request: common_pb2.InferenceRequest, format_kind: str | None) -> list[str]:
