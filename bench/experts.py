@@ -204,7 +204,7 @@ def report_routing(client, root: Path, encoder, packages) -> None:
     unrelated = len(prompts["none"])
     print(f"\n2. Routing on the held-out routing set: {labelled} labelled prompts, {unrelated} unrelated")
     results = {}
-    plain = MatchRule(keyword_boost=0.0, topic_gate=False, companion_ratio=0.0)
+    plain = MatchRule(word_weight=0.0, topic_gate=False, companion_ratio=0.0)
     variants = {
         "default: calibrated, keywords, topic gate, companions": (FloorRule(), MatchRule()),
         "calibrated only": (FloorRule(), plain),

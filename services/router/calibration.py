@@ -18,11 +18,13 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from services.router.embedding import SentenceEncoder
+from services.router.matching import stems
 
 BACKGROUND_FILE = Path(__file__).with_name("background_prompts.txt")
 CALIBRATED = "calibrated"
@@ -48,7 +50,8 @@ class FloorRule:
 
 class Background:
     """The generic-prompt corpus, encoded on first use. The encoding is kept per encoder, so indexes
-    sharing an encoder encode it once (thread-safe: plans run on executor threads)."""
+    sharing an encoder encode it once (thread-safe: plans run on executor threads). Its words also
+    tell how common a word of an expert's description is (`matching.AuthorWords`)."""
 
     def __init__(self, encoder: SentenceEncoder, prompts: list[str] | None = None) -> None:
         self.encoder = encoder
@@ -62,6 +65,11 @@ class Background:
             if self.prompts not in encoded:
                 encoded[self.prompts] = self.encoder.encode(list(self.prompts))
             return encoded[self.prompts]
+
+    @cached_property
+    def stems(self) -> tuple[frozenset[str], ...]:
+        """Each prompt's word stems: the generic documents of the author's words' rarity."""
+        return tuple(stems(prompt) for prompt in self.prompts)
 
     def floors(self, expert_vectors: torch.Tensor, rule: FloorRule) -> torch.Tensor:
         """Each expert's floor, [E] for expert_vectors [E, dim] (unit rows)."""

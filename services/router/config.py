@@ -26,7 +26,7 @@ class RouterConfig:
     feedback_alpha: float  # weight of one job's outcome in an expert's success rate
     encoder_threads: int  # torch threads of the sentence encoder
     floor: FloorRule  # the similarity retrieval needs (calibrated per expert, or fixed)
-    matching: MatchRule  # the keyword boost and the topic gate
+    matching: MatchRule  # the author's words, the topic gate and the companion ratio
     max_tokens_ceiling: int  # the tuned max_tokens at most, when the user set none
     auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
 
@@ -54,8 +54,8 @@ class RouterConfig:
                 ),
             ),
             matching=MatchRule(
-                keyword_boost=reader.number(
-                    "EXPERT_ROUTER_KEYWORD_BOOST", MatchRule.keyword_boost, minimum=0.0, maximum=1.0
+                word_weight=reader.number(
+                    "EXPERT_ROUTER_WORD_WEIGHT", MatchRule.word_weight, minimum=0.0, maximum=1.0
                 ),
                 topic_gate=reader.boolean("EXPERT_ROUTER_TOPIC_GATE", MatchRule.topic_gate),
                 companion_ratio=reader.number(

@@ -10,8 +10,9 @@ the index attaches it to every expert it returns.
 One point per expert name: the version installed last is the one selected; registering the same
 version again keeps what feedback taught, a new version starts again from the prior.
 
-Retrieval compares the prompt whole and sentence by sentence, adds a boost for the expert's keywords,
-and takes an expert only when that similarity reaches the expert's floor (`calibration.py`: calibrated
+Retrieval compares the prompt whole, its request alone and sentence by sentence, adds the weight of
+the prompt's words found in the expert's description and keywords, and takes an expert only when that
+similarity reaches the expert's floor (`calibration.py`: calibrated
 per expert against generic prompts by default, or one fixed floor), unless the topic gate finds the
 prompt closer to the expert's topic probes than to the expert (`matching.py`). The gate's vectors
 (the probes, and each of the texts the expert is known by) live in a second collection.
@@ -21,7 +22,7 @@ Qdrant runs embedded (qdrant-client's local mode, on disk under the data directo
 
 Selection's heuristic candidates (experts tagged with a task type or capability) and their
 similarities come from `RoutingTags`, a snapshot of the parts of the registry that change only when
-an expert is registered or removed: each expert's vector, tags, keywords and floor. Every
+an expert is registered or removed: each expert's vector, tags, author's words and floor. Every
 registration and removal writes a new revision token to a one-point collection beside the experts,
 and the snapshot is rebuilt when the token differs from the one it was built at, so each router
 (sharing a Qdrant server or not) sees every registration at its next plan. What feedback changes
@@ -49,9 +50,11 @@ from services.router.calibration import DEFAULT_FLOOR, Background, FloorRule
 from services.router.embedding import SentenceEncoder
 from services.router.matching import (
     DEFAULT_MATCHING,
-    KeywordIndex,
+    AuthorWords,
     MatchRule,
     PromptQuery,
+    WordMatch,
+    author_text,
     topic_probes,
 )
 from services.router.stats import ExpertStats, Stats
@@ -129,7 +132,7 @@ class RoutingTags:
     vectors: torch.Tensor  # [len(names), dim], unit rows
     by_tag: dict[str, frozenset[str]]  # "task:<type>" or "capability:<name>" -> expert names
     floors: dict[str, float]  # name -> the similarity retrieval needs to take the expert
-    keywords: KeywordIndex
+    words: AuthorWords
 
     @property
     def lowest_floor(self) -> float:
@@ -140,16 +143,17 @@ class RoutingTags:
         return set().union(*(self.by_tag.get(k, frozenset()) for k in keys))
 
     def similarity(self, query: PromptQuery, names: list[str], rule: MatchRule) -> dict[str, float]:
-        """The named experts' similarity to the query as retrieval measures it (best sentence, plus
-        the keyword boost), without floors or the topic gate: for candidates found another way."""
+        """The named experts' similarity to the query as retrieval measures it (best row, plus the
+        author's words), without floors or the topic gate: for candidates found another way."""
         row = {name: i for i, name in enumerate(self.names)}
         rows = [row[n] for n in names if n in row]
         if not rows:
             return {}
         best = query.best(self.vectors[rows]).values.tolist()
-        hits = self.keywords.matches(query.text)
+        hits = self.words.matches(query.text) if rule.word_weight else {}
+        weights = {name: match.weight for name, match in hits.items()}
         return {
-            self.names[r]: s + (rule.keyword_boost if self.names[r] in hits else 0.0)
+            self.names[r]: s + rule.word_weight * weights.get(self.names[r], 0.0)
             for r, s in zip(rows, best, strict=True)
         }
 
@@ -159,10 +163,11 @@ class Match:
     """An expert retrieval found for a prompt, and how."""
 
     expert: IndexedExpert
-    similarity: float  # what selection scores: `cosine`, less the row's margin, plus any keyword boost
+    similarity: float  # what selection scores: `cosine`, less the row's margin, plus the author's words
     cosine: float  # the cosine of the row that reached the expert best
-    row: int  # that row of the query (0: the whole prompt, else a sentence)
-    keyword: str | None  # the expert's keyword the prompt contains
+    row: int  # that row of the query (`PromptQuery.source` names it)
+    words: WordMatch | None  # the prompt's words found in the expert's description and keywords
+    word_bonus: float  # what they added to the similarity
     floor: float
     topic: Gate | None  # the topic gate's evidence (None: the expert has no probes, or no gate)
 
@@ -324,13 +329,18 @@ class ExpertIndex:
         """Up to `k` experts nearest the query, best first, that reach their floor in `tags` (the
         snapshot this selection reads), with how each matched (`matching.py`); the caller drops
         those whose match is `about_topic`."""
-        boost = self.matching.keyword_boost
+        weight = self.matching.word_weight
+        hits = tags.words.matches(query.text) if weight else {}
+        bonus = {name: weight * match.weight for name, match in hits.items()}
         found = self.client.query_batch_points(
             COLLECTION,
             requests=[
-                # Lowered by the boost: a keyword can lift an expert over its floor.
+                # Lowered by the largest bonus: the author's words can lift an expert over its floor.
                 models.QueryRequest(
-                    query=v.tolist(), limit=k, score_threshold=tags.lowest_floor - boost, with_payload=True
+                    query=v.tolist(),
+                    limit=k,
+                    score_threshold=tags.lowest_floor - max(bonus.values(), default=0.0),
+                    with_payload=True,
                 )
                 for v in query.vectors
             ],
@@ -341,10 +351,9 @@ class ExpertIndex:
                 name, reached = p.payload["name"], p.score - query.margin(row)
                 if name not in best or reached > best[name][0]:
                     best[name] = (reached, float(p.score), row, p.payload)
-        hits = tags.keywords.matches(query.text) if boost else {}
         passed = []
         for name, (reached, cosine, row, payload) in best.items():
-            similarity = reached + (boost if name in hits else 0.0)
+            similarity = reached + bonus.get(name, 0.0)
             floor = tags.floors.get(name, 1.0)
             if similarity >= floor:
                 passed.append((name, similarity, cosine, row, payload, floor))
@@ -353,7 +362,9 @@ class ExpertIndex:
         topics = self._gates(query, [m[4] for m in passed]) if self.matching.topic_gate else {}
         experts = self._with_stats([m[4] for m in passed])
         return [
-            Match(expert, similarity, cosine, row, hits.get(name), floor, topics.get(name))
+            Match(
+                expert, similarity, cosine, row, hits.get(name), bonus.get(name, 0.0), floor, topics.get(name)
+            )
             for expert, (name, similarity, cosine, row, _, floor) in zip(experts, passed, strict=True)
         ]
 
@@ -392,20 +403,20 @@ class ExpertIndex:
         return self._tags
 
     def _build_tags(self, revision: str) -> RoutingTags:
-        names, vectors, by_tag, keywords, offset = [], [], {}, {}, None
+        names, vectors, by_tag, texts, offset = [], [], {}, {}, None
         while True:
             points, offset = self.client.scroll(
                 COLLECTION,
                 limit=256,
                 offset=offset,
-                with_payload=["name", "task_types", "capabilities", "keywords"],
+                with_payload=["name", "task_types", "capabilities", "description", "keywords"],
                 with_vectors=True,
             )
             for p in points:
                 name = p.payload["name"]
                 names.append(name)
                 vectors.append(p.vector)
-                keywords[name] = p.payload["keywords"]
+                texts[name] = author_text(p.payload["description"], p.payload["keywords"])
                 for key in [f"task:{t}" for t in p.payload["task_types"]] + [
                     f"capability:{c}" for c in p.payload["capabilities"]
                 ]:
@@ -415,7 +426,8 @@ class ExpertIndex:
         matrix = torch.tensor(vectors, dtype=torch.float32) if vectors else torch.empty(0, self.encoder.dim)
         frozen = {k: frozenset(v) for k, v in by_tag.items()}
         floors = dict(zip(names, self.background.floors(matrix, self.floor).tolist(), strict=True))
-        return RoutingTags(revision, tuple(names), matrix, frozen, floors, KeywordIndex(keywords))
+        words = AuthorWords(texts, self.background.stems)
+        return RoutingTags(revision, tuple(names), matrix, frozen, floors, words)
 
     def _new_revision(self) -> None:
         self.client.upsert(

@@ -1,7 +1,7 @@
 """How a prompt is compared with an expert, beyond one cosine of two embeddings.
 
 Retrieval (the experts nearest the prompt's embedding, k = 30, each above a floor) is kept;
-three rules decide what "nearest" means, each measured on the routing benchmark (`docs/experts.md`):
+four rules decide what "nearest" means, each measured on the routing benchmark (`docs/experts.md`):
 
 - **Sentences.** A request often wraps its task in context ("We moved offices last week. Convert
   12 miles to km."), and one embedding of the whole dilutes the task. The prompt is encoded whole and
@@ -9,9 +9,17 @@ three rules decide what "nearest" means, each measured on the routing benchmark 
   expert's similarity is the best of them, a sentence's less `SENTENCE_MARGIN`: every sentence is
   one more draw against a floor calibrated for one embedding per prompt, and without the margin the
   context sentences of a prompt ("Contact: ana@example.com.") bring in experts it does not need.
-- **Keywords.** When the prompt contains one of the expert's keywords as whole words (any case), the
-  similarity gets `keyword_boost` added: the author's own words for the expert are the strongest
-  evidence there is, and a sentence encoder weighs a shared word less than that.
+- **The request without its material.** A prompt often pastes what the task works on after its
+  request ("Could you boil this down to the essentials?\n\n<an article>", "Is this review good or
+  bad? '<the review>'"), and the material outweighs the request in the embedding. The request alone
+  (`instruction`: the leading paragraph, or the text up to a line ending with a colon, with long
+  quotations replaced by "this text") is encoded too and counts like the whole prompt, with no margin:
+  it is the prompt, less what the task is applied to.
+- **The author's words.** Each word of the prompt that also appears in the expert's description or
+  keywords adds `word_weight` times the word's inverse document frequency over every expert's
+  description and keywords and a corpus of generic prompts (`AuthorWords`): "[PHONE]" or "redact"
+  say much, "email" (in three experts' descriptions and in everyday questions) little, "please"
+  nothing. Words are compared by stem, with British spellings folded into American ones.
 - **Topic gate.** A question about an expert's subject ("Who invented regular expressions?") is as
   close to the expert as a task for it. At registration each expert with keywords gets topic probes:
   small-talk questions about each of its first `PROBED_KEYWORDS` keywords (`topic_probes`). An
@@ -23,10 +31,12 @@ three rules decide what "nearest" means, each measured on the routing benchmark 
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import snowballstemmer
 import torch
 
 from services.router.embedding import SentenceEncoder
@@ -35,8 +45,19 @@ MAX_SENTENCES = 8
 MIN_SENTENCE_CHARS = 8
 SENTENCE_MARGIN = 0.08
 _SENTENCE_END = re.compile(r"(?<=[.!?:])\s+|\n+")
-# A word, with inner punctuation kept ("tl;dr", "e-mail", "don't"), or one punctuation mark ("c++").
-_WORD = re.compile(r"\w+(?:[^\w\s]+\w+)*|[^\w\s]")
+# The request ends at its first blank line, or at a line break after a colon ("Summarise this:\n...").
+_REQUEST_END = re.compile(r"\n\s*\n|(?<=:)[ \t]*\n")
+# A quotation of at least 12 characters, opened after a space, a colon or a parenthesis (so that an
+# apostrophe in "candidate's" opens none) and closed before punctuation, a space or the end.
+_QUOTATION = re.compile(r"(?:(?<=[\s:(])|^)'[^\n]{12,}?'(?=[\s.,!?;)]|$)|\"[^\"]{12,}\"|“[^”]{12,}”")
+# A word, or a placeholder in brackets ("[EMAIL]", kept apart from "email").
+_WORD = re.compile(r"\[\w+\]|\w+")
+_BRITISH = re.compile(r"is(e|es|ed|ing|ation|ations)$")  # summarise -> summarize, before stemming
+_STOP_WORDS = frozenset(
+    ("a", "an", "the", "and", "or", "of", "to", "in", "on", "for", "with", "this", "that", "these",
+     "those", "is", "are", "was", "be", "it", "its", "my", "me", "i", "you", "your", "can", "could",
+     "would", "please", "what", "how", "do", "does", "at", "by", "from", "as", "into", "about")
+)  # fmt: skip
 
 PROBED_KEYWORDS = 10
 TOPIC_TEMPLATES = (
@@ -51,18 +72,19 @@ TOPIC_TEMPLATES = (
 
 @dataclass(frozen=True)
 class MatchRule:
-    """The tunable parts: the keyword boost (0 turns it off), whether the topic gate applies, and the
+    """The tunable parts: the weight of the author's words (0 turns them off), whether the topic gate
+    applies, and the
     companion ratio: selection composes a non-forced expert with the leading one only when its
     similarity is at least this share of the leader's (0 composes every candidate, as the original
     design did)."""
 
-    keyword_boost: float = 0.15
+    word_weight: float = 0.0125
     topic_gate: bool = True
     companion_ratio: float = 0.5
 
     def describe(self) -> str:
         return (
-            f"keyword boost {self.keyword_boost:g}, topic gate {'on' if self.topic_gate else 'off'}, "
+            f"author's words x {self.word_weight:g} idf, topic gate {'on' if self.topic_gate else 'off'}, "
             f"companions >= {self.companion_ratio:g} x the leader's similarity"
         )
 
@@ -77,22 +99,35 @@ def sentences(text: str) -> list[str]:
     return parts[:MAX_SENTENCES] if len(parts) > 1 else []
 
 
+def instruction(text: str) -> str | None:
+    """The request without the material it is applied to, when the prompt carries some: its leading
+    paragraph (or the text up to a line ending with a colon) with long quotations replaced by "this
+    text". None when that is the whole prompt, or too short to stand alone."""
+    text = text.strip()
+    request = _QUOTATION.sub("this text", _REQUEST_END.split(text, maxsplit=1)[0]).strip()
+    return request if request != text and len(request) >= MIN_SENTENCE_CHARS else None
+
+
 @dataclass(frozen=True)
 class PromptQuery:
-    """A prompt as retrieval sees it: its text and its embeddings (row 0 the whole prompt, then one row
-    per sentence)."""
+    """A prompt as retrieval sees it: its text and its embeddings. The first `num_requests` rows are
+    the whole prompt and, when the prompt carries material, its request alone (`instruction`); one row
+    per sentence follows."""
 
     text: str
-    vectors: torch.Tensor  # [1 + sentences, dim], unit rows
+    vectors: torch.Tensor  # [requests + sentences, dim], unit rows
+    num_requests: int = 1
 
     @classmethod
     def encode(cls, encoder: SentenceEncoder, text: str) -> PromptQuery:
-        # Two batches: padding the sentences to the whole prompt's length would encode it many times.
+        # Batches of similar length: padding the sentences to the whole prompt's would encode it many times.
+        request = instruction(text)
+        requests = [text] if request is None else [text, request]
+        vectors = encoder.encode(requests)
         parts = sentences(text)
-        vectors = encoder.encode([text])
         if parts:
             vectors = torch.cat([vectors, encoder.encode(parts)])
-        return cls(text, vectors)
+        return cls(text, vectors, len(requests))
 
     @property
     def whole(self) -> torch.Tensor:
@@ -100,46 +135,75 @@ class PromptQuery:
 
     def margin(self, row: int) -> float:
         """What a cosine reached through this row gives up (`SENTENCE_MARGIN` for a sentence)."""
-        return 0.0 if row == 0 else SENTENCE_MARGIN
+        return 0.0 if row < self.num_requests else SENTENCE_MARGIN
 
     def best(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For expert vectors [E, dim]: each one's best cosine less its row's margin [E], and the row."""
         margins = torch.full((self.vectors.shape[0],), SENTENCE_MARGIN)
-        margins[0] = 0.0
+        margins[: self.num_requests] = 0.0
         return (experts @ self.vectors.T - margins).max(dim=1)
 
     def source(self, row: int) -> str:
-        return "whole prompt" if row == 0 else f"sentence {row}"
+        if row == 0:
+            return "whole prompt"
+        return "request" if row < self.num_requests else f"sentence {row - self.num_requests + 1}"
 
 
-def words(text: str) -> tuple[str, ...]:
-    return tuple(_WORD.findall(text.casefold()))
+_STEMMER = snowballstemmer.stemmer("english")
 
 
-class KeywordIndex:
-    """Which experts' keywords a prompt contains, as whole words: one lookup per n-gram of the prompt,
-    so the cost follows the prompt's length, not the number of experts."""
+def stems(text: str) -> frozenset[str]:
+    """The distinct stems of a text's words, less stop words, numbers and single letters."""
+    words = (w for w in _WORD.findall(text.casefold()) if w not in _STOP_WORDS and len(w.strip("[]")) > 1)
+    return frozenset(_STEMMER.stemWord(_BRITISH.sub(r"iz\1", w)) for w in words if not w.isdigit())
 
-    def __init__(self, keywords: Mapping[str, Sequence[str]]) -> None:
-        self._experts: dict[tuple[str, ...], list[tuple[str, str]]] = {}
-        for name, listed in keywords.items():
-            for keyword in listed:
-                key = words(keyword)
-                if key:
-                    self._experts.setdefault(key, []).append((name, keyword))
-        self._longest = max(map(len, self._experts), default=0)
 
-    def matches(self, text: str) -> dict[str, str]:
-        """Expert name -> the first of its keywords found in `text`."""
-        found: dict[str, str] = {}
-        if not self._longest:
-            return found
-        tokens = words(text)
-        for start in range(len(tokens)):
-            for length in range(1, min(self._longest, len(tokens) - start) + 1):
-                for name, keyword in self._experts.get(tokens[start : start + length], ()):
-                    found.setdefault(name, keyword)
-        return found
+@dataclass(frozen=True)
+class WordMatch:
+    """The prompt's words found among an expert's own, and their summed inverse document frequency."""
+
+    words: tuple[str, ...]  # stems, rarest first
+    weight: float
+
+
+class AuthorWords:
+    """Which of the prompt's words each expert's author used (in its description or keywords),
+    weighted by rarity: a word's inverse document frequency is ln(N / n) over N documents, every
+    expert's description and keywords and every prompt of a generic corpus, n of which contain it.
+    One lookup per word of the prompt, so the cost follows the prompt, not the number of experts."""
+
+    def __init__(self, experts: Mapping[str, str], generic: Iterable[frozenset[str]]) -> None:
+        self._experts: dict[str, list[str]] = {}  # stem -> the experts whose text has it
+        counts: dict[str, int] = {}
+        documents = 0
+        for name, text in experts.items():
+            documents += 1
+            for stem in stems(text):
+                self._experts.setdefault(stem, []).append(name)
+                counts[stem] = counts.get(stem, 0) + 1
+        for document in generic:
+            documents += 1
+            for stem in document & self._experts.keys():
+                counts[stem] += 1
+        self._idf = {stem: math.log(documents / n) for stem, n in counts.items()}
+
+    def matches(self, text: str) -> dict[str, WordMatch]:
+        """Expert name -> the prompt's words in its author's text (experts with none are left out)."""
+        found: dict[str, list[str]] = {}
+        for stem in stems(text):
+            for name in self._experts.get(stem, ()):
+                found.setdefault(name, []).append(stem)
+        return {
+            name: WordMatch(
+                tuple(sorted(words, key=lambda w: (-self._idf[w], w))), sum(self._idf[w] for w in words)
+            )
+            for name, words in found.items()
+        }
+
+
+def author_text(description: str, keywords: Sequence[str]) -> str:
+    """What the author wrote about an expert: the text its words are taken from."""
+    return " ".join([description, *keywords])
 
 
 def topic_probes(keywords: Sequence[str]) -> list[str]:

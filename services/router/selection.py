@@ -6,8 +6,9 @@ scored, filtered and ordered.
    `language:<iso 639-1>` for a language other than English).
 2. Embedding retrieval: the experts nearest the prompt's embedding, k = 30, each taken when the
    similarity reaches its floor (calibrated per expert, or one fixed floor: `calibration.py`). The
-   similarity is the best over the prompt and its sentences (a sentence's less a margin), plus a
-   boost when the prompt contains one of the expert's keywords; an expert the prompt only talks
+   similarity is the best over the prompt, its request alone and its sentences (a sentence's less a
+   margin), plus the weight of the prompt's words found in the expert's description and keywords
+   (rarer words weigh more); an expert the prompt only talks
    about (closer to one of its topic probes than to the expert and its texts) is not taken
    (`matching.py`).
 3. Every candidate is scored 0.50 x similarity + 0.30 x success rate + 0.20 x (1 - vram_mb / 100),
@@ -225,13 +226,14 @@ def select_experts(
 
 
 def _retrieval_reason(query: PromptQuery, match: Match) -> str:
-    """E.g. "embedding 0.412 (sentence 2) - 0.08 + keyword 'sql', floor 0.262, topic probe 0.180"."""
+    """E.g. "embedding 0.412 (sentence 2) - 0.08 + words sql, queri 0.083, floor 0.262, topic probe
+    0.180"."""
     margin = query.margin(match.row)
     parts = [f"embedding {match.cosine:.3f} ({query.source(match.row)})"]
     if margin:
         parts.append(f" - {margin:g}")
-    if match.keyword:
-        parts.append(f" + keyword {match.keyword!r}")
+    if match.words is not None and match.word_bonus:
+        parts.append(f" + words {', '.join(match.words.words)} {match.word_bonus:.3f}")
     parts.append(f", floor {match.floor:.3f}")
     if match.topic is not None:
         parts.append(f", topic probe {match.topic.probe:.3f}, own text {match.topic.own_text:.3f}")

@@ -1,9 +1,12 @@
 """The router's expert index on embedded Qdrant (qdrant-client local mode, on disk) with the real
 sentence encoder and a real Redis for the feedback statistics: registration, retrieval by meaning
-with k = 30 and each expert's floor (by sentence, keywords and topic probes), feedback as an
+with k = 30 and each expert's floor (by sentence, the request alone, the author's words and topic
+probes), feedback as an
 exponential moving average from a prior, and a registry that survives reopening."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -96,23 +99,43 @@ def test_the_best_sentence_counts_when_context_dilutes_the_task(index, manifests
     (match,) = index.search(query, index.routing_tags(), k=30)
     whole = float(index.routing_tags().vectors[0] @ query.whole)
     assert match.row == 3 and match.cosine - SENTENCE_MARGIN > whole
-    assert match.similarity == pytest.approx(match.cosine - SENTENCE_MARGIN + index.matching.keyword_boost)
+    assert match.words is not None and set(match.words.words) == {"write", "sql", "queri"}
+    assert match.similarity == pytest.approx(match.cosine - SENTENCE_MARGIN + match.word_bonus)
 
 
-def test_a_keyword_lifts_the_similarity_by_the_boost(tmp_path, manifests, encoder, expert_stats):
+def test_the_authors_words_lift_the_similarity_by_their_weight(tmp_path, manifests, encoder, expert_stats):
     client = ExpertIndex.connect(data_dir=tmp_path)
     try:
-        boosted = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(keyword_boost=0.2))
-        plain = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(keyword_boost=0.0))
-        boosted.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
+        weighted = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(word_weight=0.02))
+        plain = ExpertIndex(client, encoder, expert_stats, matching=MatchRule(word_weight=0.0))
+        weighted.register(manifests("sql-writer"), content_hash="b" * 64, weight_bytes=10)
         query = PromptQuery.encode(encoder, "Count the rows per customer with an SQL statement.")
-        (with_keyword,) = boosted.search(query, boosted.routing_tags(), k=30)
+        (with_words,) = weighted.search(query, weighted.routing_tags(), k=30)
         (without,) = plain.search(query, plain.routing_tags(), k=30)
-        assert with_keyword.keyword == "sql" and without.keyword is None
-        assert with_keyword.similarity == pytest.approx(without.similarity + 0.2)
-        assert with_keyword.cosine == pytest.approx(without.cosine)
+        assert with_words.words.words == ("sql",) and without.words is None
+        # "sql" is in the expert's text and in none of the generic prompts: ln(N / 1).
+        documents = 1 + len(weighted.background.prompts)
+        assert with_words.word_bonus == pytest.approx(0.02 * math.log(documents))
+        assert with_words.similarity == pytest.approx(without.similarity + with_words.word_bonus)
+        assert with_words.cosine == pytest.approx(without.cosine)
     finally:
         client.close()
+
+
+def test_a_request_carrying_material_is_matched_by_the_request_alone(index, manifests, encoder):
+    """A long pasted text outweighs the request in the whole prompt's embedding; the request alone
+    (with the text cut off) counts like the whole prompt."""
+    index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
+    prompt = (
+        "Put this into French for me:\n"
+        "The quarterly report shows revenue grew by four percent, driven by strong sales in the north "
+        "region, while costs for logistics and warehousing rose faster than planned."
+    )
+    query = PromptQuery.encode(encoder, prompt)
+    assert query.num_requests == 2
+    (match,) = index.search(query, index.routing_tags(), k=30)
+    assert query.source(match.row) == "request"
+    assert match.cosine > float(index.routing_tags().vectors[0] @ query.whole)
 
 
 def test_a_question_about_the_topic_is_gated_and_a_task_is_not(index, manifests, encoder):
@@ -203,10 +226,12 @@ def test_every_router_sees_the_tags_another_registers_or_removes(index, manifest
     assert (json_parser.name, json_parser.success_rate) == ("json-parser", 0.25)
     prompt = PromptQuery.encode(encoder, "Extract the email field from this JSON. Then list the keys.")
     (stored,) = index.client.retrieve("experts", ids=[point_id("json-parser")], with_vectors=True)
-    # The best of the prompt and its sentences (less their margin), plus the boost for "json".
+    # The best of the prompt and its sentences (less their margin), plus its words in the expert's text.
     cosines = prompt.vectors @ torch.tensor(stored.vector)
     reached = max(float(cosines[0]), float(cosines[1:].max()) - SENTENCE_MARGIN)
-    expected = reached + index.matching.keyword_boost
+    words = other.routing_tags().words.matches(prompt.text)["json-parser"]
+    assert set(words.words) == {"json", "extract", "field"}
+    expected = reached + index.matching.word_weight * words.weight
     similarity = other.routing_tags().similarity(prompt, ["json-parser", "nobody"], index.matching)
     assert similarity == {"json-parser": pytest.approx(expected)}
 

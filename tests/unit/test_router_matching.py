@@ -1,7 +1,9 @@
-"""The prompt-side rules of retrieval that need no encoder: sentence splitting, whole-word keyword
-lookup and the topic probes."""
+"""The prompt-side rules of retrieval that need no encoder: sentence splitting, the request without
+its material, the author's words and the topic probes."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -12,10 +14,12 @@ from services.router.matching import (
     PROBED_KEYWORDS,
     SENTENCE_MARGIN,
     TOPIC_TEMPLATES,
-    KeywordIndex,
+    AuthorWords,
     MatchRule,
     PromptQuery,
+    instruction,
     sentences,
+    stems,
     topic_probes,
 )
 
@@ -36,20 +40,43 @@ def test_at_most_max_sentences_are_kept():
     assert len(sentences(prompt)) == MAX_SENTENCES
 
 
-def test_keywords_match_as_whole_words_in_any_case():
-    keywords = KeywordIndex({"sql": ["SQL", "select statement"], "regex": ["regex"], "tldr": ["tl;dr"]})
-    assert keywords.matches("Write an sql query") == {"sql": "SQL"}
-    assert keywords.matches("I need a SELECT  statement, please") == {"sql": "select statement"}
-    assert keywords.matches("mysql is a database") == {}  # not a whole word
-    assert keywords.matches("regexes are hard") == {}
-    assert keywords.matches("TL;DR this article; and write a regex.") == {"tldr": "tl;dr", "regex": "regex"}
+def test_the_request_is_the_prompt_less_the_material_it_carries():
+    request = "Could you boil this down?"
+    assert instruction(f"{request}\n\nThe council met on Tuesday.") == request
+    assert instruction("Summarise the policy:\nEmployees book flights.") == "Summarise the policy:"
+    quoted = "Is this feedback good or bad? 'Never ordering from here again, it came cold.'"
+    assert instruction(quoted) == "Is this feedback good or bad? this text"
+    # An apostrophe opens no quotation; a prompt with no material has no request of its own.
+    assert instruction("Strip out the candidate's email and phone: 'Ahmed | a@b.com | 555 123'") == (
+        "Strip out the candidate's email and phone: this text"
+    )
+    assert instruction("Convert 5 miles to kilometres.") is None
+    assert instruction("Hi\n\nthere") is None  # too short to stand alone
 
 
-def test_keywords_with_punctuation_and_shared_keywords():
-    keywords = KeywordIndex({"cpp": ["C++"], "c": ["c"], "mail": ["e-mail"], "mail2": ["e-mail"]})
-    assert keywords.matches("Port this to C++ now") == {"cpp": "C++", "c": "c"}
-    assert keywords.matches("Send an e-mail.") == {"mail": "e-mail", "mail2": "e-mail"}
-    assert KeywordIndex({}).matches("anything") == {}
+def test_words_are_compared_by_stem_without_stop_words_numbers_or_single_letters():
+    assert stems("Summarise these emails, please") == stems("summarize email") == {"summar", "email"}
+    assert stems("Replace it with [EMAIL] in 3 m") == {"replac", "[email]"}
+    assert stems("the summaries") == stems("summary")
+
+
+def test_rarer_author_words_weigh_more():
+    generic = [stems("How do I write a good email to my boss?"), stems("Is email safe?")]
+    words = AuthorWords(
+        {
+            "redact": "Replaces email addresses with [EMAIL]. redact, privacy",
+            "writer": "Drafts polite emails and letters. email, letter",
+        },
+        generic,
+    )
+    found = words.matches("Redact the emails here with [EMAIL].")
+    assert set(found) == {"redact", "writer"}
+    assert found["redact"].words[-1] == "email"  # rarest first: "email" is the most common
+    # "email" is in both experts' texts and in both generic prompts: ln(4 / 4) = 0.
+    assert found["writer"].weight == pytest.approx(0.0)
+    assert found["redact"].weight == pytest.approx(math.log(4) + math.log(4))  # "redact", "[email]"
+    assert words.matches("What a lovely day") == {}
+    assert AuthorWords({}, generic).matches("anything") == {}
 
 
 def test_topic_probes_ask_about_each_of_the_first_keywords():
@@ -63,14 +90,14 @@ def test_topic_probes_ask_about_each_of_the_first_keywords():
 def test_the_rules_come_from_the_environment_and_bad_values_name_the_variable():
     assert RouterConfig.from_env({}).matching == MatchRule()
     env = {
-        "EXPERT_ROUTER_KEYWORD_BOOST": "0",
+        "EXPERT_ROUTER_WORD_WEIGHT": "0",
         "EXPERT_ROUTER_TOPIC_GATE": "false",
         "EXPERT_ROUTER_COMPANION_RATIO": "0",
     }
-    expected = MatchRule(keyword_boost=0.0, topic_gate=False, companion_ratio=0.0)
+    expected = MatchRule(word_weight=0.0, topic_gate=False, companion_ratio=0.0)
     assert RouterConfig.from_env(env).matching == expected
     for name, value in (
-        ("EXPERT_ROUTER_KEYWORD_BOOST", "2"),
+        ("EXPERT_ROUTER_WORD_WEIGHT", "2"),
         ("EXPERT_ROUTER_TOPIC_GATE", "maybe"),
         ("EXPERT_ROUTER_COMPANION_RATIO", "-1"),
     ):
@@ -87,3 +114,13 @@ def test_a_sentence_must_beat_the_whole_prompt_by_its_margin():
     assert rows.tolist() == [0, 2]  # 0.55 - margin < 0.5: the whole prompt's cosine stands
     assert reached.tolist() == pytest.approx([0.5, 0.9 - SENTENCE_MARGIN])
     assert (query.margin(0), query.margin(2)) == (0.0, SENTENCE_MARGIN)
+
+
+def test_the_request_row_counts_like_the_whole_prompt():
+    import torch
+
+    query = PromptQuery("x", torch.eye(4), num_requests=2)  # the whole prompt, the request, 2 sentences
+    experts = torch.tensor([[0.1, 0.6, 0.0, 0.0], [0.0, 0.0, 0.0, 0.9]])
+    reached, rows = query.best(experts)
+    assert rows.tolist() == [1, 3] and reached.tolist() == pytest.approx([0.6, 0.9 - SENTENCE_MARGIN])
+    assert [query.source(r) for r in range(4)] == ["whole prompt", "request", "sentence 1", "sentence 2"]
