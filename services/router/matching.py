@@ -24,7 +24,8 @@ four rules decide what "nearest" means, each measured on the routing benchmark (
   close to the expert as a task for it. At registration each expert with keywords gets topic probes:
   small-talk questions about each of its first `PROBED_KEYWORDS` keywords (`topic_probes`). An
   expert is not taken when the whole prompt is at least as similar to its nearest probe as to the
-  expert and to each text the expert is known by (its description, keywords line and examples): a
+  expert and to each text the expert is known by (its description, keywords line and examples),
+  unless the prompt carries material for a request (a question about a subject has none): a
   keyword that is itself a task ("kilometers to meters") makes probes that resemble tasks, and the
   expert's examples of such tasks resemble them more.
 """
@@ -132,6 +133,11 @@ class PromptQuery:
     @property
     def whole(self) -> torch.Tensor:
         return self.vectors[0]
+
+    @property
+    def carries_material(self) -> bool:
+        """Whether the prompt pastes or quotes what its request applies to (it has a request row)."""
+        return self.num_requests > 1
 
     def margin(self, row: int) -> float:
         """What a cosine reached through this row gives up (`SENTENCE_MARGIN` for a sentence)."""

@@ -148,16 +148,43 @@ def test_a_question_about_the_topic_is_gated_and_a_task_is_not(index, manifests,
     tags = index.routing_tags()
     (about,) = index.search(PromptQuery.encode(encoder, "Is French a hard language to learn?"), tags, k=30)
     assert about.about_topic and about.topic.probe >= max(about.similarity, about.topic.own_text)
-    (task,) = index.search(PromptQuery.encode(encoder, "Translate 'the cat sleeps' into French."), tags, k=30)
+    (task,) = index.search(PromptQuery.encode(encoder, "Translate into French: the cat sleeps."), tags, k=30)
     assert not task.about_topic and task.topic.probe < max(task.similarity, task.topic.own_text)
     index.remove("french")
     assert index.client.retrieve(TOPICS, ids=[point_id("french")]) == []
 
 
+def test_a_prompt_carrying_material_is_a_task_and_is_not_gated(index, manifests, encoder):
+    index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
+    question = "Is French a hard language to learn?"
+    query = PromptQuery.encode(encoder, f"{question}\n\nFrom my textbook: the train leaves at noon.")
+    assert query.carries_material
+    (match,) = index.search(query, index.routing_tags(), k=30)
+    assert match.topic is None and not match.about_topic
+
+
+def test_an_experts_vector_weighs_its_authors_words_and_its_examples_as_two_wholes(index, manifests, encoder):
+    from services.router.index import AUTHOR_SHARE
+
+    manifest = manifests("sql-writer")
+    index.register(manifest, content_hash="b" * 64, weight_bytes=10)
+    (stored,) = index.client.retrieve("experts", ids=[point_id("sql-writer")], with_vectors=True)
+    unit = torch.nn.functional.normalize
+    author = unit(encoder.encode([manifest.description, ", ".join(manifest.keywords)]).mean(0), dim=0)
+    examples = unit(encoder.encode(list(manifest.examples)).mean(0), dim=0)
+    expected = unit(AUTHOR_SHARE * author + (1 - AUTHOR_SHARE) * examples, dim=0)
+    assert torch.tensor(stored.vector) == pytest.approx(expected, abs=1e-5)
+    index.register(manifests("french", examples=()), content_hash="c" * 64, weight_bytes=10)
+    (stored,) = index.client.retrieve("experts", ids=[point_id("french")], with_vectors=True)
+    french = manifests("french")
+    author = unit(encoder.encode([french.description, ", ".join(french.keywords)]).mean(0), dim=0)
+    assert torch.tensor(stored.vector) == pytest.approx(author, abs=1e-5)
+
+
 def test_a_version_without_keywords_drops_the_topic_gate(index, manifests, encoder):
     """The router keeps the probes it read; a new registration is a new key, so it never uses the
     previous version's."""
-    query = PromptQuery.encode(encoder, "Translate 'the cat sleeps' into French.")
+    query = PromptQuery.encode(encoder, "Translate into French: the cat sleeps.")
     index.register(manifests("french"), content_hash="c" * 64, weight_bytes=10)
     (match,) = index.search(query, index.routing_tags(), k=30)
     assert match.topic is not None

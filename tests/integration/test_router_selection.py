@@ -197,12 +197,14 @@ def test_soft_prompts_come_first_then_by_priority(index, encoder):
 
 
 def test_failed_feedback_lets_a_competitor_overtake(index, encoder):
-    prompt = "Parse this JSON and extract the email field."
-    leader = select(index, encoder, prompt).considered[0].expert.name
-    rival = "json-pro" if leader == "json-parser" else "json-parser"
+    prompt = "Get the fields out of this JSON."
+    first, second = select(index, encoder, prompt).considered[:2]
+    # Within feedback's reach: the success rate's term can move a score by at most 0.30 x 0.5.
+    assert {first.expert.name, second.expert.name} == {"json-parser", "json-pro"}
+    assert first.score - second.score < 0.15
     for _ in range(10):
-        index.record_outcome(leader, False, alpha=0.2)
-    assert select(index, encoder, prompt).considered[0].expert.name == rival
+        index.record_outcome(first.expert.name, False, alpha=0.2)
+    assert select(index, encoder, prompt).considered[0].expert.name == second.expert.name
 
 
 # Experts known only by a description and keywords, as `expertctl expert pack` makes them without
