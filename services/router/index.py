@@ -67,8 +67,8 @@ _REVISION_POINT = str(uuid.uuid5(_NAMESPACE, "revision"))
 _STATS_FIELDS = ("success_rate", "uses")
 TOPIC_CACHE = 1024  # experts whose gate vectors a router keeps in memory (about 100 KB each)
 # The author's description and keywords' share of an expert's vector, its examples' the rest. Chosen
-# on the routing set (docs/experts.md#similarity-floors): 0.3 and 0.35 did best, 0.25 to 0.45 within
-# one prompt of them, the plain mean (about 0.06 with 32 examples) four prompts worse.
+# on the routing set (docs/experts.md#how-a-prompt-matches-an-expert): 0.3 and 0.35 did best, 0.25 to 0.45
+# within one prompt of them, the plain mean (about 0.06 with 32 examples) four prompts worse.
 AUTHOR_SHARE = 0.35
 
 
