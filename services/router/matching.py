@@ -121,7 +121,8 @@ class PromptQuery:
 
     @classmethod
     def encode(cls, encoder: SentenceEncoder, text: str) -> PromptQuery:
-        # Batches of similar length: padding the sentences to the whole prompt's would encode it many times.
+        # The whole prompt with its request, then the sentences: padding the sentences to the whole
+        # prompt's length would encode it many times.
         request = instruction(text)
         requests = [text] if request is None else [text, request]
         vectors = encoder.encode(requests)
@@ -180,16 +181,14 @@ class AuthorWords:
 
     def __init__(self, experts: Mapping[str, str], generic: Iterable[frozenset[str]]) -> None:
         self._experts: dict[str, list[str]] = {}  # stem -> the experts whose text has it
-        counts: dict[str, int] = {}
-        documents = 0
         for name, text in experts.items():
-            documents += 1
             for stem in stems(text):
                 self._experts.setdefault(stem, []).append(name)
-                counts[stem] = counts.get(stem, 0) + 1
+        counts = {stem: len(names) for stem, names in self._experts.items()}
+        documents = len(experts)
         for document in generic:
             documents += 1
-            for stem in document & self._experts.keys():
+            for stem in document & counts.keys():
                 counts[stem] += 1
         self._idf = {stem: math.log(documents / n) for stem, n in counts.items()}
 
