@@ -12,10 +12,10 @@ version again keeps what feedback taught, a new version starts again from the pr
 
 Retrieval compares the prompt whole, its request alone and sentence by sentence, adds the weight of
 the prompt's words found in the expert's description and keywords, and takes an expert only when that
-similarity reaches the expert's floor (`calibration.py`: calibrated
-per expert against generic prompts by default, or one fixed floor), unless the topic gate finds the
-prompt closer to the expert's topic probes than to the expert (`matching.py`). The gate's vectors
-(the probes, and each of the texts the expert is known by) live in a second collection.
+similarity reaches the expert's floor (`calibration.py`: calibrated per expert against generic prompts
+by default, or one fixed floor), unless the topic gate finds the prompt closer to the expert's topic
+probes than to the expert (`matching.py`). The gate's vectors (the probes, and each of the texts the
+expert is known by) live in a second collection.
 
 Qdrant runs embedded (qdrant-client's local mode, on disk under the data directory) or as a server
 (a URL); the code path is the same.
@@ -124,7 +124,8 @@ def expert_text(manifest: Manifest) -> list[str]:
 
 
 def expert_vector(texts: torch.Tensor, num_examples: int) -> torch.Tensor:
-    """The expert's vector from the embeddings of `expert_text` [texts, dim]: the author's statement
+    """The expert's vector from the embeddings of `expert_text` [texts, dim], whose last
+    `num_examples` rows are the examples: the author's statement
     (description and keywords) and the examples each count as a whole, `AUTHOR_SHARE` and the rest,
     however many examples there are. A plain mean over 34 texts lets 32 examples of the data drown
     what the expert does: a triage expert's customer e-mails then draw requests to write one."""
