@@ -9,6 +9,7 @@ from typing import Any
 from libs.config import ConfigError, EnvReader
 
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
+QUANTIZATIONS = ("int8", "int4")  # libs/engine/quant.py; kept here so config needs no torch
 
 # dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
 DTYPE_NAMES = {
@@ -117,6 +118,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # also accepted: a torch.dtype or vLLM's names ("float", "half"), kept canonical
     kernels: str = "auto"
+    # Weight-only quantization applied at load: "int8", "int4", or None for the checkpoint's own
+    # dtype ("none" and "" are accepted for None). See docs/engine.md#quantized-weights.
+    quantization: str | None = None
     num_threads: int | None = None
     max_model_len: int | None = None
     seed: int | None = None
@@ -127,6 +131,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.quantization in ("", "none"):
+            object.__setattr__(self, "quantization", None)
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(
+                f"quantization: expected one of {', '.join(QUANTIZATIONS)} or none, got {self.quantization!r}"
+            )
         choices = {
             "kernels": ("auto", "native", "torch"),
             "static_decode_shapes": ("auto", "on", "off"),
@@ -196,6 +206,7 @@ class EngineConfig:
             device=reader.text("EXPERT_DEVICE", "auto"),
             dtype=reader.text("EXPERT_DTYPE", "auto"),
             kernels=reader.text("EXPERT_KERNELS", "auto"),
+            quantization=reader.text("EXPERT_QUANTIZATION", "") or None,
             num_threads=reader.integer("EXPERT_NUM_THREADS"),
             max_model_len=reader.integer("EXPERT_MAX_MODEL_LEN"),
             seed=reader.integer("EXPERT_SEED"),
@@ -228,6 +239,7 @@ ENV_VARIABLES = {
     "device": "EXPERT_DEVICE",
     "dtype": "EXPERT_DTYPE",
     "kernels": "EXPERT_KERNELS",
+    "quantization": "EXPERT_QUANTIZATION",
     "num_threads": "EXPERT_NUM_THREADS",
     "max_model_len": "EXPERT_MAX_MODEL_LEN",
     "seed": "EXPERT_SEED",

@@ -80,7 +80,7 @@ class LLMEngine:
         )
         ops, reason = select_ops(config.kernels, self.model_config.head_dim, self.device, self.dtype)
         self.kernels = ops.name
-        weights = load_weights(config.model, self.model_config, self.dtype)
+        weights = load_weights(config.model, self.model_config, self.dtype, config.quantization)
         self.model = DecoderModel(
             self.model_config, weights, ops, self.device, self.dtype, self.max_model_len
         )
@@ -124,10 +124,11 @@ class LLMEngine:
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
         log.info(
-            "engine ready: %s on %s/%s with %s (%s); %d KV blocks of %d tokens; max_model_len %d; %.1f s",
+            "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; max_model_len %d; %.1f s",
             self.model_config.architecture,
             self.device,
             self.dtype,
+            ", ".join(f"{count} {kind}" for kind, count in self.model.weight_formats.items()),
             ops.name,
             reason,
             num_blocks - 1,
@@ -150,9 +151,9 @@ class LLMEngine:
         **overrides: Any,
     ) -> LLMEngine:
         """An engine for the checkpoint directory `model`; other EngineConfig, CacheConfig or
-        SchedulerConfig fields can be given by name (e.g. num_blocks=64, max_num_seqs=8). `dtype` is
-        a torch.dtype or its name ("float32", "bfloat16", "float16", vLLM's "float" and "half"), or
-        None / "auto" for the device's default."""
+        SchedulerConfig fields can be given by name (e.g. num_blocks=64, max_num_seqs=8,
+        quantization="int4"). `dtype` is a torch.dtype or its name ("float32", "bfloat16", "float16",
+        vLLM's "float" and "half"), or None / "auto" for the device's default."""
         return cls(cls.pretrained_config(model, device, dtype, **overrides))
 
     @staticmethod

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from libs.engine.config import QUANTIZATIONS
 from libs.engine.errors import InvalidRequestError
 
-QUANTIZATIONS = ("int8", "int4")
 GGUF_GROUP = 32  # the block size of GGML's Q8_0, Q4_0 and Q4_1
 
 
@@ -50,17 +50,6 @@ class QuantizedWeight:
         return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2 + extra
 
 
-def check_quantization(name: str | None) -> str | None:
-    """The quantization name, or None for full precision; InvalidRequestError naming the field."""
-    if name in (None, "", "none"):
-        return None
-    if name not in QUANTIZATIONS:
-        raise InvalidRequestError(
-            "quantization", f"expected one of {', '.join(QUANTIZATIONS)} (or none), got {name!r}"
-        )
-    return name
-
-
 def quantize(weight: torch.Tensor, kind: str, group_size: int | None = None) -> QuantizedWeight:
     """Quantize a float weight at load: int8 per output channel (or in `group_size` groups), int4 in
     groups of `group_size` (default 32) with a scale and a minimum each."""
@@ -85,7 +74,7 @@ def quantize(weight: torch.Tensor, kind: str, group_size: int | None = None) -> 
         shifted = groups - mins.to(torch.float32).unsqueeze(-1)
         q = torch.where(step > 0, shifted / torch.where(step > 0, step, 1.0), 0.0).round().clamp(0, 15)
         return QuantizedWeight("int4", _pack(q.to(torch.uint8)), scales, mins, group, *w.shape)
-    raise InvalidRequestError("quantization", f"expected one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
 
 
 def from_gguf(type_name: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -130,9 +119,59 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
         return (_grouped(w.qweight.to(torch.float32), w.group_size) * scales).reshape(
             w.out_features, w.in_features
         )
-    q = _unpack(w.qweight, w.group_size).to(torch.float32)
+    q = unpack_nibbles(w.qweight, w.group_size).to(torch.float32)
     values = _grouped(q, w.group_size) * scales + w.mins.to(torch.float32).unsqueeze(-1)
     return values.reshape(w.out_features, w.in_features)
+
+
+def same_format(parts: list[object]) -> bool:
+    """Whether every part is a QuantizedWeight of one format (kind, groups, input width)."""
+    if not all(isinstance(p, QuantizedWeight) for p in parts):
+        return False
+    return len({(p.kind, p.group_size, p.in_features) for p in parts}) == 1  # type: ignore[attr-defined]
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Several weights of one format stacked by output rows (q, k and v into one QKV weight)."""
+    first = parts[0]
+    for part in parts[1:]:
+        if (part.kind, part.group_size, part.in_features) != (first.kind, first.group_size, first.in_features):
+            raise ValueError(
+                f"cannot fuse a {part.kind} weight (groups of {part.group_size}, {part.in_features} inputs) "
+                f"with a {first.kind} one (groups of {first.group_size}, {first.in_features} inputs)"
+            )
+    if len(parts) == 1:
+        return first
+    return QuantizedWeight(
+        first.kind,
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        None if first.mins is None else torch.cat([p.mins for p in parts]),
+        first.group_size,
+        sum(p.out_features for p in parts),
+        first.in_features,
+    )
+
+
+def rows(w: QuantizedWeight, index: torch.Tensor) -> torch.Tensor:
+    """float32 rows `index` of the weight (an embedding lookup in a quantized table)."""
+    picked = QuantizedWeight(
+        w.kind,
+        w.qweight[index],
+        w.scales[index],
+        None if w.mins is None else w.mins[index],
+        w.group_size,
+        index.numel(),
+        w.in_features,
+    )
+    return dequantize(picked)
+
+
+def to_device(w: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    mins = None if w.mins is None else w.mins.to(device)
+    return QuantizedWeight(
+        w.kind, w.qweight.to(device), w.scales.to(device), mins, w.group_size, w.out_features, w.in_features
+    )
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,8 +196,8 @@ def _pack(q: torch.Tensor) -> torch.Tensor:
     return packed.reshape(out_features, groups * half).contiguous()
 
 
-def _unpack(packed: torch.Tensor, group: int) -> torch.Tensor:
-    """The inverse of `_pack`: [out, in / 2] bytes -> [out, in] nibbles."""
+def unpack_nibbles(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """int4 codes [out, in / 2] bytes -> [out, in] values 0..15, undoing GGML's order in each group."""
     out_features = packed.shape[0]
     half = group // 2
     grouped = packed.reshape(out_features, -1, half)

@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from libs.engine.errors import InvalidRequestError
+from libs.config import ConfigError
+from libs.engine.config import EngineConfig
 from libs.engine.quant import (
     UnsupportedTensorType,
-    check_quantization,
     dequantize,
     from_gguf,
     linear,
@@ -88,6 +88,9 @@ def test_a_constant_row_quantizes_without_dividing_by_zero():
 def test_unsupported_types_and_names_are_refused_by_name():
     with pytest.raises(UnsupportedTensorType, match="Q5_K"):
         from_gguf("Q5_K", np.zeros((1, 176), dtype=np.uint8), (1, 256))
-    with pytest.raises(InvalidRequestError, match=r"^quantization: .*got 'int3'"):
-        check_quantization("int3")
-    assert check_quantization("none") is None and check_quantization("int4") == "int4"
+    with pytest.raises(ConfigError, match=r"^quantization: expected one of int8, int4 or none, got 'int3'"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ConfigError, match=r"^EXPERT_QUANTIZATION: .*got 'q4_k'"):
+        EngineConfig.from_env({"EXPERT_QUANTIZATION": "q4_k"})
+    assert EngineConfig(quantization="none").quantization is None
+    assert EngineConfig.from_env({"EXPERT_QUANTIZATION": "int4"}).quantization == "int4"

@@ -16,6 +16,7 @@ import torch
 
 _SOURCES = (
     "gemm.cpp",
+    "qgemm.cpp",
     "norm.cpp",
     "rope_cache.cpp",
     "attention.cpp",

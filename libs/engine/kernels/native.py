@@ -7,6 +7,35 @@ from typing import Any
 import torch
 
 from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
+from libs.engine.quant import QuantizedWeight, unpack_nibbles
+
+PANEL = 16  # output columns per weight panel (csrc/gemm_tiles.h)
+NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def quantized_panels(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The codes, scales and mins of `w` in the layout csrc/qgemm.cpp reads: panels of 16 output
+    columns (zero-padded). int8 codes: [P][K][16]. int4 codes: a little-endian 32-bit word per
+    column per 8 inputs, nibble b holding input 8 kk + b, as bytes [P][K / 8][64]. Scales and mins:
+    [P][K / group][16] float16."""
+    n, k = w.out_features, w.in_features
+    panels = -(-n // PANEL)
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, width] -> [P, width, 16]
+        padded = torch.zeros((panels * PANEL, t.shape[1]), dtype=t.dtype)
+        padded[:n] = t
+        return padded.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+    if w.kind == "int8":
+        codes = by_panel(w.qweight)
+    else:
+        values = by_panel(unpack_nibbles(w.qweight, w.group_size)).view(panels, k // 8, 8, PANEL)
+        words = torch.zeros((panels, k // 8, PANEL), dtype=torch.int64)
+        for b in range(8):
+            words |= values[:, :, b].to(torch.int64) << (4 * b)
+        codes = words.view(torch.uint8).view(panels, k // 8, PANEL, 8)[..., :4].reshape(panels, k // 8, 4 * PANEL)
+    mins = None if w.mins is None else by_panel(w.mins)
+    return codes, by_panel(w.scales), mins
 
 
 class NativeOps(TorchOps):
@@ -21,8 +50,40 @@ class NativeOps(TorchOps):
         packed = self._k.pack_linear_weight(weight.float().contiguous())
         return LinearWeight(packed, None if bias is None else bias.float(), weight.shape[1], weight.shape[0])
 
+    def prepare_quantized(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device
+    ) -> LinearWeight:
+        codes, scales, mins = quantized_panels(weight)
+        return LinearWeight(
+            codes,
+            None if bias is None else bias.float(),
+            weight.in_features,
+            weight.out_features,
+            weight.kind,
+            scales,
+            mins,
+            weight.group_size,
+        )
+
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.kind != "float":
+            return self._k.quantized_linear(x, w.weight, w.scales, w.mins, w.bias, w.out_features)
         return self._k.linear(x, w.weight, w.bias, w.out_features)
+
+    def embedding(self, w: LinearWeight, ids: torch.Tensor) -> torch.Tensor:
+        # Row n of the weight is lane n % 16 of panel n // 16 at every k.
+        panel, lane = ids // PANEL, ids % PANEL
+        if w.kind == "int4":  # [T, K / 8] words of eight nibbles
+            words = w.weight.view(torch.int32)[panel, :, lane]
+            codes = (words[..., None] >> NIBBLE_SHIFTS.to(words.device)) & 0x0F
+            codes = codes.reshape(len(ids), w.in_features)
+        else:
+            codes = w.weight[panel, :, lane]  # [T, K] int8
+        scales = w.scales[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
+        values = codes.float() * scales  # exact: at most 8 + 11 significant bits
+        if w.mins is not None:
+            values += w.mins[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
+        return values
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._k.rms_norm(x, weight, eps)

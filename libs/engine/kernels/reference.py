@@ -14,15 +14,39 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from libs.engine import quant
+from libs.engine.quant import QuantizedWeight
+
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A linear layer's weight in the layout its operator set wants, plus the optional bias."""
+    """A linear layer's weight in the layout its operator set wants, plus the optional bias.
+
+    `kind` "float": `weight` holds the values. "int8" / "int4" (libs/engine/quant.py): `weight`
+    holds the codes, `scales` (and `mins`, int4) their float16 groups of `group_size` inputs.
+    """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     in_features: int
     out_features: int
+    kind: str = "float"
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    group_size: int = 0
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        """The quantized weight in quant.py's row layout (TorchOps keeps it that way)."""
+        return QuantizedWeight(
+            self.kind, self.weight, self.scales, self.mins, self.group_size, self.out_features, self.in_features
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a pass over the weight reads (padding included)."""
+        tensors = (self.weight, self.scales, self.mins, self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass(frozen=True)
@@ -59,8 +83,22 @@ class TorchOps:
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
         return LinearWeight(weight.contiguous(), bias, weight.shape[1], weight.shape[0])
 
+    def prepare_quantized(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device
+    ) -> LinearWeight:
+        w = quant.to_device(weight, device)
+        return LinearWeight(
+            w.qweight, bias, w.in_features, w.out_features, w.kind, w.scales, w.mins, w.group_size
+        )
+
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.kind != "float":
+            return quant.linear(x, w.quantized, w.bias)
         return F.linear(x, w.weight, w.bias)
+
+    def embedding(self, w: LinearWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a quantized weight as float32: the lookup into a tied, quantized LM head."""
+        return quant.rows(w.quantized, ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype

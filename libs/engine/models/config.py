@@ -11,7 +11,11 @@ from typing import Any
 from libs.engine.models.errors import CheckpointError
 from libs.engine.models.rope import normalize_rope_parameters
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CheckpointError", "ModelConfig"]
+__all__ = ["STORED_QUANT_METHOD", "SUPPORTED_ARCHITECTURES", "CheckpointError", "ModelConfig"]
+
+# config.json's quantization_config.quant_method for checkpoints whose weights are stored in the
+# engine's own int8 / int4 formats (libs/engine/quant.py).
+STORED_QUANT_METHOD = "expert-grouped"
 
 
 # Architecture name in config.json -> (family, has q/k/v bias, has per-head QK norm).
@@ -45,6 +49,9 @@ class ModelConfig:
     rope: dict[str, Any] = field(hash=False)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The checkpoint stores its linear weights quantized (`expertctl model import-gguf
+    # --keep-quantized`): codes, scales and minimums under each weight's name (models/loader.py).
+    stored_quantized: bool = False
     raw: dict[str, Any] = field(default_factory=dict, hash=False, repr=False, compare=False)
 
     @property
@@ -126,6 +133,15 @@ class ModelConfig:
             qkv_bias, o_bias = attention_bias, attention_bias
         else:
             qkv_bias, o_bias = fixed_qkv_bias or attention_bias, False
+        stored_quantized = False
+        if raw.get("quantization_config") is not None:
+            method = (raw["quantization_config"] or {}).get("quant_method")
+            if method != STORED_QUANT_METHOD:
+                raise CheckpointError(
+                    f"{source}: quantization_config.quant_method {method!r} is not supported "
+                    f"(only {STORED_QUANT_METHOD!r}, written by `expertctl model import-gguf --keep-quantized`)"
+                )
+            stored_quantized = True
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
@@ -147,5 +163,6 @@ class ModelConfig:
             rope=normalize_rope_parameters(raw, source),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            stored_quantized=stored_quantized,
             raw=raw,
         )

@@ -4,7 +4,8 @@ RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache, Swi
 q/k/v biases (Qwen2) and per-head QK norm (Qwen3), tied or separate LM head. The forward pass
 works on a flat batch of tokens from many sequences; attention is the only place that looks at
 sequence boundaries, through the step's AttentionMetadata. Projections are fused at load (one QKV
-matmul, one gate/up matmul) and laid out by the operator set once.
+matmul, one gate/up matmul) and laid out by the operator set once. Linear weights and the LM head
+may arrive quantized (int8 / int4, libs/engine/quant.py); norms always stay in float.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from libs.engine import quant
 from libs.engine.kernels import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
+from libs.engine.quant import QuantizedWeight
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.rope import cos_sin_table
 
@@ -43,7 +46,7 @@ class DecoderModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedWeight],
         ops: TorchOps,
         device: torch.device,
         dtype: torch.dtype,
@@ -63,11 +66,15 @@ class DecoderModel:
             return take(name) if name in weights else None
 
         def linear(names: list[str], bias: bool) -> LinearWeight:
-            w = torch.cat([take(n + ".weight") for n in names])
+            parts = [weights.pop(n + ".weight") for n in names]
             b = torch.cat([take(n + ".bias") for n in names]) if bias else None
-            return ops.prepare_linear(w, b)
+            if quant.same_format(parts):
+                return ops.prepare_quantized(quant.concat_rows(parts), b, device)
+            # Float parts, or parts of different formats (a GGUF may mix types within one layer):
+            # fused in float, from their exact dequantized values.
+            floats = [quant.dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
+            return ops.prepare_linear(torch.cat([p.to(device=device, dtype=dtype) for p in floats]), b)
 
-        self.embed_tokens = take("model.embed_tokens.weight")
         self.layers: list[DecoderLayer] = []
         for n in range(config.num_layers):
             p = f"model.layers.{n}."
@@ -85,8 +92,17 @@ class DecoderModel:
                 )
             )
         self.norm = take("model.norm.weight")
-        head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
-        self.lm_head = ops.prepare_linear(head)
+        # A quantized embedding table is always the tied LM head (loader.quantizable_names): its
+        # rows are looked up in the quantized weight itself rather than kept twice.
+        self.embed_tokens: torch.Tensor | None = None
+        if isinstance(weights["model.embed_tokens.weight"], QuantizedWeight):
+            self.lm_head = linear(["model.embed_tokens"], False)
+        else:
+            self.embed_tokens = take("model.embed_tokens.weight")
+            if config.tie_word_embeddings:
+                self.lm_head = ops.prepare_linear(self.embed_tokens)
+            else:
+                self.lm_head = linear(["lm_head"], False)
         # cos | sin per position, float32 like transformers computes them
         self.cos_sin = cos_sin_table(config.rope, config.head_dim, max_positions).to(device)
 
@@ -105,7 +121,7 @@ class DecoderModel:
         IA³ scales projection inputs or outputs, LoRA adds its low-rank deltas.
         """
         ops, eps, c = self.ops, self.config.rms_norm_eps, self.config
-        residual = self.embed_tokens[input_ids]  # [T, H]
+        residual = self.embed(input_ids)  # [T, H]
         if adapters is not None:
             residual = adapters.embed(residual)
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
@@ -146,6 +162,20 @@ class DecoderModel:
                 adapters.apply_output(ops, n, ("down_proj",), (0,), x, hidden)
         x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens[input_ids]
+        return self.ops.embedding(self.lm_head, input_ids).to(self.dtype)
+
+    @property
+    def weight_formats(self) -> dict[str, int]:
+        """How many linear weights (the LM head included) are in each format: float, int8, int4."""
+        linears = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        counts: dict[str, int] = {}
+        for w in linears:
+            counts[w.kind] = counts.get(w.kind, 0) + 1
+        return counts
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,11 @@
-"""Reads a checkpoint's safetensors weights by name, checking every tensor against the config."""
+"""Reads a checkpoint's safetensors weights by name, checking every tensor against the config.
+
+With a quantization, each linear weight and the LM head is quantized as it is read, one tensor at a
+time, so the float32 checkpoint is never in memory whole. A checkpoint stored quantized
+(`ModelConfig.stored_quantized`) may keep, for a weight `X.weight`, its codes `X.qweight` (int8,
+or uint8 holding two int4 nibbles), float16 `X.scales` and, for int4, float16 `X.mins`, in the
+row layout of libs/engine/quant.py; those are read as they are. Its other weights are float.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from libs.engine import quant
 from libs.engine.models.config import CheckpointError, ModelConfig
+from libs.engine.quant import QuantizedWeight
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -52,6 +61,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def quantizable_names(config: ModelConfig) -> set[str]:
+    """The weights a quantization applies to: every projection, and the LM head (the embedding
+    table when tied). Norms, biases and an untied input embedding stay in float."""
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return {name for name in expected_shapes(config) if name.endswith("_proj.weight")} | {head}
+
+
 def _tensor_files(directory: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, from the index if there is one, else from every file."""
     index = directory / "model.safetensors.index.json"
@@ -75,27 +91,96 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     return located
 
 
-def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor `expected_shapes` names, as `dtype` on the CPU; clear errors for what is wrong."""
+def load_weights(
+    directory: str | Path, config: ModelConfig, dtype: torch.dtype, quantization: str | None = None
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor `expected_shapes` names, as `dtype` on the CPU, or as a QuantizedWeight where the
+    checkpoint stores one or `quantization` ("int8", "int4") asks for one; clear errors for what
+    is wrong."""
     directory = Path(directory)
     shapes = expected_shapes(config)
+    quantized = quantizable_names(config)
+    if config.stored_quantized and quantization is not None:
+        raise CheckpointError(
+            f"{directory}: the checkpoint's weights are stored quantized and are served as they are; "
+            f"quantization {quantization!r} cannot apply to them (leave it unset)"
+        )
     located = _tensor_files(directory)
-    missing = [name for name in shapes if name not in located]
+
+    def kept(name: str) -> bool:  # stored quantized: its codes are in the checkpoint
+        return config.stored_quantized and name in quantized and name.removesuffix("weight") + "qweight" in located
+
+    def stored_names(name: str) -> list[str]:
+        if kept(name):
+            return [name.removesuffix("weight") + part for part in ("qweight", "scales")]
+        return [name]
+
+    missing = [stored for name in shapes for stored in stored_names(name) if stored not in located]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing{more}")
     by_file: dict[Path, list[str]] = {}
     for name in shapes:
-        by_file.setdefault(located[name], []).append(name)
-    weights: dict[str, torch.Tensor] = {}
+        by_file.setdefault(located[stored_names(name)[0]], []).append(name)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
+                if kept(name):
+                    weights[name] = _stored_quantized(f, file, name, shapes[name], located)
+                    continue
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != shapes[name]:
                     raise CheckpointError(
                         f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                         f"the config implies {shapes[name]}"
                     )
-                weights[name] = tensor.to(dtype)
+                if quantization is not None and name in quantized:
+                    weights[name] = _quantize_at_load(tensor, quantization, lm_head=not name.endswith("_proj.weight"))
+                else:
+                    weights[name] = tensor.to(dtype)
     return weights
+
+
+def _quantize_at_load(weight: torch.Tensor, quantization: str, lm_head: bool) -> QuantizedWeight:
+    """Projections: int8 per output channel, or int4 in groups of 32 with a minimum. The LM head
+    (the embedding table too, when tied) in int8 groups of 32, GGUF's Q8_0, in both modes, as
+    llama.cpp's quantized files keep it: it is the weight that loses the most to coarser steps
+    (perplexity in docs/engine.md#quantized-weights)."""
+    if lm_head:
+        return quant.quantize(weight, "int8", quant.GGUF_GROUP)
+    return quant.quantize(weight, quantization)
+
+
+def _stored_quantized(
+    f: object, file: Path, name: str, shape: tuple[int, ...], located: dict[str, Path]
+) -> QuantizedWeight:
+    """The weight `name` from its stored codes, scales and minimums, checked against `shape`."""
+    base = name.removesuffix("weight")
+
+    def get(part: str) -> torch.Tensor:
+        if located.get(base + part, file) != file:
+            raise CheckpointError(f"{file.name}: {base + part!r} must be in the same file as {base}qweight")
+        return f.get_tensor(base + part)  # type: ignore[attr-defined]
+
+    out_features, in_features = shape
+    codes, scales = get("qweight"), get("scales")
+    mins = get("mins") if base + "mins" in located else None
+    kinds = {torch.int8: "int8", torch.uint8: "int4"}
+    kind = kinds.get(codes.dtype)
+    problem = None
+    if kind is None:
+        problem = f"{base}qweight has dtype {codes.dtype}; expected int8 (int8) or uint8 (int4)"
+    elif scales.dtype != torch.float16 or scales.dim() != 2 or scales.shape[0] != out_features:
+        problem = f"{base}scales must be float16 [{out_features}, groups], got {scales.dtype} {list(scales.shape)}"
+    elif scales.shape[1] == 0 or in_features % scales.shape[1]:
+        problem = f"{base}scales has {scales.shape[1]} groups, which do not divide {in_features} inputs"
+    elif tuple(codes.shape) != (out_features, in_features // (2 if kind == "int4" else 1)):
+        problem = f"{base}qweight has shape {list(codes.shape)}, which does not hold a {kind} {list(shape)} weight"
+    elif (kind == "int4") != (mins is not None):
+        problem = f"{base}mins must be present for int4 codes (uint8) and absent for int8"
+    elif mins is not None and (mins.dtype != torch.float16 or mins.shape != scales.shape):
+        problem = f"{base}mins must be float16 shaped like {base}scales"
+    if problem is not None:
+        raise CheckpointError(f"{file.name}: {problem}")
+    return QuantizedWeight(kind, codes, scales, mins, in_features // scales.shape[1], out_features, in_features)

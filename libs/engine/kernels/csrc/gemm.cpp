@@ -16,50 +16,10 @@
 #include <algorithm>
 #include <vector>
 
-#include "vec.h"
+#include "gemm_tiles.h"
 
 namespace expert {
 namespace {
-
-constexpr int64_t kNR = 16;    // output columns per panel (two vectors)
-constexpr int64_t kMR = 6;     // rows per register tile: 12 accumulators + 2 weights + 1 broadcast
-constexpr int64_t kKC = 256;   // K block: one panel slice is 16 KB, resident in L1
-constexpr int64_t kMC = 48;    // rows per packed block of x
-constexpr int64_t kNCP = 32;   // panels per column chunk: keeps the block of y in L2
-
-// Register tile for packed x: a is [kc][R], b is [kc][16]; c is R rows of 16 with stride ldc.
-template <int R>
-inline void tile_packed(bool accumulate, const float* a, const float* b, int64_t kc, float* c, int64_t ldc) {
-  Vec c0[R], c1[R];
-  for (int r = 0; r < R; ++r) {
-    c0[r] = accumulate ? Vec::load(c + r * ldc) : Vec::zero();
-    c1[r] = accumulate ? Vec::load(c + r * ldc + 8) : Vec::zero();
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const Vec b0 = Vec::load(b + k * kNR), b1 = Vec::load(b + k * kNR + 8);
-    for (int r = 0; r < R; ++r) {
-      const Vec av = Vec::broadcast(a + k * R + r);
-      c0[r] = Vec::fma(av, b0, c0[r]);
-      c1[r] = Vec::fma(av, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    c0[r].store(c + r * ldc);
-    c1[r].store(c + r * ldc + 8);
-  }
-}
-
-void tile_packed_rows(int64_t rows, bool accumulate, const float* a, const float* b, int64_t kc, float* c,
-                      int64_t ldc) {
-  switch (rows) {
-    case 6: tile_packed<6>(accumulate, a, b, kc, c, ldc); break;
-    case 5: tile_packed<5>(accumulate, a, b, kc, c, ldc); break;
-    case 4: tile_packed<4>(accumulate, a, b, kc, c, ldc); break;
-    case 3: tile_packed<3>(accumulate, a, b, kc, c, ldc); break;
-    case 2: tile_packed<2>(accumulate, a, b, kc, c, ldc); break;
-    default: tile_packed<1>(accumulate, a, b, kc, c, ldc); break;
-  }
-}
 
 // Streaming tile for one or two rows over NP adjacent panels, full K, x read in place. Several
 // panels at once give the memory system several independent streams (decode is bandwidth-bound).
@@ -124,48 +84,17 @@ void linear_stream(const float* a, const float* b, float* y, int64_t M, int64_t 
   });
 }
 
-void linear_blocked(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> apack(kMC * K);
-    std::vector<float> scratch(kMC * kNR);
-    for (int64_t mb = 0; mb < M; mb += kMC) {
-      const int64_t mc = std::min(kMC, M - mb);
-      // Pack rows [mb, mb+mc) of x as [k block][row tile][k][rows in tile].
-      for (int64_t kb = 0; kb < K; kb += kKC) {
-        const int64_t kc = std::min(kKC, K - kb);
-        float* base = apack.data() + kb * mc;
-        for (int64_t t = 0; t < mc; t += kMR) {
-          const int64_t rows = std::min(kMR, mc - t);
-          float* dst = base + t * kc;
-          for (int64_t k = 0; k < kc; ++k)
-            for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = a[(mb + t + r) * K + kb + k];
-        }
-      }
-      for (int64_t pc = p0; pc < p1; pc += kNCP) {
-        const int64_t pe = std::min(p1, pc + kNCP);
-        for (int64_t kb = 0; kb < K; kb += kKC) {
-          const int64_t kc = std::min(kKC, K - kb);
-          const float* base = apack.data() + kb * mc;
-          for (int64_t p = pc; p < pe; ++p) {
-            const bool padded = (p + 1) * kNR > N;
-            float* cbase = padded ? scratch.data() : y + mb * N + p * kNR;
-            const int64_t ldc = padded ? kNR : N;
-            const float* bp = b + p * K * kNR + kb * kNR;
-            for (int64_t t = 0; t < mc; t += kMR) {
-              const int64_t rows = std::min(kMR, mc - t);
-              tile_packed_rows(rows, kb > 0, base + t * kc, bp, kc, cbase + t * ldc, ldc);
-            }
-          }
-        }
-        if (pe == P && P * kNR > N) {
-          const int64_t p = P - 1, width = N - p * kNR;
-          for (int64_t r = 0; r < mc; ++r)
-            std::copy(scratch.data() + r * kNR, scratch.data() + r * kNR + width, y + (mb + r) * N + p * kNR);
-        }
-      }
-    }
-  });
-}
+// The float32 panels as linear_blocked's kernel: slices point into the weights, chains continue
+// across K blocks through y.
+struct FloatPanels {
+  const float* b;
+  int64_t K;
+  const float* slice(int64_t p, int64_t kb, int64_t, float*) const { return b + p * K * kNR + kb * kNR; }
+  void tile(int64_t, int64_t kb, int64_t kc, int64_t, int64_t rows, const float* a, const float* bp, float* c,
+            int64_t ldc) const {
+    tile_packed_rows(rows, kb > 0, a, bp, kc, c, ldc);
+  }
+};
 
 }  // namespace
 
@@ -192,8 +121,11 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
     const float* a = x.data_ptr<float>();
     const float* b = packed.data_ptr<float>();
     float* c = y.data_ptr<float>();
-    if (M <= 2) linear_stream(a, b, c, M, K, N, P);
-    else linear_blocked(a, b, c, M, K, N, P);
+    if (M <= 2) {
+      linear_stream(a, b, c, M, K, N, P);
+    } else {
+      linear_blocked(a, c, M, K, N, P, FloatPanels{b, K});
+    }
     if (bias.has_value() && bias->defined()) y.add_(*bias);
   }
   auto shape = input.sizes().vec();

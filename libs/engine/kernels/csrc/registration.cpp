@@ -6,6 +6,9 @@ namespace expert {
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features);
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -30,6 +33,8 @@ bool supports_head_dim(int64_t head_dim) { return head_dim % 16 == 0 && paged_at
 TORCH_LIBRARY(expert_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &expert::pack_linear_weight);
   m.def("linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor", &expert::linear);
+  m.def("quantized_linear(Tensor input, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int out_features) -> Tensor",
+        &expert::quantized_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &expert::rms_norm);
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         &expert::fused_add_rms_norm);

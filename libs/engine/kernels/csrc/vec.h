@@ -19,6 +19,29 @@ namespace expert {
 
 constexpr int kLanes = 8;
 
+// IEEE float16 bits to float32 (exact; every float16 is a float32), for the portable build.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;  // signed zero
+  } else {  // subnormal: shift the mantissa up until its leading one is the implicit bit
+    exponent = 113;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 #if defined(EXPERT_VEC_AVX2)
 
 struct Vec {
@@ -43,6 +66,10 @@ struct Vec {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
   }
   inline void lanes(float* out) const { _mm256_storeu_ps(out, v); }
+  // Eight float16 values (their bits) widened to float32, exactly.
+  static inline Vec load_half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
 };
 
 #else
@@ -74,6 +101,11 @@ struct Vec {
     return r;
   }
   inline void lanes(float* out) const { std::memcpy(out, v, sizeof(v)); }
+  static inline Vec load_half(const uint16_t* p) {
+    Vec r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = half_to_float(p[i]);
+    return r;
+  }
 };
 
 #endif

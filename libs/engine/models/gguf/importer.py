@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from libs.engine.models.config import STORED_QUANT_METHOD
 from libs.engine.models.gguf.config import generation_config, llama_config
 from libs.engine.models.gguf.reader import GGUFImportError, Metadata, open_gguf
 from libs.engine.models.gguf.tokenizer import build_tokenizer
@@ -23,10 +24,13 @@ def import_gguf(
     *,
     overwrite: bool = False,
     sampling: Mapping[str, float] | None = None,
+    keep_quantized: bool = False,
 ) -> Path:
     """Convert the Llama-family GGUF at `gguf_path` into an HF checkpoint directory at `out_dir`.
     `sampling` (generation_config.json's names: temperature, top_p, top_k, repetition_penalty) is
-    the recommended sampling to write for a file that does not carry its own.
+    the recommended sampling to write for a file that does not carry its own. `keep_quantized`
+    writes Q8_0 / Q4_0 / Q4_1 projections and LM head as they are (weights.py), for the engine to
+    serve with exactly the file's weights.
 
     Everything is written into a hidden sibling directory that is renamed into place at the end, so
     an interrupted conversion never leaves a partial `out_dir`. An existing `out_dir` is an error
@@ -45,7 +49,9 @@ def import_gguf(
             "only 'llama' (Llama, Mistral, SmolLM, TinyLlama...) is supported"
         )
     config = llama_config(meta)
-    plan = tensor_plan(meta, config)
+    plan = tensor_plan(meta, config, keep_quantized)
+    if any(name.endswith(".qweight") for name, _, _, _ in plan):
+        config = config | {"quantization_config": {"quant_method": STORED_QUANT_METHOD}}
     tokenizer, tokenizer_config = build_tokenizer(meta)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(out_dir, "partial")

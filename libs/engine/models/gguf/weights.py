@@ -1,5 +1,11 @@
-"""The GGUF's tensors as HF float32 weights: names, shapes, dequantization, the Q/K un-permute, and the
-streaming model.safetensors writer."""
+"""The GGUF's tensors as HF weights: names, shapes, dequantization, the Q/K un-permute, and the
+streaming model.safetensors writer.
+
+By default every tensor is dequantized to float32. With `keep_quantized`, the projections and the
+LM head stored as Q8_0, Q4_0 or Q4_1 are written as they are, in the engine's int8 / int4 row
+layout (libs/engine/quant.py, models/loader.py): codes, float16 scales and minimums, exactly the
+file's numbers. Float tensors stay float; any other quantized type is refused, by name.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from libs.engine import quant
 from libs.engine.models.gguf.reader import GGUFImportError, Metadata
 
 _GLOBAL_TENSORS = {
@@ -36,10 +43,15 @@ _LAYER_TENSORS = {
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 _Producer = Callable[[], np.ndarray]
+# One tensor of model.safetensors: its name, shape, safetensors dtype and a producer of its data.
+Entry = tuple[str, tuple[int, ...], str, _Producer]
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1"), "U8": np.dtype("u1")}
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # read as they are by quant.from_gguf
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def tensor_plan(meta: Metadata, config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], _Producer]]:
-    """Each output tensor as (HF name, HF shape, producer of its float32 data), checked up front."""
+def tensor_plan(meta: Metadata, config: dict[str, Any], keep_quantized: bool = False) -> list[Entry]:
+    """Every output tensor, checked up front."""
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     ffn = config["intermediate_size"]
@@ -63,16 +75,31 @@ def tensor_plan(meta: Metadata, config: dict[str, Any]) -> list[tuple[str, tuple
     for layer in range(n_layers):
         shapes.update({f"model.layers.{layer}.{part}.weight": shape for part, shape in expected.items()})
 
-    plan = []
+    head = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
+    plan: list[Entry] = []
     for gguf_name, tensor in meta.tensors.items():
         hf_name, heads = _hf_name(gguf_name, n_layers, n_heads, n_kv_heads)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost-first
         if shape != shapes[hf_name]:
             expected_shape = list(shapes[hf_name])
             raise GGUFImportError(f"tensor {gguf_name!r} has shape {list(shape)}, expected {expected_shape}")
+        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        if keep_quantized and (hf_name.endswith("_proj.weight") or hf_name == head):
+            if type_name in KEPT_TYPES:
+                plan.extend(_kept_entries(tensor, type_name, hf_name, shape, heads))
+                continue
+            if type_name not in _FLOAT_TYPES:
+                raise GGUFImportError(
+                    f"tensor {gguf_name!r} has type {type_name}, which is not kept as it is "
+                    f"(kept: {', '.join(KEPT_TYPES)}; float types stay float); import it without "
+                    "--keep-quantized to dequantize it to float32"
+                )
         _check_tensor_type(gguf_name, tensor)
-        plan.append((hf_name, shape, _producer(tensor, shape, heads)))
-    missing = sorted(set(shapes) - {name for name, _, _ in plan} - {"lm_head.weight"})
+        plan.append((hf_name, shape, "F32", _producer(tensor, shape, heads)))
+    names = {name for name, _, _, _ in plan} | {
+        name.removesuffix("qweight") + "weight" for name, _, _, _ in plan if name.endswith(".qweight")
+    }
+    missing = sorted(set(shapes) - names - {"lm_head.weight"})
     if missing:
         raise GGUFImportError(f"the GGUF lacks {len(missing)} tensors, among them {missing[0]!r} (HF name)")
     return sorted(plan, key=lambda entry: entry[0])
@@ -113,6 +140,32 @@ def _producer(tensor: Any, shape: tuple[int, ...], heads: int | None) -> _Produc
     return produce
 
 
+def _kept_entries(tensor: Any, type_name: str, hf_name: str, shape: tuple[int, ...], heads: int | None) -> list[Entry]:
+    """The codes, scales and (int4) minimums of a Q8_0 / Q4_0 / Q4_1 tensor as they are, rows in
+    HF order."""
+    try:
+        probe = quant.from_gguf(type_name, np.asarray(tensor.data[:1]), (1, shape[1]))
+    except quant.UnsupportedTensorType as exc:
+        raise GGUFImportError(f"tensor {hf_name!r}: {exc}") from exc
+    base = hf_name.removesuffix("weight")
+
+    def part(field: str) -> np.ndarray:
+        w = quant.from_gguf(type_name, np.asarray(tensor.data), shape)
+        array = getattr(w, field).numpy()
+        if heads is not None:  # the un-permute moves whole rows, blocks and all
+            array = array[_unpermute_rows(np.arange(shape[0])[:, None], heads)[:, 0]]
+        return array
+
+    codes_dtype = "I8" if probe.kind == "int8" else "U8"
+    entries: list[Entry] = [
+        (base + "qweight", (shape[0], probe.qweight.shape[1]), codes_dtype, lambda: part("qweight")),
+        (base + "scales", (shape[0], probe.scales.shape[1]), "F16", lambda: part("scales")),
+    ]
+    if probe.mins is not None:
+        entries.append((base + "mins", (shape[0], probe.mins.shape[1]), "F16", lambda: part("mins")))
+    return entries
+
+
 def _unpermute_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation: it stores each head's rows as interleaved (even, odd) rotary
     pairs, while HF keeps the first half of the rotary dimensions before the second half."""
@@ -121,19 +174,22 @@ def _unpermute_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return weights.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_safetensors(path: Path, plan: list[tuple[str, tuple[int, ...], _Producer]]) -> None:
+def write_safetensors(path: Path, plan: list[Entry]) -> None:
     """Stream the tensors into one safetensors file, one tensor in memory at a time: a 7B model in
     float32 would not fit in memory at once, which the `safetensors` library's writer needs."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, _ in plan:
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+    for name, shape, dtype, _ in plan:
+        size = _DTYPES[dtype].itemsize * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format wants the data section 8-byte aligned
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for _, _, produce in plan:
-            f.write(memoryview(np.ascontiguousarray(produce(), dtype="<f4")).cast("B"))
+        for name, shape, dtype, produce in plan:
+            data = np.ascontiguousarray(produce(), dtype=_DTYPES[dtype])
+            if data.shape != shape:  # a producer bug would otherwise shift every later tensor
+                raise GGUFImportError(f"internal error: {name} came out {list(data.shape)}, planned {list(shape)}")
+            f.write(memoryview(data).cast("B"))
