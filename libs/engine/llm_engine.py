@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from libs.engine import kv_cache
+from libs.engine import host_memory, kv_cache
 from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManager, ExpertSpec
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import EngineConfig
@@ -85,6 +85,7 @@ class LLMEngine:
             self.model_config, weights, ops, self.device, self.dtype, self.max_model_len
         )
         del weights
+        host_memory.trim()
 
         cache = config.cache
         num_blocks = kv_cache.plan_num_blocks(

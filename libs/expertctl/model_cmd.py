@@ -23,6 +23,12 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
+KEEP_QUANTIZED_HELP = (
+    "keep Q8_0, Q4_0 and Q4_1 weights as they are (int8 / int4), for the engine to serve with exactly "
+    "the file's weights, instead of dequantizing them to float32"
+)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `model import-gguf` and `model import-default` to the `expertctl` parser."""
     parser = subparsers.add_parser(
@@ -39,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gguf.add_argument("gguf", metavar="GGUF", type=Path, help="the .gguf file to convert")
     gguf.add_argument("outdir", metavar="OUTDIR", type=Path, help="the directory to create")
     gguf.add_argument("--force", action="store_true", help="replace OUTDIR if it already exists")
+    gguf.add_argument("--keep-quantized", action="store_true", help=KEEP_QUANTIZED_HELP)
     gguf.set_defaults(handler=_import_gguf)
 
     default = actions.add_parser(
@@ -55,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"the directory to create (default: {DEFAULT_MODEL_DIR})",
     )
     default.add_argument("--force", action="store_true", help="replace DIR if it already exists")
+    default.add_argument("--keep-quantized", action="store_true", help=KEEP_QUANTIZED_HELP)
     default.set_defaults(handler=_import_default)
 
 
@@ -78,36 +86,58 @@ def default_gguf_path() -> Path:
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
-    return _convert(args.gguf, args.outdir, force=args.force)
+    return _convert(args.gguf, args.outdir, force=args.force, keep_quantized=args.keep_quantized)
 
 
 def _import_default(args: argparse.Namespace) -> int:
     gguf_path = default_gguf_path()
     print(f"converting {gguf_path}")
-    return _convert(gguf_path, args.out, force=args.force, sampling=DEFAULT_MODEL_SAMPLING)
+    return _convert(
+        gguf_path, args.out, force=args.force, sampling=DEFAULT_MODEL_SAMPLING, keep_quantized=args.keep_quantized
+    )
 
 
-def _convert(gguf_path: Path, out_dir: Path, *, force: bool, sampling: dict[str, float] | None = None) -> int:
+def _convert(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    force: bool,
+    sampling: dict[str, float] | None = None,
+    keep_quantized: bool = False,
+) -> int:
     # Imported here so that `expertctl --help` and other commands do not load numpy, gguf and tokenizers.
     from libs.engine.models.gguf import GGUFImportError, import_gguf
 
     started = time.perf_counter()
     try:
-        written = import_gguf(gguf_path, out_dir, overwrite=force, sampling=sampling)
+        written = import_gguf(gguf_path, out_dir, overwrite=force, sampling=sampling, keep_quantized=keep_quantized)
     except GGUFImportError as exc:
         raise UsageError(str(exc)) from exc
     elapsed = time.perf_counter() - started
     files = sorted(path for path in written.iterdir() if path.is_file())
     size = sum(path.stat().st_size for path in files)
-    n_params = _count_parameters(written / "model.safetensors")
+    n_params, formats = _count_parameters(written / "model.safetensors")
     print(f"wrote {written} in {elapsed:.1f} s")
-    print(f"  parameters: {n_params:,} ({n_params / 1e6:.1f}M, float32)")
+    print(f"  parameters: {n_params:,} ({n_params / 1e6:.1f}M, {formats})")
     print(f"  size:       {size / 2**20:.1f} MiB in {', '.join(path.name for path in files)}")
     return 0
 
 
-def _count_parameters(safetensors_path: Path) -> int:
+def _count_parameters(safetensors_path: Path) -> tuple[int, str]:
+    """The weights' count, and how they are stored: float32, or kept int8 / int4 codes (a uint8
+    code holds two int4 weights; scales and minimums are not weights)."""
     from safetensors import safe_open
 
+    total, kinds = 0, set()
     with safe_open(str(safetensors_path), framework="numpy") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            if name.endswith((".scales", ".mins")):
+                continue
+            view = f.get_slice(name)
+            count = math.prod(view.get_shape())
+            if name.endswith(".qweight"):
+                kinds.add("int4" if view.get_dtype() == "U8" else "int8")
+                count *= 2 if view.get_dtype() == "U8" else 1
+            total += count
+    kept = " and ".join(sorted(kinds, reverse=True))
+    return total, "float32" if not kept else f"projections and LM head kept as {kept}, the rest float32"

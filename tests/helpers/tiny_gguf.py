@@ -117,8 +117,10 @@ def write_tiny_gguf(
     extra_tensors: tuple[str, ...] = (),
     add_bos: bool = False,
     float64_norm: bool = False,
+    projection_type: Q | None = None,
 ) -> TinyGGUF:
-    """Write a tiny Llama GGUF the way llama.cpp's converter lays one out."""
+    """Write a tiny Llama GGUF the way llama.cpp's converter lays one out: its projections in the
+    mix of LAYER_TYPES, or all in `projection_type`."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), architecture)
     if tokenizer == "gpt2":
@@ -177,7 +179,10 @@ def write_tiny_gguf(
             tiny.source[f"model.layers.{layer}.{part}.weight"] = weights
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(kind)
             stored = weights if heads is None else llama_cpp_permute(weights, heads)
-            add_tensor(writer, f"blk.{layer}.{kind}.weight", stored, LAYER_TYPES[kind][layer])
+            qtype = LAYER_TYPES[kind][layer]
+            if projection_type is not None and not kind.endswith("norm"):
+                qtype = projection_type
+            add_tensor(writer, f"blk.{layer}.{kind}.weight", stored, qtype)
     for name in extra_tensors:
         add_tensor(writer, name, np.ones(HEAD_DIM // 2, dtype=np.float32), Q.F32)
     writer.write_header_to_file()

@@ -138,7 +138,9 @@ def load_weights(
                 if quantization is not None and name in quantized:
                     weights[name] = _quantize_at_load(tensor, quantization, lm_head=not name.endswith("_proj.weight"))
                 else:
-                    weights[name] = tensor.to(dtype)
+                    # A copy: safetensors maps the file, and a tensor still viewing the mapping
+                    # would keep every page the load touched resident.
+                    weights[name] = tensor.to(dtype, copy=True)
     return weights
 
 
