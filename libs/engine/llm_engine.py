@@ -125,7 +125,8 @@ class LLMEngine:
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
         log.info(
-            "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; max_model_len %d; %.1f s",
+            "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; "
+            "max_model_len %d; %.1f s",
             self.model_config.architecture,
             self.device,
             self.dtype,

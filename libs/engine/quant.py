@@ -135,7 +135,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Several weights of one format stacked by output rows (q, k and v into one QKV weight)."""
     first = parts[0]
     for part in parts[1:]:
-        if (part.kind, part.group_size, part.in_features) != (first.kind, first.group_size, first.in_features):
+        if (part.kind, part.group_size, part.in_features) != (
+            first.kind,
+            first.group_size,
+            first.in_features,
+        ):
             raise ValueError(
                 f"cannot fuse a {part.kind} weight (groups of {part.group_size}, {part.in_features} inputs) "
                 f"with a {first.kind} one (groups of {first.group_size}, {first.in_features} inputs)"

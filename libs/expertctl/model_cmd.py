@@ -93,7 +93,11 @@ def _import_default(args: argparse.Namespace) -> int:
     gguf_path = default_gguf_path()
     print(f"converting {gguf_path}")
     return _convert(
-        gguf_path, args.out, force=args.force, sampling=DEFAULT_MODEL_SAMPLING, keep_quantized=args.keep_quantized
+        gguf_path,
+        args.out,
+        force=args.force,
+        sampling=DEFAULT_MODEL_SAMPLING,
+        keep_quantized=args.keep_quantized,
     )
 
 
@@ -110,7 +114,9 @@ def _convert(
 
     started = time.perf_counter()
     try:
-        written = import_gguf(gguf_path, out_dir, overwrite=force, sampling=sampling, keep_quantized=keep_quantized)
+        written = import_gguf(
+            gguf_path, out_dir, overwrite=force, sampling=sampling, keep_quantized=keep_quantized
+        )
     except GGUFImportError as exc:
         raise UsageError(str(exc)) from exc
     elapsed = time.perf_counter() - started

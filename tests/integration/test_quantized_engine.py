@@ -11,8 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from libs.config import ConfigError
-from libs.engine import LLMEngine, SamplingParams
-from libs.engine import quant
+from libs.engine import LLMEngine, SamplingParams, quant
 from libs.engine.kernels.build import load as kernels_load
 from libs.engine.models.config import CheckpointError
 from libs.engine.models.gguf import GGUFImportError, import_gguf
@@ -34,7 +33,10 @@ def tied_llama(tmp_path_factory) -> Path:
 
 def _prompts(count: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (count,), generator=g)]
+    return [
+        torch.randint(3, 300, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 40, (count,), generator=g)
+    ]
 
 
 @pytest.mark.skipif(not kernels_load(), reason="batch invariance is the native kernels' guarantee")
@@ -43,7 +45,9 @@ def test_sixteen_prompts_together_equal_each_alone_bitwise(tied_llama, quantizat
     engine = LLMEngine.from_pretrained(
         str(tied_llama), quantization=quantization, kernels="native", num_blocks=256, max_num_seqs=16
     )
-    assert engine.model.weight_formats == {"int8": 1, quantization: 8} if quantization == "int4" else {"int8": 9}
+    assert (
+        engine.model.weight_formats == {"int8": 1, quantization: 8} if quantization == "int4" else {"int8": 9}
+    )
     prompts = _prompts(16)
     logits = capture_logits(engine)
     alone = []
@@ -98,7 +102,7 @@ def test_gguf_q4_1_served_as_it_is_equals_int4_quantized_at_load(tmp_path, kerne
 def test_gguf_q8_0_served_as_it_is_is_close_to_int8_quantized_at_load(tmp_path, kernels):
     kept, dequantized = _gguf_pair(tmp_path, Q.Q8_0)
     prompts = _prompts(3)
-    kept_tokens, kept_logits = _logits(kept, prompts, kernels=kernels)
+    _, kept_logits = _logits(kept, prompts, kernels=kernels)
     _, float_logits = _logits(dequantized, prompts, kernels=kernels)
     _, at_load_logits = _logits(dequantized, prompts, kernels=kernels, quantization="int8")
     # Kept: exactly the file's weights, so the float32 import's logits to rounding.
@@ -148,11 +152,15 @@ def test_experts_on_a_quantized_base_match_peft_on_the_dequantized_base(tiny_lla
     adapters = {
         "lora": write_lora_adapter(tiny_llama, tmp_path / "lora", seed=1),
         "ia3": write_ia3_adapter(tiny_llama, tmp_path / "ia3", seed=3),
-        "soft-prompt": write_prompt_tuning_adapter(tiny_llama, tmp_path / "soft", num_virtual_tokens=6, seed=4),
+        "soft-prompt": write_prompt_tuning_adapter(
+            tiny_llama, tmp_path / "soft", num_virtual_tokens=6, seed=4
+        ),
     }
     engine = LLMEngine.from_pretrained(str(tiny_llama), quantization=quantization, num_blocks=64)
     for name, directory in adapters.items():
-        engine.load_expert(publisher.pack(directory, tiny_llama, tmp_path / f"{name}.expert", name), publisher.trusted)
+        engine.load_expert(
+            publisher.pack(directory, tiny_llama, tmp_path / f"{name}.expert", name), publisher.trusted
+        )
     prompt = [5, 6, 7, 8, 9, 10, 11]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for name, directory in adapters.items():

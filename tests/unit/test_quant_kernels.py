@@ -98,7 +98,7 @@ def test_the_kernel_refuses_malformed_weights_by_what_is_wrong(native):
     w = native.prepare_quantized(qw, None, CPU)
     x = torch.randn(1, 64)
     k = torch.ops.expert_kernels
-    with pytest.raises(RuntimeError, match="int4 weights need minimums|mins"):
+    with pytest.raises(RuntimeError, match="int4 weights need minimums"):
         k.quantized_linear(x, w.weight, w.scales, None, None, 16)
     with pytest.raises(RuntimeError, match="input has 32 features, weight expects 64"):
         k.quantized_linear(torch.randn(1, 32), w.weight, w.scales, w.mins, None, 16)

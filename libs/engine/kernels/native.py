@@ -33,7 +33,9 @@ def quantized_panels(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, to
         words = torch.zeros((panels, k // 8, PANEL), dtype=torch.int64)
         for b in range(8):
             words |= values[:, :, b].to(torch.int64) << (4 * b)
-        codes = words.view(torch.uint8).view(panels, k // 8, PANEL, 8)[..., :4].reshape(panels, k // 8, 4 * PANEL)
+        codes = (
+            words.view(torch.uint8).view(panels, k // 8, PANEL, 8)[..., :4].reshape(panels, k // 8, 4 * PANEL)
+        )
     mins = None if w.mins is None else by_panel(w.mins)
     return codes, by_panel(w.scales), mins
 

@@ -39,7 +39,13 @@ class LinearWeight:
     def quantized(self) -> QuantizedWeight:
         """The quantized weight in quant.py's row layout (TorchOps keeps it that way)."""
         return QuantizedWeight(
-            self.kind, self.weight, self.scales, self.mins, self.group_size, self.out_features, self.in_features
+            self.kind,
+            self.weight,
+            self.scales,
+            self.mins,
+            self.group_size,
+            self.out_features,
+            self.in_features,
         )
 
     @property

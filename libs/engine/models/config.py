@@ -139,7 +139,8 @@ class ModelConfig:
             if method != STORED_QUANT_METHOD:
                 raise CheckpointError(
                     f"{source}: quantization_config.quant_method {method!r} is not supported "
-                    f"(only {STORED_QUANT_METHOD!r}, written by `expertctl model import-gguf --keep-quantized`)"
+                    f"(only {STORED_QUANT_METHOD!r}, which `expertctl model import-gguf "
+                    "--keep-quantized` writes)"
                 )
             stored_quantized = True
         eos = raw.get("eos_token_id")

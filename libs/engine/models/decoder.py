@@ -17,9 +17,9 @@ import torch
 
 from libs.engine import quant
 from libs.engine.kernels import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
-from libs.engine.quant import QuantizedWeight
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.rope import cos_sin_table
+from libs.engine.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from libs.engine.adapters.batch import AdapterBatch
@@ -171,7 +171,9 @@ class DecoderModel:
     @property
     def weight_formats(self) -> dict[str, int]:
         """How many linear weights (the LM head included) are in each format: float, int8, int4."""
-        linears = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [self.lm_head] + [
+            w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
         counts: dict[str, int] = {}
         for w in linears:
             counts[w.kind] = counts.get(w.kind, 0) + 1

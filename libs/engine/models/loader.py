@@ -108,7 +108,11 @@ def load_weights(
     located = _tensor_files(directory)
 
     def kept(name: str) -> bool:  # stored quantized: its codes are in the checkpoint
-        return config.stored_quantized and name in quantized and name.removesuffix("weight") + "qweight" in located
+        return (
+            config.stored_quantized
+            and name in quantized
+            and name.removesuffix("weight") + "qweight" in located
+        )
 
     def stored_names(name: str) -> list[str]:
         if kept(name):
@@ -136,7 +140,9 @@ def load_weights(
                         f"the config implies {shapes[name]}"
                     )
                 if quantization is not None and name in quantized:
-                    weights[name] = _quantize_at_load(tensor, quantization, lm_head=not name.endswith("_proj.weight"))
+                    weights[name] = _quantize_at_load(
+                        tensor, quantization, lm_head=not name.endswith("_proj.weight")
+                    )
                 else:
                     # A copy: safetensors maps the file, and a tensor still viewing the mapping
                     # would keep every page the load touched resident.
@@ -174,15 +180,21 @@ def _stored_quantized(
     if kind is None:
         problem = f"{base}qweight has dtype {codes.dtype}; expected int8 (int8) or uint8 (int4)"
     elif scales.dtype != torch.float16 or scales.dim() != 2 or scales.shape[0] != out_features:
-        problem = f"{base}scales must be float16 [{out_features}, groups], got {scales.dtype} {list(scales.shape)}"
+        problem = (
+            f"{base}scales must be float16 [{out_features}, groups], got {scales.dtype} {list(scales.shape)}"
+        )
     elif scales.shape[1] == 0 or in_features % scales.shape[1]:
         problem = f"{base}scales has {scales.shape[1]} groups, which do not divide {in_features} inputs"
     elif tuple(codes.shape) != (out_features, in_features // (2 if kind == "int4" else 1)):
-        problem = f"{base}qweight has shape {list(codes.shape)}, which does not hold a {kind} {list(shape)} weight"
+        problem = (
+            f"{base}qweight has shape {list(codes.shape)}, which does not hold a {kind} {list(shape)} weight"
+        )
     elif (kind == "int4") != (mins is not None):
         problem = f"{base}mins must be present for int4 codes (uint8) and absent for int8"
     elif mins is not None and (mins.dtype != torch.float16 or mins.shape != scales.shape):
         problem = f"{base}mins must be float16 shaped like {base}scales"
     if problem is not None:
         raise CheckpointError(f"{file.name}: {problem}")
-    return QuantizedWeight(kind, codes, scales, mins, in_features // scales.shape[1], out_features, in_features)
+    return QuantizedWeight(
+        kind, codes, scales, mins, in_features // scales.shape[1], out_features, in_features
+    )

@@ -140,7 +140,9 @@ def _producer(tensor: Any, shape: tuple[int, ...], heads: int | None) -> _Produc
     return produce
 
 
-def _kept_entries(tensor: Any, type_name: str, hf_name: str, shape: tuple[int, ...], heads: int | None) -> list[Entry]:
+def _kept_entries(
+    tensor: Any, type_name: str, hf_name: str, shape: tuple[int, ...], heads: int | None
+) -> list[Entry]:
     """The codes, scales and (int4) minimums of a Q8_0 / Q4_0 / Q4_1 tensor as they are, rows in
     HF order."""
     try:
@@ -191,5 +193,7 @@ def write_safetensors(path: Path, plan: list[Entry]) -> None:
         for name, shape, dtype, produce in plan:
             data = np.ascontiguousarray(produce(), dtype=_DTYPES[dtype])
             if data.shape != shape:  # a producer bug would otherwise shift every later tensor
-                raise GGUFImportError(f"internal error: {name} came out {list(data.shape)}, planned {list(shape)}")
+                raise GGUFImportError(
+                    f"internal error: {name} came out {list(data.shape)}, planned {list(shape)}"
+                )
             f.write(memoryview(data).cast("B"))
