@@ -137,8 +137,8 @@ from libs.engine import LLMEngine
 from libs.engine.kernels.build import load
 load()
 before = rss()
-engine = LLMEngine.from_pretrained(sys.argv[1], device="cpu", dtype="float32", quantization=sys.argv[2] or None,
-                                   max_model_len=1024, num_blocks=64)
+engine = LLMEngine.from_pretrained(sys.argv[1], device="cpu", dtype="float32",
+                                   quantization=sys.argv[2] or None, max_model_len=1024, num_blocks=64)
 print(json.dumps({"total": rss(), "engine": rss() - before}))
 """
 

@@ -93,7 +93,13 @@ async def main() -> None:
         )
         tasks.append(asyncio.create_task(membership.run()))
         tasks.append(asyncio.create_task(_publish_stats(engine, metrics)))
-        log.info("engine ready", engine=config.engine_id, kernels=inner.kernels, model=config.engine.model)
+        log.info(
+            "engine ready",
+            engine=config.engine_id,
+            kernels=inner.kernels,
+            weights=inner.model.weight_formats,
+            model=config.engine.model,
+        )
         await health.set_serving(True)
 
     async def on_stop() -> None:

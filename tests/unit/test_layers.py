@@ -15,10 +15,10 @@ ENGINE = REPO / "libs/engine"
 # Lowest first. A unit may import units of lower layers only. Subpackages that are one piece
 # (kernels, tokenizer, the GGUF importer) are one unit each.
 LAYERS: list[set[str]] = [
-    {"errors", "sampler", "kernels", "tokenizer", "models.errors", "models.gguf", "adapters", "models"},
-    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar", "quant"},
-    {"models.config"},
-    {"adapters.weights", "kv_cache", "models.loader"},
+    {"errors", "sampler", "tokenizer", "models.errors", "adapters", "models", "host_memory"},
+    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar"},
+    {"models.config", "quant"},
+    {"adapters.weights", "kv_cache", "models.loader", "kernels", "models.gguf"},
     {"adapters.registry"},
     {"sequence", "adapters.device"},
     {"block_manager", "adapters.batch"},
