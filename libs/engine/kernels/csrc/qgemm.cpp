@@ -89,24 +89,10 @@ struct Int4Words {
 #endif
 };
 
-// y = fma(scale, part, y), then y = fma(min, xsum, y): one group's partial sums into the outputs.
-inline void fold_group(const QuantizedPanels& w, int64_t p, int64_t g, float xsum, const Vec part[2], Vec y[2]) {
-  Vec s[2];
-  load_halves(w.scales + (p * w.groups + g) * kNR, s);
-  y[0] = Vec::fma(s[0], part[0], y[0]);
-  y[1] = Vec::fma(s[1], part[1], y[1]);
-  if (w.mins != nullptr) {
-    Vec m[2];
-    load_halves(w.mins + (p * w.groups + g) * kNR, m);
-    const Vec xs = Vec::broadcast(xsum);
-    y[0] = Vec::fma(m[0], xs, y[0]);
-    y[1] = Vec::fma(m[1], xs, y[1]);
-  }
-}
-
-inline float xsum(const QuantizedPanels& w, int64_t row, int64_t g) {
-  return w.xsums != nullptr ? w.xsums[row * w.groups + g] : 0.0f;
-}
+// Each fold below computes y = fma(scale, part, y), then, with minimums, y = fma(min, sum of x
+// over the group, y): written out in each kernel rather than called with arrays, so that the
+// compiler keeps the chains in registers.
+inline float group_sum(const QuantizedPanels& w, int64_t row, int64_t g) { return w.xsums[row * w.groups + g]; }
 
 // Panel p's codes for k rows [kb, kb + kc), as floats [kc][16] (kb, kc multiples of 8 for int4).
 void code_slice(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, float* buf) {
@@ -175,8 +161,23 @@ void tile_stream(const float* a, int64_t lda, int64_t row0, const QuantizedPanel
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NP; ++i) fold_group(w, p + i, g, xsum(w, row0 + r, g), part[r][i], y[r][i]);
+    for (int i = 0; i < NP; ++i) {  // the fold
+      const uint16_t* sr = w.scales + ((p + i) * w.groups + g) * kNR;
+      const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
+      for (int r = 0; r < R; ++r) {
+        y[r][i][0] = Vec::fma(s0, part[r][i][0], y[r][i][0]);
+        y[r][i][1] = Vec::fma(s1, part[r][i][1], y[r][i][1]);
+      }
+      if constexpr (kInt4) {
+        const uint16_t* mr = w.mins + ((p + i) * w.groups + g) * kNR;
+        const Vec m0 = Vec::load_half(mr), m1 = Vec::load_half(mr + 8);
+        for (int r = 0; r < R; ++r) {
+          const Vec xs = Vec::broadcast(group_sum(w, row0 + r, g));
+          y[r][i][0] = Vec::fma(m0, xs, y[r][i][0]);
+          y[r][i][1] = Vec::fma(m1, xs, y[r][i][1]);
+        }
+      }
+    }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NP; ++i) {
@@ -221,9 +222,60 @@ void linear_stream(const float* a, const QuantizedPanels& w, float* y, int64_t M
   });
 }
 
+// R rows of y times the groups of a code slice that starts at k = kb (a packed [kc][R], b the codes
+// as floats [kc][16]): each group's chains in registers, folded into c as tile_stream folds them.
+template <int R>
+void tile_groups(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0, const float* a,
+                 const float* b, float* c, int64_t ldc) {
+  for (int64_t k0 = kb; k0 < kb + kc; k0 += w.group) {
+    const int64_t g = k0 / w.group;
+    const float* ap = a + (k0 - kb) * R;
+    const float* bp = b + (k0 - kb) * kNR;
+    Vec part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = Vec::zero();
+    for (int64_t k = 0; k < w.group; ++k) {
+      const Vec b0 = Vec::load(bp + k * kNR), b1 = Vec::load(bp + k * kNR + 8);
+      for (int r = 0; r < R; ++r) {
+        const Vec av = Vec::broadcast(ap + k * R + r);
+        part[r][0] = Vec::fma(av, b0, part[r][0]);
+        part[r][1] = Vec::fma(av, b1, part[r][1]);
+      }
+    }
+    // the fold
+    const uint16_t* sr = w.scales + (p * w.groups + g) * kNR;
+    const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
+    for (int r = 0; r < R; ++r) {
+      Vec y0 = g == 0 ? Vec::zero() : Vec::load(c + r * ldc);
+      Vec y1 = g == 0 ? Vec::zero() : Vec::load(c + r * ldc + 8);
+      y0 = Vec::fma(s0, part[r][0], y0);
+      y1 = Vec::fma(s1, part[r][1], y1);
+      if (w.mins != nullptr) {
+        const uint16_t* mr = w.mins + (p * w.groups + g) * kNR;
+        const Vec xs = Vec::broadcast(group_sum(w, row0 + r, g));
+        y0 = Vec::fma(Vec::load_half(mr), xs, y0);
+        y1 = Vec::fma(Vec::load_half(mr + 8), xs, y1);
+      }
+      y0.store(c + r * ldc);
+      y1.store(c + r * ldc + 8);
+    }
+  }
+}
+
+inline void tile_groups_rows(int64_t rows, const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0,
+                             const float* a, const float* b, float* c, int64_t ldc) {
+  switch (rows) {
+    case 6: tile_groups<6>(w, p, kb, kc, row0, a, b, c, ldc); break;
+    case 5: tile_groups<5>(w, p, kb, kc, row0, a, b, c, ldc); break;
+    case 4: tile_groups<4>(w, p, kb, kc, row0, a, b, c, ldc); break;
+    case 3: tile_groups<3>(w, p, kb, kc, row0, a, b, c, ldc); break;
+    case 2: tile_groups<2>(w, p, kb, kc, row0, a, b, c, ldc); break;
+    default: tile_groups<1>(w, p, kb, kc, row0, a, b, c, ldc); break;
+  }
+}
+
 // The quantized panels as linear_blocked's kernel: slices are the codes as floats, and each
-// group's chains (one register tile over the group's k) are folded into y as in tile_stream. A
-// group spans the whole K (int8 per channel) or divides the K block.
+// group's chains are folded into y as in tile_stream. A group spans the whole K (int8 per
+// channel) or divides the K block.
 struct QuantizedKernel {
   const QuantizedPanels& w;
 
@@ -234,28 +286,25 @@ struct QuantizedKernel {
 
   void tile(int64_t p, int64_t kb, int64_t kc, int64_t row0, int64_t rows, const float* a, const float* b, float* c,
             int64_t ldc) const {
-    if (w.groups == 1) {  // one chain over all of K, through y, folded after the last block
-      tile_packed_rows(rows, kb > 0, a, b, kc, c, ldc);
-      if (kb + kc == w.K) fold_rows(p, 0, row0, rows, c, ldc, c, ldc, true);
+    if (w.groups > 1) {
+      tile_groups_rows(rows, w, p, kb, kc, row0, a, b, c, ldc);
       return;
     }
-    float part[kMR * kNR];
-    for (int64_t k0 = kb; k0 < kb + kc; k0 += w.group) {
-      const int64_t g = k0 / w.group, offset = k0 - kb;
-      tile_packed_rows(rows, false, a + offset * rows, b + offset * kNR, w.group, part, kNR);
-      fold_rows(p, g, row0, rows, part, kNR, c, ldc, g == 0);
-    }
-  }
-
-  // c rows = fold(part rows) onto c (or onto zero for a group's first fold).
-  void fold_rows(int64_t p, int64_t g, int64_t row0, int64_t rows, const float* part, int64_t ldp, float* c,
-                 int64_t ldc, bool first) const {
+    // One group spanning K: its chains run through y across the K blocks, as the float32 layer's
+    // do, and are folded onto zero after the last block.
+    tile_packed_rows(rows, kb > 0, a, b, kc, c, ldc);
+    if (kb + kc < w.K) return;
+    const Vec s0 = Vec::load_half(w.scales + p * kNR), s1 = Vec::load_half(w.scales + p * kNR + 8);
     for (int64_t r = 0; r < rows; ++r) {
-      const Vec chains[2] = {Vec::load(part + r * ldp), Vec::load(part + r * ldp + 8)};
-      Vec y[2] = {first ? Vec::zero() : Vec::load(c + r * ldc), first ? Vec::zero() : Vec::load(c + r * ldc + 8)};
-      fold_group(w, p, g, xsum(w, row0 + r, g), chains, y);
-      y[0].store(c + r * ldc);
-      y[1].store(c + r * ldc + 8);
+      Vec y0 = Vec::fma(s0, Vec::load(c + r * ldc), Vec::zero());
+      Vec y1 = Vec::fma(s1, Vec::load(c + r * ldc + 8), Vec::zero());
+      if (w.mins != nullptr) {
+        const Vec xs = Vec::broadcast(group_sum(w, row0 + r, 0));
+        y0 = Vec::fma(Vec::load_half(w.mins + p * kNR), xs, y0);
+        y1 = Vec::fma(Vec::load_half(w.mins + p * kNR + 8), xs, y1);
+      }
+      y0.store(c + r * ldc);
+      y1.store(c + r * ldc + 8);
     }
   }
 };
