@@ -24,6 +24,31 @@ def text_token_ids(engine) -> list[int]:
     return engine.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
 
 
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """The text cut into windows of `window` tokens (a last one of a single token is dropped)."""
+    return [
+        token_ids[i : i + window]
+        for i in range(0, len(token_ids) - 1, window)
+        if len(token_ids[i : i + window]) > 1
+    ]
+
+
+def perplexity_engine(model: str, quantization: str | None, window: int):
+    """An engine that takes a whole window in one prefill step, with no prefix cache."""
+    from libs.engine import LLMEngine
+
+    return LLMEngine.from_pretrained(
+        model,
+        device="cpu",
+        dtype="float32",
+        quantization=quantization,
+        max_model_len=max(1024, window + 1),
+        max_num_batched_tokens=max(2048, window),
+        num_blocks=2 * (window // 16 + 2),
+        enable_prefix_caching=False,
+    )
+
+
 def perplexity(engine, token_ids: list[int], window: int = 512) -> tuple[float, int]:
     """(perplexity, tokens scored) of `token_ids` under `engine`'s model, window by window."""
     from libs.engine import SamplingParams
@@ -40,10 +65,7 @@ def perplexity(engine, token_ids: list[int], window: int = 512) -> tuple[float, 
     model.forward = recording
     nll, count = 0.0, 0
     try:
-        for start in range(0, len(token_ids) - 1, window):
-            chunk = token_ids[start : start + window]
-            if len(chunk) < 2:
-                break
+        for chunk in windows(token_ids, window):
             captured.clear()
             # A window is one prefill step (max_num_batched_tokens >= window): all its positions'
             # hidden states come out of one forward pass.
@@ -65,17 +87,8 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("none", "int8", "int4"), default="none")
     parser.add_argument("--window", type=int, default=512)
     args = parser.parse_args()
-    from libs.engine import LLMEngine
-
-    engine = LLMEngine.from_pretrained(
-        args.model,
-        device="cpu",
-        dtype="float32",
-        quantization=None if args.quantization == "none" else args.quantization,
-        max_model_len=max(1024, args.window + 1),
-        max_num_batched_tokens=max(2048, args.window),
-        num_blocks=2 * (args.window // 16 + 2),
-        enable_prefix_caching=False,
+    engine = perplexity_engine(
+        args.model, None if args.quantization == "none" else args.quantization, args.window
     )
     value, count = perplexity(engine, text_token_ids(engine), args.window)
     print(f"perplexity {value:.3f} over {count} tokens ({args.quantization})")

@@ -5,22 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libs.engine.kernels import AttentionMetadata, HeadLayout, TorchOps
+from libs.engine.kernels import AttentionMetadata, HeadLayout
 from libs.engine.kernels.build import load
 
 pytestmark = pytest.mark.skipif(not load(), reason="native kernels did not build on this machine")
-
-
-@pytest.fixture(scope="module")
-def native():
-    from libs.engine.kernels.native import NativeOps
-
-    return NativeOps()
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return TorchOps()
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (37, 40), (16, 8), (100, 3)])

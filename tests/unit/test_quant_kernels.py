@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from libs.engine import quant
-from libs.engine.kernels import TorchOps
 from libs.engine.kernels.build import load
 
 pytestmark = pytest.mark.skipif(not load(), reason="native kernels did not build on this machine")
@@ -18,18 +17,6 @@ FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)]
 # Decode shapes of the default model, and odd ones: output counts off the 16-column panels, one
 # group per row, K not a multiple of the 256-wide K block.
 SHAPES = [(960, 576), (576, 1536), (37, 64), (5, 320), (49, 128)]
-
-
-@pytest.fixture(scope="module")
-def native():
-    from libs.engine.kernels.native import NativeOps
-
-    return NativeOps()
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return TorchOps()
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:

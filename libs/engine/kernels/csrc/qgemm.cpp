@@ -44,11 +44,6 @@ struct QuantizedPanels {
 
 constexpr int64_t kInt4Step = 8;  // k per int4 word
 
-inline void load_halves(const uint16_t* row, Vec v[2]) {
-  v[0] = Vec::load_half(row);
-  v[1] = Vec::load_half(row + 8);
-}
-
 // Sixteen int8 codes of one k, as floats (exact).
 inline void int8_codes(const uint8_t* q, Vec w[2]) {
 #if defined(EXPERT_VEC_AVX2)
