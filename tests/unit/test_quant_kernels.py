@@ -80,6 +80,11 @@ def test_gguf_blocks_run_through_the_kernels(native, ref):
             )
 
 
+def test_groups_the_kernels_cannot_take_are_refused_at_load(native):
+    with pytest.raises(ValueError, match="groups of 48 of 96 inputs"):
+        native.prepare_quantized(quant.quantize(_weight(16, 96, 0), "int4", 48), None, CPU)
+
+
 def test_the_kernel_refuses_malformed_weights_by_what_is_wrong(native):
     qw = quant.quantize(_weight(16, 64, 0), "int4")
     w = native.prepare_quantized(qw, None, CPU)

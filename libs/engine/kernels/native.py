@@ -10,6 +10,7 @@ from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearW
 from libs.engine.quant import QuantizedWeight, unpack_nibbles
 
 PANEL = 16  # output columns per weight panel (csrc/gemm_tiles.h)
+K_BLOCK = 256  # inputs per K block of the GEMM (kKC in csrc/gemm_tiles.h)
 NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -55,6 +56,12 @@ class NativeOps(TorchOps):
     def prepare_quantized(
         self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device
     ) -> LinearWeight:
+        group, k = weight.group_size, weight.in_features
+        if not (group == k or K_BLOCK % group == 0) or (weight.kind == "int4" and group % 8):
+            raise ValueError(
+                f"quantization: the native kernels take groups that divide {K_BLOCK} inputs or span the "
+                f"row (int4: multiples of 8); this {weight.kind} weight has groups of {group} of {k} inputs"
+            )
         codes, scales, mins = quantized_panels(weight)
         return LinearWeight(
             codes,
