@@ -11,11 +11,24 @@ from typing import Any
 from libs.engine.models.errors import CheckpointError
 from libs.engine.models.rope import normalize_rope_parameters
 
-__all__ = ["STORED_QUANT_METHOD", "SUPPORTED_ARCHITECTURES", "CheckpointError", "ModelConfig"]
+__all__ = [
+    "STORED_QUANT_METHOD",
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "ModelConfig",
+    "is_quantizable",
+]
 
 # config.json's quantization_config.quant_method for checkpoints whose weights are stored in the
 # engine's own int8 / int4 formats (libs/engine/quant.py).
 STORED_QUANT_METHOD = "expert-grouped"
+
+
+def is_quantizable(name: str, tie_word_embeddings: bool) -> bool:
+    """Whether a weight (HF name) is one a quantization applies to: every projection, and the LM
+    head (the embedding table when tied). Norms, biases and an untied input embedding stay float."""
+    head = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
+    return name.endswith("_proj.weight") or name == head
 
 
 # Architecture name in config.json -> (family, has q/k/v bias, has per-head QK norm).

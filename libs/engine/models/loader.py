@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from libs.engine import quant
-from libs.engine.models.config import CheckpointError, ModelConfig
+from libs.engine.models.config import CheckpointError, ModelConfig, is_quantizable
 from libs.engine.quant import QuantizedWeight
 
 
@@ -62,10 +62,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def quantizable_names(config: ModelConfig) -> set[str]:
-    """The weights a quantization applies to: every projection, and the LM head (the embedding
-    table when tied). Norms, biases and an untied input embedding stay in float."""
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    return {name for name in expected_shapes(config) if name.endswith("_proj.weight")} | {head}
+    """The weights a quantization applies to (`is_quantizable`)."""
+    return {name for name in expected_shapes(config) if is_quantizable(name, config.tie_word_embeddings)}
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from libs.engine import quant
+from libs.engine.models.config import is_quantizable
 from libs.engine.models.gguf.reader import GGUFImportError, Metadata
 
 _GLOBAL_TENSORS = {
@@ -75,7 +76,6 @@ def tensor_plan(meta: Metadata, config: dict[str, Any], keep_quantized: bool = F
     for layer in range(n_layers):
         shapes.update({f"model.layers.{layer}.{part}.weight": shape for part, shape in expected.items()})
 
-    head = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
     plan: list[Entry] = []
     for gguf_name, tensor in meta.tensors.items():
         hf_name, heads = _hf_name(gguf_name, n_layers, n_heads, n_kv_heads)
@@ -84,7 +84,7 @@ def tensor_plan(meta: Metadata, config: dict[str, Any], keep_quantized: bool = F
             expected_shape = list(shapes[hf_name])
             raise GGUFImportError(f"tensor {gguf_name!r} has shape {list(shape)}, expected {expected_shape}")
         type_name = GGMLQuantizationType(tensor.tensor_type).name
-        if keep_quantized and (hf_name.endswith("_proj.weight") or hf_name == head):
+        if keep_quantized and is_quantizable(hf_name, config["tie_word_embeddings"]):
             if type_name in KEPT_TYPES:
                 plan.extend(_kept_entries(tensor, type_name, hf_name, shape, heads))
                 continue
