@@ -74,6 +74,16 @@ def _gguf_pair(root: Path, projection_type: Q) -> tuple[Path, Path]:
     )
 
 
+def _close_to_float(logits: torch.Tensor, float_logits: torch.Tensor, kernels: str) -> None:
+    """The same weights as the float32 model give its logits to rounding. The native kernels also
+    round activations to 16-bit integers per block of 32 inputs (at most 2^-16 of the block's
+    largest), which moves these logits by about 1e-4 of the largest of them."""
+    if kernels == "torch":
+        torch.testing.assert_close(logits, float_logits, rtol=1e-4, atol=1e-4)
+    else:
+        assert (logits - float_logits).abs().max() <= 5e-4 * float_logits.abs().max()
+
+
 def _logits(path: Path, prompts: list[list[int]], **settings) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens, and the logits that follow each prompt (same context whatever was sampled)."""
     engine = LLMEngine.from_pretrained(str(path), num_blocks=64, **settings)
@@ -95,7 +105,7 @@ def test_gguf_q4_1_served_as_it_is_equals_int4_quantized_at_load(tmp_path, kerne
     # Q4_1's values re-quantized with a scale and minimum per 32 come back to (nearly) the same
     # codes, and Q8_0's embedding as int8 groups of 32 to the same: the logits agree to rounding.
     torch.testing.assert_close(kept_logits, at_load_logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kept_logits, float_logits, rtol=1e-4, atol=1e-4)
+    _close_to_float(kept_logits, float_logits, kernels)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -106,7 +116,7 @@ def test_gguf_q8_0_served_as_it_is_is_close_to_int8_quantized_at_load(tmp_path, 
     _, float_logits = _logits(dequantized, prompts, kernels=kernels)
     _, at_load_logits = _logits(dequantized, prompts, kernels=kernels, quantization="int8")
     # Kept: exactly the file's weights, so the float32 import's logits to rounding.
-    torch.testing.assert_close(kept_logits, float_logits, rtol=1e-4, atol=1e-4)
+    _close_to_float(kept_logits, float_logits, kernels)
     # At load: per output channel instead of per 32, each weight within half a step of 1/127 of
     # its row's largest; the logits move by a small fraction of their spread.
     assert (kept_logits - at_load_logits).abs().max() < 0.05 * kept_logits.abs().max()

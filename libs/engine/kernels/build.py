@@ -1,8 +1,9 @@
 """Builds and loads the engine's C++ CPU kernels (torch.ops.expert_kernels).
 
 The kernels are compiled once per machine kind with torch's cpp_extension and cached; later
-loads only check that the sources are unchanged. Machines with AVX2+FMA get vector code, others
-a portable build that computes the same values more slowly.
+loads only check that the sources are unchanged. Machines with AVX2+FMA get vector code, those
+with AVX-512 VNNI besides also use it in the quantized layers' integer products, and others get a
+portable build: all three compute the same values, at different speeds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _error: str | None = None
 
 def _isa() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512" and torch.cpu._is_vnni_supported():
+        return "avx512"
     return "avx2" if capability in ("AVX2", "AVX512") else "portable"
 
 
@@ -52,8 +55,10 @@ def _flags() -> list[str]:
     # fp-contract off: only the explicit fused multiply-adds in the sources may fuse, so the
     # elementwise kernels round like torch's and the reduction orders stay the written ones.
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-    if _isa() == "avx2":
+    if _isa() in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if _isa() == "avx512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return flags
 
 

@@ -6,18 +6,22 @@ from typing import Any
 
 import torch
 
+from libs.engine.host_memory import WeightArena
 from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
 from libs.engine.quant import QuantizedWeight, unpack_nibbles
 
 PANEL = 16  # output columns per weight panel (csrc/gemm_tiles.h)
-K_BLOCK = 256  # inputs per K block of the GEMM (kKC in csrc/gemm_tiles.h)
-NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+BLOCK = 32  # inputs per block of x the kernels round to 16-bit integers (kBlock in csrc/qgemm.cpp)
+# Bit offset of input 8 kk + b in the int4 word of inputs [8 kk, 8 kk + 8): pairs (2 i, 2 i + 1)
+# sit at bits 4 i and 16 + 4 i, so one shift and one mask yield a pair as two 16-bit lanes.
+NIBBLE_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
 
 
 def quantized_panels(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The codes, scales and mins of `w` in the layout csrc/qgemm.cpp reads: panels of 16 output
-    columns (zero-padded). int8 codes: [P][K][16]. int4 codes: a little-endian 32-bit word per
-    column per 8 inputs, nibble b holding input 8 kk + b, as bytes [P][K / 8][64]. Scales and mins:
+    columns (zero-padded). int8 codes: [P][K / 2][16][2], a column's codes for inputs 2 kp and
+    2 kp + 1 side by side, as [P][K / 2][32]. int4 codes: a little-endian 32-bit word per column
+    per 8 inputs (bit offsets NIBBLE_SHIFTS), as bytes [P][K / 8][64]. Scales and mins:
     [P][K / group][16] float16."""
     n, k = w.out_features, w.in_features
     panels = -(-n // PANEL)
@@ -28,12 +32,17 @@ def quantized_panels(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, to
         return padded.view(panels, PANEL, -1).transpose(1, 2).contiguous()
 
     if w.kind == "int8":
-        codes = by_panel(w.qweight)
+        codes = (
+            by_panel(w.qweight)
+            .view(panels, k // 2, 2, PANEL)
+            .transpose(2, 3)
+            .reshape(panels, k // 2, 2 * PANEL)
+        )
     else:
         values = by_panel(unpack_nibbles(w.qweight, w.group_size)).view(panels, k // 8, 8, PANEL)
         words = torch.zeros((panels, k // 8, PANEL), dtype=torch.int64)
         for b in range(8):
-            words |= values[:, :, b].to(torch.int64) << (4 * b)
+            words |= values[:, :, b].to(torch.int64) << int(NIBBLE_SHIFTS[b])
         codes = (
             words.view(torch.uint8).view(panels, k // 8, PANEL, 8)[..., :4].reshape(panels, k // 8, 4 * PANEL)
         )
@@ -48,21 +57,23 @@ class NativeOps(TorchOps):
 
     def __init__(self) -> None:
         self._k = torch.ops.expert_kernels
+        # Packed weights, in the order the model prepares them: the order a forward pass reads them.
+        self._arena = WeightArena()
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
-        packed = self._k.pack_linear_weight(weight.float().contiguous())
+        packed = self._arena.copy(self._k.pack_linear_weight(weight.float().contiguous()))
         return LinearWeight(packed, None if bias is None else bias.float(), weight.shape[1], weight.shape[0])
 
     def prepare_quantized(
         self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device
     ) -> LinearWeight:
         group, k = weight.group_size, weight.in_features
-        if not (group == k or K_BLOCK % group == 0) or (weight.kind == "int4" and group % 8):
+        if group % BLOCK:
             raise ValueError(
-                f"quantization: the native kernels take groups that divide {K_BLOCK} inputs or span the "
-                f"row (int4: multiples of 8); this {weight.kind} weight has groups of {group} of {k} inputs"
+                f"quantization: the native kernels take groups of a multiple of {BLOCK} inputs; this "
+                f"{weight.kind} weight has groups of {group} of {k} inputs"
             )
-        codes, scales, mins = quantized_panels(weight)
+        codes, scales, mins = (None if t is None else self._arena.copy(t) for t in quantized_panels(weight))
         return LinearWeight(
             codes,
             None if bias is None else bias.float(),
@@ -85,9 +96,9 @@ class NativeOps(TorchOps):
         if w.kind == "int4":  # [T, K / 8] words of eight nibbles
             words = w.weight.view(torch.int32)[panel, :, lane]
             codes = (words[..., None] >> NIBBLE_SHIFTS.to(words.device)) & 0x0F
-            codes = codes.reshape(len(ids), w.in_features)
-        else:
-            codes = w.weight[panel, :, lane]  # [T, K] int8
+        else:  # [T, K / 2] pairs
+            codes = w.weight.view(w.weight.shape[0], -1, PANEL, 2)[panel, :, lane]
+        codes = codes.reshape(len(ids), w.in_features)
         scales = w.scales[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
         values = codes.float() * scales  # exact: at most 8 + 11 significant bits
         if w.mins is not None:

@@ -57,28 +57,29 @@ inline void tile_packed_rows(int64_t rows, bool accumulate, const float* a, cons
   }
 }
 
-// y[M][N] = a[M][K] times the panels, for larger M (prefill, big batches). `kernel` supplies
-// panel slices and multiplies them:
-//   kernel.slice(p, kb, kc, buf) -> const float*: panel p's rows [kb, kb + kc) as [kc][16], a
-//     pointer into float32 panels or `buf` (kKC * 16 floats) filled by dequantizing. It is asked
-//     once per panel, K block and block of rows, so dequantizing costs 1/rows of the multiplies.
+// y[M][N] = a[M][K] times the panels, for larger M (prefill, big batches). T is the element of x
+// and of the weight slices: float, or int32 for the quantized layers (two 16-bit values per
+// element, so K counts pairs there). `kernel` supplies panel slices and multiplies them:
+//   kernel.slice(p, kb, kc, buf) -> const T*: panel p's rows [kb, kb + kc) as [kc][16], a
+//     pointer into float32 panels or `buf` (kKC * 16 elements) filled by converting codes. It is
+//     asked once per panel, K block and block of rows, so converting costs 1/rows of the multiplies.
 //   kernel.tile(p, kb, kc, row, rows, a, b, c, ldc): rows [row, row + rows) of y times the slice,
 //     a packed as [kc][rows], written or accumulated into c.
-template <class Kernel>
-void linear_blocked(const float* a, float* y, int64_t M, int64_t K, int64_t N, int64_t P, const Kernel& kernel) {
+template <class T, class Kernel>
+void linear_blocked(const T* a, float* y, int64_t M, int64_t K, int64_t N, int64_t P, const Kernel& kernel) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> apack(kMC * K);
+    std::vector<T> apack(kMC * K);
     std::vector<float> scratch(kMC * kNR);
-    std::vector<float> wbuf(kKC * kNR);
+    std::vector<T> wbuf(kKC * kNR);
     for (int64_t mb = 0; mb < M; mb += kMC) {
       const int64_t mc = std::min(kMC, M - mb);
       // Pack rows [mb, mb+mc) of x as [k block][row tile][k][rows in tile].
       for (int64_t kb = 0; kb < K; kb += kKC) {
         const int64_t kc = std::min(kKC, K - kb);
-        float* base = apack.data() + kb * mc;
+        T* base = apack.data() + kb * mc;
         for (int64_t t = 0; t < mc; t += kMR) {
           const int64_t rows = std::min(kMR, mc - t);
-          float* dst = base + t * kc;
+          T* dst = base + t * kc;
           for (int64_t k = 0; k < kc; ++k)
             for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = a[(mb + t + r) * K + kb + k];
         }
@@ -87,12 +88,12 @@ void linear_blocked(const float* a, float* y, int64_t M, int64_t K, int64_t N, i
         const int64_t pe = std::min(p1, pc + kNCP);
         for (int64_t kb = 0; kb < K; kb += kKC) {
           const int64_t kc = std::min(kKC, K - kb);
-          const float* base = apack.data() + kb * mc;
+          const T* base = apack.data() + kb * mc;
           for (int64_t p = pc; p < pe; ++p) {
             const bool padded = (p + 1) * kNR > N;
             float* cbase = padded ? scratch.data() : y + mb * N + p * kNR;
             const int64_t ldc = padded ? kNR : N;
-            const float* bp = kernel.slice(p, kb, kc, wbuf.data());
+            const T* bp = kernel.slice(p, kb, kc, wbuf.data());
             for (int64_t t = 0; t < mc; t += kMR) {
               const int64_t rows = std::min(kMR, mc - t);
               kernel.tile(p, kb, kc, mb + t, rows, base + t * kc, bp, cbase + t * ldc, ldc);

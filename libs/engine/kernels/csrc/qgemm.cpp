@@ -1,254 +1,353 @@
 // Weight-only quantized linear layers: y = x @ dequantize(W)^T (+ bias), x and y in float32.
 //
 // Two formats, both in panels of 16 output columns like the float32 weights (gemm_tiles.h), with
-// float16 scales (and minimums) per group of `group` consecutive k of a column:
-//   int8: codes int8 [P][K][16];        w = q * scale          (q in [-127, 127])
-//   int4: codes uint32 [P][K / 8][16];  w = q * scale + min    (q in [0, 15])
-//         word [kk][j] holds k = 8 kk + b in bits 4b..4b+3 (the tensor: uint8 [P][K / 8][64]).
-//   scales, mins: float16 [P][K / group][16]. A group spans all of K or divides kKC.
+// float16 scales (and minimums) per group of `group` consecutive inputs of a column, `group` a
+// multiple of 32:
+//   int8: codes int8 [P][K / 2][16][2];  w = q * scale        (q in [-127, 127])
+//         a column's codes for inputs 2 kp and 2 kp + 1 sit side by side.
+//   int4: codes uint32 [P][K / 8][16];   w = q * scale + min  (q in [0, 15])
+//         word [kk][j] holds input 8 kk + 2 i in bits 4 i.. and input 8 kk + 2 i + 1 in bits
+//         16 + 4 i.. (i < 4), so (word >> 4 i) & 0x000F000F is a column's pair of codes as two
+//         16-bit lanes. The tensor is uint8 [P][K / 8][64].
+//   scales, mins: float16 [P][K / group][16].
 //
-// The arithmetic, per output element and row x, is the same on every path:
-//   for each group g, in order:
-//     part = fused multiply-add chain of x[k] * q[k] over the group's k, from zero
-//     y = fma(scale[g], part, y);  then, with minimums, y = fma(min[g], sum of x over the group, y)
-// Scaling once per group instead of dequantizing every weight is what lets decode run at the
-// rate the codes stream in: per weight it costs a conversion and one multiply-add.
+// The products are integer. Each row of x is rounded to 16-bit integers in blocks of 32 inputs,
+// x[k] ~ xq[k] * step[b] with step = max |x| / 32767 over the block: an error of at most 2^-16 of
+// the block's largest value, far below the weights' own rounding (2^-8 of the group's range for
+// int8, 2^-4 for int4). Then, per output element and row:
+//   for each block b of 32 inputs, in order (group g holds the block):
+//     isum = sum of xq[k] * q[k] over the block               exact, in 32-bit integers
+//     y = fma(scale[g] * step[b], float(isum), y)
+//     with minimums: y = fma(min[g], step[b] * float(sum of xq over the block), y)
+// One multiply-add of 16-bit pairs (madd) does 16 products and 8 sums, against 8 products per
+// float multiply-add after converting each code: decode streams the codes about twice as fast.
 //
-// Batch invariance: few rows (decode) convert the codes in registers as they stream; more rows
-// convert a [kc][16] slice once into L1 and run the float32 register tiles over each group, then
-// fold it the same way. Both compute the chains above, in the same order, so a row gives the same
-// bits alone or in any batch.
+// Batch invariance: integer sums are exact, so how a path blocks them cannot change them; the
+// fold over blocks is the same sequence of float operations on every path. Few rows (decode)
+// convert the codes in registers as they stream; more rows convert a [kc][16] slice once into L1
+// and run integer register tiles over it. A row gives the same bits alone or in any batch, and the
+// portable build (plain integer loops, std::fma) gives the same bits as the AVX2 one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "gemm_tiles.h"
+
 
 namespace expert {
 namespace {
 
+constexpr int64_t kBlock = 32;               // inputs per block of x (one step each)
+constexpr int64_t kBlockPairs = kBlock / 2;  // the same block in pairs of inputs
+constexpr int64_t kInt4Step = 8;             // inputs per int4 word
+constexpr float kXMax = 32767.0f;
+
+// Sixteen 32-bit lanes, one per column of a panel. As weights or x they hold pairs of 16-bit
+// values (the low half first), as accumulators 32-bit sums. With AVX-512 VNNI one instruction
+// multiplies and accumulates a whole panel (vpdpwssd); AVX2 takes two madd + add; the portable
+// build loops. Integer sums are exact, so all three give the same numbers.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(EXPERT_VEC_AVX2)
+struct IPanel {
+  __m512i v;
+  static inline IPanel zero() { return {_mm512_setzero_si512()}; }
+  static inline IPanel broadcast(const int32_t* p) { return {_mm512_set1_epi32(*p)}; }
+  static inline IPanel load(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+  inline void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
+  // acc + (w.lo * x.lo + w.hi * x.hi) per lane.
+  static inline IPanel madd(IPanel w, IPanel x, IPanel acc) { return {_mm512_dpwssd_epi32(acc.v, w.v, x.v)}; }
+  inline Vec half(int h) const {
+    return {_mm256_cvtepi32_ps(h == 0 ? _mm512_castsi512_si256(v) : _mm512_extracti64x4_epi64(v, 1))};
+  }
+};
+
+// The int8 codes of a panel for one pair of inputs (32 bytes), as pairs of 16-bit lanes.
+inline IPanel int8_pairs(const uint8_t* q) {
+  return {_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)))};
+}
+
+// A panel's int4 words for eight inputs.
+struct Int4Words {
+  __m512i v;
+  explicit Int4Words(const uint8_t* q) : v(_mm512_loadu_si512(q)) {}
+  // The codes for inputs 2 i and 2 i + 1.
+  inline IPanel pairs(int i) const {
+    return {_mm512_and_si512(_mm512_srli_epi32(v, 4 * i), _mm512_set1_epi32(0x000F000F))};
+  }
+};
+#elif defined(EXPERT_VEC_AVX2)
+struct IPanel {
+  __m256i v[2];
+  static inline IPanel zero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+  static inline IPanel broadcast(const int32_t* p) { const __m256i x = _mm256_set1_epi32(*p); return {{x, x}}; }
+  static inline IPanel load(const int32_t* p) {
+    return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8))}};
+  }
+  inline void store(int32_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), v[1]);
+  }
+  static inline IPanel madd(IPanel w, IPanel x, IPanel acc) {
+    return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(w.v[0], x.v[0])),
+             _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(w.v[1], x.v[1]))}};
+  }
+  inline Vec half(int h) const { return {_mm256_cvtepi32_ps(v[h])}; }
+};
+
+inline IPanel int8_pairs(const uint8_t* q) {
+  return {{_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))}};
+}
+
+struct Int4Words {
+  __m256i v[2];
+  explicit Int4Words(const uint8_t* q) {
+    v[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    v[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+  }
+  inline IPanel pairs(int i) const {
+    const __m256i mask = _mm256_set1_epi32(0x000F000F);
+    return {{_mm256_and_si256(_mm256_srli_epi32(v[0], 4 * i), mask),
+             _mm256_and_si256(_mm256_srli_epi32(v[1], 4 * i), mask)}};
+  }
+};
+#else
+struct IPanel {
+  int32_t v[kNR];
+  static inline IPanel zero() { IPanel r; for (int l = 0; l < kNR; ++l) r.v[l] = 0; return r; }
+  static inline IPanel broadcast(const int32_t* p) { IPanel r; for (int l = 0; l < kNR; ++l) r.v[l] = *p; return r; }
+  static inline IPanel load(const int32_t* p) { IPanel r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  inline void store(int32_t* p) const { std::memcpy(p, v, sizeof(v)); }
+  static inline int32_t lo(int32_t pair) { return static_cast<int16_t>(static_cast<uint32_t>(pair) & 0xFFFFu); }
+  static inline int32_t hi(int32_t pair) { return static_cast<int16_t>(static_cast<uint32_t>(pair) >> 16); }
+  static inline IPanel madd(IPanel w, IPanel x, IPanel acc) {
+    for (int l = 0; l < kNR; ++l) acc.v[l] += lo(w.v[l]) * lo(x.v[l]) + hi(w.v[l]) * hi(x.v[l]);
+    return acc;
+  }
+  inline Vec half(int h) const {
+    float f[kLanes];
+    for (int l = 0; l < kLanes; ++l) f[l] = static_cast<float>(v[h * kLanes + l]);
+    return Vec::load(f);
+  }
+};
+
+inline int32_t pair_of(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+}
+
+inline IPanel int8_pairs(const uint8_t* q) {
+  IPanel r;
+  for (int l = 0; l < kNR; ++l) r.v[l] = pair_of(static_cast<int8_t>(q[2 * l]), static_cast<int8_t>(q[2 * l + 1]));
+  return r;
+}
+
+struct Int4Words {
+  uint32_t v[kNR];
+  explicit Int4Words(const uint8_t* q) { std::memcpy(v, q, sizeof(v)); }
+  inline IPanel pairs(int i) const {
+    IPanel r;
+    for (int l = 0; l < kNR; ++l) r.v[l] = static_cast<int32_t>((v[l] >> (4 * i)) & 0x000F000Fu);
+    return r;
+  }
+};
+#endif
+
+// x as 16-bit integers in blocks of 32 inputs (see the top of the file).
+struct QuantizedRows {
+  std::vector<int32_t> pairs;  // [M][K / 2]: xq[2 kp] in the low half, xq[2 kp + 1] in the high half
+  std::vector<float> step;     // [M][blocks]
+  std::vector<float> total;    // [M][blocks]: step * the sum of xq over the block (for minimums)
+  int64_t blocks;
+
+  const int32_t* row(int64_t r) const { return pairs.data() + r * blocks * kBlockPairs; }
+  float step_of(int64_t r, int64_t b) const { return step[r * blocks + b]; }
+  float total_of(int64_t r, int64_t b) const { return total[r * blocks + b]; }
+};
+
+// Plain scalar code shared by every build, so each path and instruction set sees the same integers.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = K / kBlock;
+  QuantizedRows q{std::vector<int32_t>(M * K / 2), std::vector<float>(M * blocks), std::vector<float>(M * blocks),
+                  blocks};
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + r * K + b * kBlock;
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const float magnitude = std::fabs(xb[k]);
+          finite = finite && magnitude <= std::numeric_limits<float>::max();  // false for inf and nan
+          amax = std::max(amax, magnitude);
+        }
+        int32_t codes[kBlock] = {};
+        float step = 0.0f;
+        if (!finite) {
+          step = std::numeric_limits<float>::quiet_NaN();  // inf or nan in the block: y is nan, as in float
+        } else if (amax > 0.0f) {
+          step = amax / kXMax;
+          const float inverse = kXMax / amax;
+          for (int64_t k = 0; k < kBlock; ++k)
+            codes[k] = static_cast<int32_t>(std::clamp(std::nearbyint(xb[k] * inverse), -kXMax, kXMax));
+        }
+        int32_t sum = 0;
+        int32_t* out = q.pairs.data() + (r * K + b * kBlock) / 2;
+        for (int64_t k = 0; k < kBlock; k += 2) {
+          sum += codes[k] + codes[k + 1];
+          out[k / 2] = static_cast<int32_t>((static_cast<uint32_t>(codes[k]) & 0xFFFFu) |
+                                            (static_cast<uint32_t>(codes[k + 1]) << 16));
+        }
+        q.step[r * blocks + b] = step;
+        q.total[r * blocks + b] = step * static_cast<float>(sum);
+      }
+  });
+  return q;
+}
+
 struct QuantizedPanels {
   bool int4;
-  const uint8_t* codes;    // int8, or words of eight nibbles; see above
+  const uint8_t* codes;    // see the top of the file
   const uint16_t* scales;  // float16 bits [P][groups][16]
   const uint16_t* mins;    // float16 bits [P][groups][16] (int4), else nullptr
-  const float* xsums;      // [M][groups]: each row's sum over each group (with mins), else nullptr
   int64_t K;
   int64_t groups;          // per column: K / group
   int64_t group;
 
   int64_t code_bytes_per_panel() const { return (int4 ? K / 2 : K) * kNR; }
+  const uint8_t* panel(int64_t p) const { return codes + p * code_bytes_per_panel(); }
+  // Bytes of codes per pair of inputs (int8), or per word of eight inputs (int4), of a panel.
+  static constexpr int64_t kInt8PairBytes = 2 * kNR;
+  static constexpr int64_t kInt4WordBytes = 4 * kNR;
+  const uint16_t* scale_row(int64_t p, int64_t block) const { return scales + (p * groups + block * kBlock / group) * kNR; }
+  const uint16_t* min_row(int64_t p, int64_t block) const { return mins + (p * groups + block * kBlock / group) * kNR; }
 };
 
-constexpr int64_t kInt4Step = 8;  // k per int4 word
-
-// Sixteen int8 codes of one k, as floats (exact).
-inline void int8_codes(const uint8_t* q, Vec w[2]) {
-#if defined(EXPERT_VEC_AVX2)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  w[0] = Vec{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))};
-  w[1] = Vec{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)))};
-#else
-  float f[kNR];
-  for (int j = 0; j < kNR; ++j) f[j] = static_cast<float>(static_cast<int8_t>(q[j]));
-  w[0] = Vec::load(f);
-  w[1] = Vec::load(f + 8);
-#endif
-}
-
-// int4 codes come as one 32-bit word per column per eight k (nibble b holds k0 + b), so that a
-// vector of eight words yields eight columns' codes at k0 + b with one shift, one mask and one
-// conversion: no byte shuffles.
-struct Int4Words {
-#if defined(EXPERT_VEC_AVX2)
-  __m256i v[2];
-  Int4Words() = default;
-  explicit Int4Words(const uint8_t* q) {
-    v[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    v[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
-  }
-  inline Vec code(int b, int half) const {
-    return Vec{_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[half], 4 * b), _mm256_set1_epi32(0x0F)))};
-  }
-#else
-  uint32_t v[kNR];
-  Int4Words() = default;
-  explicit Int4Words(const uint8_t* q) { std::memcpy(v, q, sizeof(v)); }
-  inline Vec code(int b, int half) const {
-    float f[kLanes];
-    for (int j = 0; j < kLanes; ++j) f[j] = static_cast<float>((v[half * kLanes + j] >> (4 * b)) & 0x0Fu);
-    return Vec::load(f);
-  }
-#endif
-};
-
-// Each fold below computes y = fma(scale, part, y), then, with minimums, y = fma(min, sum of x
-// over the group, y): written out in each kernel rather than called with arrays, so that the
-// compiler keeps the chains in registers.
-inline float group_sum(const QuantizedPanels& w, int64_t row, int64_t g) { return w.xsums[row * w.groups + g]; }
-
-// Panel p's codes for k rows [kb, kb + kc), as floats [kc][16] (kb, kc multiples of 8 for int4).
-void code_slice(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, float* buf) {
-  const uint8_t* codes = w.codes + p * w.code_bytes_per_panel();
-  for (int64_t k = kb; k < kb + kc; k += w.int4 ? kInt4Step : 1) {
-    float* row = buf + (k - kb) * kNR;
-    if (w.int4) {
-      const Int4Words words(codes + (k / kInt4Step) * kNR * 4);
-#pragma GCC unroll 8
-      for (int b = 0; b < kInt4Step; ++b) {
-        words.code(b, 0).store(row + b * kNR);
-        words.code(b, 1).store(row + b * kNR + 8);
-      }
-    } else {
-      Vec q[2];
-      int8_codes(codes + k * kNR, q);
-      q[0].store(row);
-      q[1].store(row + 8);
-    }
-  }
-}
-
-// Rows [row0, row0 + R) (R = 1 or 2) over NP adjacent panels, full K, converting the codes in
-// registers as they stream. The accumulators are locals so that they stay in registers.
-template <int R, int NP, bool kInt4>
-void tile_stream(const float* a, int64_t lda, int64_t row0, const QuantizedPanels& w, int64_t p, float* c,
-                 int64_t ldc) {
-  Vec y[R][NP][2];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NP; ++i) y[r][i][0] = y[r][i][1] = Vec::zero();
-  const int64_t panel_bytes = w.code_bytes_per_panel();
-  const uint8_t* codes = w.codes + p * panel_bytes;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    Vec part[R][NP][2];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NP; ++i) part[r][i][0] = part[r][i][1] = Vec::zero();
-    const int64_t k0 = g * w.group, k1 = k0 + w.group;
+// Rows [row0, row0 + R) (R = 1 or 2) of panel p, full K, converting the codes in registers as
+// they stream. One panel at a time: each thread then reads its panels as one sequential stream,
+// which measured faster than interleaving several panels (docs/engine.md).
+template <int R, bool kInt4>
+void tile_stream(const QuantizedRows& x, int64_t row0, const QuantizedPanels& w, int64_t p, float* c, int64_t ldc) {
+  Vec y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = Vec::zero();
+  const int32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x.row(row0 + r);
+  const uint8_t* codes = w.panel(p);
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    IPanel acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = IPanel::zero();
+    const int64_t kp0 = b * kBlockPairs;
     if constexpr (kInt4) {
-      for (int64_t k = k0; k < k1; k += kInt4Step) {
-        // Panel by panel, so that only one panel's words are live: x is broadcast again for each
-        // (a load), which keeps every accumulator in a register.
-        for (int i = 0; i < NP; ++i) {
-          const Int4Words words(codes + i * panel_bytes + (k / kInt4Step) * kNR * 4);
-#pragma GCC unroll 8
-          for (int b = 0; b < kInt4Step; ++b) {
-            const Vec q0 = words.code(b, 0), q1 = words.code(b, 1);
-            for (int r = 0; r < R; ++r) {
-              const Vec x = Vec::broadcast(a + r * lda + k + b);
-              part[r][i][0] = Vec::fma(x, q0, part[r][i][0]);
-              part[r][i][1] = Vec::fma(x, q1, part[r][i][1]);
-            }
-          }
+      for (int64_t kp = kp0; kp < kp0 + kBlockPairs; kp += kInt4Step / 2) {
+        const Int4Words words(codes + kp / (kInt4Step / 2) * QuantizedPanels::kInt4WordBytes);
+#pragma GCC unroll 4
+        for (int j = 0; j < kInt4Step / 2; ++j) {
+          const IPanel q = words.pairs(j);
+          for (int r = 0; r < R; ++r) acc[r] = IPanel::madd(q, IPanel::broadcast(xr[r] + kp + j), acc[r]);
         }
       }
     } else {
-      for (int64_t k = k0; k < k1; ++k) {
-        Vec x[R];
-        for (int r = 0; r < R; ++r) x[r] = Vec::broadcast(a + r * lda + k);
-        for (int i = 0; i < NP; ++i) {
-          Vec q[2];
-          int8_codes(codes + i * panel_bytes + k * kNR, q);
-          for (int r = 0; r < R; ++r) {
-            part[r][i][0] = Vec::fma(x[r], q[0], part[r][i][0]);
-            part[r][i][1] = Vec::fma(x[r], q[1], part[r][i][1]);
-          }
-        }
+      for (int64_t kp = kp0; kp < kp0 + kBlockPairs; ++kp) {
+        const IPanel q = int8_pairs(codes + kp * QuantizedPanels::kInt8PairBytes);
+        for (int r = 0; r < R; ++r) acc[r] = IPanel::madd(q, IPanel::broadcast(xr[r] + kp), acc[r]);
       }
     }
-    for (int i = 0; i < NP; ++i) {  // the fold
-      const uint16_t* sr = w.scales + ((p + i) * w.groups + g) * kNR;
-      const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
+    // the fold
+    const uint16_t* sr = w.scale_row(p, b);
+    const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
+    for (int r = 0; r < R; ++r) {
+      const Vec step = Vec::broadcast(x.step_of(row0 + r, b));
+      y[r][0] = Vec::fma(s0 * step, acc[r].half(0), y[r][0]);
+      y[r][1] = Vec::fma(s1 * step, acc[r].half(1), y[r][1]);
+    }
+    if constexpr (kInt4) {
+      const uint16_t* mr = w.min_row(p, b);
+      const Vec m0 = Vec::load_half(mr), m1 = Vec::load_half(mr + 8);
       for (int r = 0; r < R; ++r) {
-        y[r][i][0] = Vec::fma(s0, part[r][i][0], y[r][i][0]);
-        y[r][i][1] = Vec::fma(s1, part[r][i][1], y[r][i][1]);
-      }
-      if constexpr (kInt4) {
-        const uint16_t* mr = w.mins + ((p + i) * w.groups + g) * kNR;
-        const Vec m0 = Vec::load_half(mr), m1 = Vec::load_half(mr + 8);
-        for (int r = 0; r < R; ++r) {
-          const Vec xs = Vec::broadcast(group_sum(w, row0 + r, g));
-          y[r][i][0] = Vec::fma(m0, xs, y[r][i][0]);
-          y[r][i][1] = Vec::fma(m1, xs, y[r][i][1]);
-        }
+        const Vec total = Vec::broadcast(x.total_of(row0 + r, b));
+        y[r][0] = Vec::fma(m0, total, y[r][0]);
+        y[r][1] = Vec::fma(m1, total, y[r][1]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NP; ++i) {
-      y[r][i][0].store(c + r * ldc + i * kNR);
-      y[r][i][1].store(c + r * ldc + i * kNR + 8);
-    }
+  for (int r = 0; r < R; ++r) {
+    y[r][0].store(c + r * ldc);
+    y[r][1].store(c + r * ldc + 8);
+  }
 }
 
-template <int R, int NP>
-inline void tile_stream(const float* a, int64_t lda, int64_t row0, const QuantizedPanels& w, int64_t p, float* c,
+template <int R>
+inline void tile_stream(const QuantizedRows& x, int64_t row0, const QuantizedPanels& w, int64_t p, float* c,
                         int64_t ldc) {
-  if (w.int4) tile_stream<R, NP, true>(a, lda, row0, w, p, c, ldc);
-  else tile_stream<R, NP, false>(a, lda, row0, w, p, c, ldc);
+  if (w.int4) tile_stream<R, true>(x, row0, w, p, c, ldc);
+  else tile_stream<R, false>(x, row0, w, p, c, ldc);
 }
 
-// Panels per streaming tile: four independent streams for one row; two for two rows, which
-// keeps the accumulators (rows x panels x 2 vectors) within the sixteen registers.
-constexpr int kStreamPanels = 4;
-
-void linear_stream(const float* a, const QuantizedPanels& w, float* y, int64_t M, int64_t N, int64_t P) {
-  const int64_t K = w.K;
-  at::parallel_for(0, P, kStreamPanels, [&](int64_t p0, int64_t p1) {
+void linear_stream(const QuantizedRows& x, const QuantizedPanels& w, float* y, int64_t M, int64_t N, int64_t P) {
+  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
     float scratch[2 * kNR];
-    int64_t p = p0;
-    for (; p + kStreamPanels <= p1 && (p + kStreamPanels) * kNR <= N; p += kStreamPanels) {
-      if (M == 1) {
-        tile_stream<1, kStreamPanels>(a, K, 0, w, p, y + p * kNR, N);
-      } else {
-        tile_stream<2, kStreamPanels / 2>(a, K, 0, w, p, y + p * kNR, N);
-        tile_stream<2, kStreamPanels / 2>(a, K, 0, w, p + 2, y + (p + 2) * kNR, N);
-      }
-    }
-    for (; p < p1; ++p) {
+    for (int64_t p = p0; p < p1; ++p) {
       const bool padded = (p + 1) * kNR > N;  // the zero-padded last panel goes through scratch
       float* out = padded ? scratch : y + p * kNR;
       const int64_t ldc = padded ? kNR : N;
-      if (M == 1) tile_stream<1, 1>(a, K, 0, w, p, out, ldc);
-      else tile_stream<2, 1>(a, K, 0, w, p, out, ldc);
+      if (M == 1) tile_stream<1>(x, 0, w, p, out, ldc);
+      else tile_stream<2>(x, 0, w, p, out, ldc);
       if (padded)
         for (int64_t r = 0; r < M; ++r) std::copy(scratch + r * kNR, scratch + r * kNR + (N - p * kNR), y + r * N + p * kNR);
     }
   });
 }
 
-// R rows of y times the groups of a code slice that starts at k = kb (a packed [kc][R], b the codes
-// as floats [kc][16]): each group's chains in registers, folded into c as tile_stream folds them.
+// Panel p's codes for input pairs [kb, kb + kc), as pairs of 16-bit values [kc][16] (kb and kc
+// multiples of the block).
+void code_slice(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int32_t* buf) {
+  const uint8_t* codes = w.panel(p);
+  if (w.int4) {
+    for (int64_t kp = kb; kp < kb + kc; kp += kInt4Step / 2) {
+      const Int4Words words(codes + kp / (kInt4Step / 2) * QuantizedPanels::kInt4WordBytes);
+      int32_t* out = buf + (kp - kb) * kNR;
+#pragma GCC unroll 4
+      for (int j = 0; j < kInt4Step / 2; ++j) words.pairs(j).store(out + j * kNR);
+    }
+  } else {
+    for (int64_t kp = kb; kp < kb + kc; ++kp) {
+      int8_pairs(codes + kp * QuantizedPanels::kInt8PairBytes).store(buf + (kp - kb) * kNR);
+    }
+  }
+}
+
+// R rows of y times a code slice that starts at input pair kb (a packed [kc][R] pairs, b [kc][16]
+// pairs): each block's integer sums in registers, folded into c as tile_stream folds them.
 template <int R>
-void tile_groups(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0, const float* a,
-                 const float* b, float* c, int64_t ldc) {
-  for (int64_t k0 = kb; k0 < kb + kc; k0 += w.group) {
-    const int64_t g = k0 / w.group;
-    const float* ap = a + (k0 - kb) * R;
-    const float* bp = b + (k0 - kb) * kNR;
-    Vec part[R][2];
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = Vec::zero();
-    for (int64_t k = 0; k < w.group; ++k) {
-      const Vec b0 = Vec::load(bp + k * kNR), b1 = Vec::load(bp + k * kNR + 8);
-      for (int r = 0; r < R; ++r) {
-        const Vec av = Vec::broadcast(ap + k * R + r);
-        part[r][0] = Vec::fma(av, b0, part[r][0]);
-        part[r][1] = Vec::fma(av, b1, part[r][1]);
-      }
+void tile_blocks(const QuantizedRows& x, const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0,
+                 const int32_t* a, const int32_t* b, float* c, int64_t ldc) {
+  for (int64_t kp0 = kb; kp0 < kb + kc; kp0 += kBlockPairs) {
+    const int64_t block = kp0 / kBlockPairs;
+    const int32_t* ap = a + (kp0 - kb) * R;
+    const int32_t* bp = b + (kp0 - kb) * kNR;
+    IPanel acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = IPanel::zero();
+    for (int64_t kp = 0; kp < kBlockPairs; ++kp) {
+      const IPanel q = IPanel::load(bp + kp * kNR);
+      for (int r = 0; r < R; ++r) acc[r] = IPanel::madd(q, IPanel::broadcast(ap + kp * R + r), acc[r]);
     }
     // the fold
-    const uint16_t* sr = w.scales + (p * w.groups + g) * kNR;
+    const uint16_t* sr = w.scale_row(p, block);
     const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
     for (int r = 0; r < R; ++r) {
-      Vec y0 = g == 0 ? Vec::zero() : Vec::load(c + r * ldc);
-      Vec y1 = g == 0 ? Vec::zero() : Vec::load(c + r * ldc + 8);
-      y0 = Vec::fma(s0, part[r][0], y0);
-      y1 = Vec::fma(s1, part[r][1], y1);
+      const Vec step = Vec::broadcast(x.step_of(row0 + r, block));
+      Vec y0 = block == 0 ? Vec::zero() : Vec::load(c + r * ldc);
+      Vec y1 = block == 0 ? Vec::zero() : Vec::load(c + r * ldc + 8);
+      y0 = Vec::fma(s0 * step, acc[r].half(0), y0);
+      y1 = Vec::fma(s1 * step, acc[r].half(1), y1);
       if (w.mins != nullptr) {
-        const uint16_t* mr = w.mins + (p * w.groups + g) * kNR;
-        const Vec xs = Vec::broadcast(group_sum(w, row0 + r, g));
-        y0 = Vec::fma(Vec::load_half(mr), xs, y0);
-        y1 = Vec::fma(Vec::load_half(mr + 8), xs, y1);
+        const uint16_t* mr = w.min_row(p, block);
+        const Vec total = Vec::broadcast(x.total_of(row0 + r, block));
+        y0 = Vec::fma(Vec::load_half(mr), total, y0);
+        y1 = Vec::fma(Vec::load_half(mr + 8), total, y1);
       }
       y0.store(c + r * ldc);
       y1.store(c + r * ldc + 8);
@@ -256,50 +355,25 @@ void tile_groups(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, in
   }
 }
 
-inline void tile_groups_rows(int64_t rows, const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0,
-                             const float* a, const float* b, float* c, int64_t ldc) {
-  switch (rows) {
-    case 6: tile_groups<6>(w, p, kb, kc, row0, a, b, c, ldc); break;
-    case 5: tile_groups<5>(w, p, kb, kc, row0, a, b, c, ldc); break;
-    case 4: tile_groups<4>(w, p, kb, kc, row0, a, b, c, ldc); break;
-    case 3: tile_groups<3>(w, p, kb, kc, row0, a, b, c, ldc); break;
-    case 2: tile_groups<2>(w, p, kb, kc, row0, a, b, c, ldc); break;
-    default: tile_groups<1>(w, p, kb, kc, row0, a, b, c, ldc); break;
-  }
-}
-
-// The quantized panels as linear_blocked's kernel: slices are the codes as floats, and each
-// group's chains are folded into y as in tile_stream. A group spans the whole K (int8 per
-// channel) or divides the K block.
+// The quantized panels as linear_blocked's kernel, over input pairs.
 struct QuantizedKernel {
+  const QuantizedRows& x;
   const QuantizedPanels& w;
 
-  const float* slice(int64_t p, int64_t kb, int64_t kc, float* buf) const {
+  const int32_t* slice(int64_t p, int64_t kb, int64_t kc, int32_t* buf) const {
     code_slice(w, p, kb, kc, buf);
     return buf;
   }
 
-  void tile(int64_t p, int64_t kb, int64_t kc, int64_t row0, int64_t rows, const float* a, const float* b, float* c,
-            int64_t ldc) const {
-    if (w.groups > 1) {
-      tile_groups_rows(rows, w, p, kb, kc, row0, a, b, c, ldc);
-      return;
-    }
-    // One group spanning K: its chains run through y across the K blocks, as the float32 layer's
-    // do, and are folded onto zero after the last block.
-    tile_packed_rows(rows, kb > 0, a, b, kc, c, ldc);
-    if (kb + kc < w.K) return;
-    const Vec s0 = Vec::load_half(w.scales + p * kNR), s1 = Vec::load_half(w.scales + p * kNR + 8);
-    for (int64_t r = 0; r < rows; ++r) {
-      Vec y0 = Vec::fma(s0, Vec::load(c + r * ldc), Vec::zero());
-      Vec y1 = Vec::fma(s1, Vec::load(c + r * ldc + 8), Vec::zero());
-      if (w.mins != nullptr) {
-        const Vec xs = Vec::broadcast(group_sum(w, row0 + r, 0));
-        y0 = Vec::fma(Vec::load_half(w.mins + p * kNR), xs, y0);
-        y1 = Vec::fma(Vec::load_half(w.mins + p * kNR + 8), xs, y1);
-      }
-      y0.store(c + r * ldc);
-      y1.store(c + r * ldc + 8);
+  void tile(int64_t p, int64_t kb, int64_t kc, int64_t row0, int64_t rows, const int32_t* a, const int32_t* b,
+            float* c, int64_t ldc) const {
+    switch (rows) {
+      case 6: tile_blocks<6>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
+      case 5: tile_blocks<5>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
+      case 4: tile_blocks<4>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
+      case 3: tile_blocks<3>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
+      case 2: tile_blocks<2>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
+      default: tile_blocks<1>(x, w, p, kb, kc, row0, a, b, c, ldc); break;
     }
   }
 };
@@ -312,20 +386,18 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, co
   TORCH_CHECK(input.scalar_type() == at::kFloat, "quantized_linear: the input must be float32");
   const bool int4 = codes.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || codes.scalar_type() == at::kChar, "quantized_linear: codes must be int8 or uint8 (int4)");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (int4 ? 4 * kNR : kNR) && codes.is_contiguous(),
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (int4 ? 4 * kNR : 2 * kNR) && codes.is_contiguous(),
               "quantized_linear: codes are not packed in panels of 16");
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK(int4 == has_mins, "quantized_linear: int4 weights need minimums, int8 weights have none");
-  const int64_t P = codes.size(0), K = int4 ? kInt4Step * codes.size(1) : codes.size(1), N = out_features;
+  const int64_t P = codes.size(0), K = (int4 ? kInt4Step : 2) * codes.size(1), N = out_features;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&
                   scales.size(2) == kNR && scales.is_contiguous(),
               "quantized_linear: scales must be float16 [P][groups][16]");
   const int64_t groups = scales.size(1);
   TORCH_CHECK(groups > 0 && K % groups == 0, "quantized_linear: ", K, " features are not whole groups");
   const int64_t group = K / groups;
-  TORCH_CHECK(groups == 1 || kKC % group == 0, "quantized_linear: a group of ", group,
-              " features neither spans K nor divides ", kKC);
-  TORCH_CHECK(!int4 || group % kInt4Step == 0, "quantized_linear: int4 groups must be multiples of 8");
+  TORCH_CHECK(group % kBlock == 0, "quantized_linear: groups of ", group, " features are not multiples of ", kBlock);
   if (has_mins)
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(),
                 "quantized_linear: mins must match the scales");
@@ -335,26 +407,17 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, co
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y.view([&] { auto s = input.sizes().vec(); s.back() = N; return s; }());
-  const float* a = x.data_ptr<float>();
-  // Each row's sum over each group, in k order, for the minimums' term.
-  std::vector<float> sums(has_mins ? M * groups : 0);
-  for (int64_t r = 0; r < (has_mins ? M : 0); ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float total = 0.0f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) total += a[r * K + k];
-      sums[r * groups + g] = total;
-    }
+  const QuantizedRows rows = quantize_rows(x.data_ptr<float>(), M, K);
   const QuantizedPanels w{int4,
                           static_cast<const uint8_t*>(codes.data_ptr()),
                           reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                           has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
-                          has_mins ? sums.data() : nullptr,
                           K,
                           groups,
                           group};
   float* c = y.data_ptr<float>();
-  if (M <= 2) linear_stream(a, w, c, M, N, P);
-  else linear_blocked(a, c, M, K, N, P, QuantizedKernel{w});
+  if (M <= 2) linear_stream(rows, w, c, M, N, P);
+  else linear_blocked(rows.pairs.data(), c, M, K / 2, N, P, QuantizedKernel{rows, w});
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   auto shape = input.sizes().vec();
   shape.back() = N;
