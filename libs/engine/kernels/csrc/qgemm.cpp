@@ -51,6 +51,10 @@ constexpr float kXMax = 32767.0f;
 // multiplies and accumulates a whole panel (vpdpwssd); AVX2 takes two madd + add; the portable
 // build loops. Integer sums are exact, so all three give the same numbers.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(EXPERT_VEC_AVX2)
+#define EXPERT_QUANT_AVX512 1
+#endif
+
+#if defined(EXPERT_QUANT_AVX512)
 struct IPanel {
   __m512i v;
   static inline IPanel zero() { return {_mm512_setzero_si512()}; }
@@ -59,9 +63,6 @@ struct IPanel {
   inline void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
   // acc + (w.lo * x.lo + w.hi * x.hi) per lane.
   static inline IPanel madd(IPanel w, IPanel x, IPanel acc) { return {_mm512_dpwssd_epi32(acc.v, w.v, x.v)}; }
-  inline Vec half(int h) const {
-    return {_mm256_cvtepi32_ps(h == 0 ? _mm512_castsi512_si256(v) : _mm512_extracti64x4_epi64(v, 1))};
-  }
 };
 
 // The int8 codes of a panel for one pair of inputs (32 bytes), as pairs of 16-bit lanes.
@@ -95,7 +96,6 @@ struct IPanel {
     return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(w.v[0], x.v[0])),
              _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(w.v[1], x.v[1]))}};
   }
-  inline Vec half(int h) const { return {_mm256_cvtepi32_ps(v[h])}; }
 };
 
 inline IPanel int8_pairs(const uint8_t* q) {
@@ -128,11 +128,6 @@ struct IPanel {
     for (int l = 0; l < kNR; ++l) acc.v[l] += lo(w.v[l]) * lo(x.v[l]) + hi(w.v[l]) * hi(x.v[l]);
     return acc;
   }
-  inline Vec half(int h) const {
-    float f[kLanes];
-    for (int l = 0; l < kLanes; ++l) f[l] = static_cast<float>(v[h * kLanes + l]);
-    return Vec::load(f);
-  }
 };
 
 inline int32_t pair_of(int32_t lo, int32_t hi) {
@@ -152,6 +147,46 @@ struct Int4Words {
     IPanel r;
     for (int l = 0; l < kNR; ++l) r.v[l] = static_cast<int32_t>((v[l] >> (4 * i)) & 0x000F000Fu);
     return r;
+  }
+};
+#endif
+
+// Sixteen floats, one per column of a panel: a zmm register with AVX-512, two Vecs otherwise.
+// The folds run on these; lane by lane the operations are the same everywhere.
+#if defined(EXPERT_QUANT_AVX512)
+struct FPanel {
+  __m512 v;
+  static inline FPanel zero() { return {_mm512_setzero_ps()}; }
+  static inline FPanel broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static inline FPanel load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static inline FPanel load_half(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  static inline FPanel of(IPanel a) { return {_mm512_cvtepi32_ps(a.v)}; }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  inline FPanel operator*(FPanel o) const { return {_mm512_mul_ps(v, o.v)}; }
+  static inline FPanel fma(FPanel a, FPanel b, FPanel c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+};
+#else
+struct FPanel {
+  Vec v[2];
+  static inline FPanel zero() { return {{Vec::zero(), Vec::zero()}}; }
+  static inline FPanel broadcast(float x) { return {{Vec::broadcast(x), Vec::broadcast(x)}}; }
+  static inline FPanel load(const float* p) { return {{Vec::load(p), Vec::load(p + kLanes)}}; }
+  static inline FPanel load_half(const uint16_t* p) { return {{Vec::load_half(p), Vec::load_half(p + kLanes)}}; }
+  static inline FPanel of(const IPanel& a) {
+#if defined(EXPERT_VEC_AVX2)
+    return {{Vec{_mm256_cvtepi32_ps(a.v[0])}, Vec{_mm256_cvtepi32_ps(a.v[1])}}};
+#else
+    float f[kNR];
+    for (int l = 0; l < kNR; ++l) f[l] = static_cast<float>(a.v[l]);
+    return load(f);
+#endif
+  }
+  inline void store(float* p) const { v[0].store(p); v[1].store(p + kLanes); }
+  inline FPanel operator*(const FPanel& o) const { return {{v[0] * o.v[0], v[1] * o.v[1]}}; }
+  static inline FPanel fma(const FPanel& a, const FPanel& b, const FPanel& c) {
+    return {{Vec::fma(a.v[0], b.v[0], c.v[0]), Vec::fma(a.v[1], b.v[1], c.v[1])}};
   }
 };
 #endif
@@ -231,8 +266,8 @@ struct QuantizedPanels {
 // which measured faster than interleaving several panels (docs/engine.md).
 template <int R, bool kInt4>
 void tile_stream(const QuantizedRows& x, int64_t row0, const QuantizedPanels& w, int64_t p, float* c, int64_t ldc) {
-  Vec y[R][2];
-  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = Vec::zero();
+  FPanel y[R];
+  for (int r = 0; r < R; ++r) y[r] = FPanel::zero();
   const int32_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x.row(row0 + r);
   const uint8_t* codes = w.panel(p);
@@ -256,27 +291,15 @@ void tile_stream(const QuantizedRows& x, int64_t row0, const QuantizedPanels& w,
       }
     }
     // the fold
-    const uint16_t* sr = w.scale_row(p, b);
-    const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
-    for (int r = 0; r < R; ++r) {
-      const Vec step = Vec::broadcast(x.step_of(row0 + r, b));
-      y[r][0] = Vec::fma(s0 * step, acc[r].half(0), y[r][0]);
-      y[r][1] = Vec::fma(s1 * step, acc[r].half(1), y[r][1]);
-    }
+    const FPanel scale = FPanel::load_half(w.scale_row(p, b));
+    for (int r = 0; r < R; ++r)
+      y[r] = FPanel::fma(scale * FPanel::broadcast(x.step_of(row0 + r, b)), FPanel::of(acc[r]), y[r]);
     if constexpr (kInt4) {
-      const uint16_t* mr = w.min_row(p, b);
-      const Vec m0 = Vec::load_half(mr), m1 = Vec::load_half(mr + 8);
-      for (int r = 0; r < R; ++r) {
-        const Vec total = Vec::broadcast(x.total_of(row0 + r, b));
-        y[r][0] = Vec::fma(m0, total, y[r][0]);
-        y[r][1] = Vec::fma(m1, total, y[r][1]);
-      }
+      const FPanel min = FPanel::load_half(w.min_row(p, b));
+      for (int r = 0; r < R; ++r) y[r] = FPanel::fma(min, FPanel::broadcast(x.total_of(row0 + r, b)), y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    y[r][0].store(c + r * ldc);
-    y[r][1].store(c + r * ldc + 8);
-  }
+  for (int r = 0; r < R; ++r) y[r].store(c + r * ldc);
 }
 
 template <int R>
@@ -320,10 +343,13 @@ void code_slice(const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int
 }
 
 // R rows of y times a code slice that starts at input pair kb (a packed [kc][R] pairs, b [kc][16]
-// pairs): each block's integer sums in registers, folded into c as tile_stream folds them.
+// pairs): each block's integer sums in registers, folded as tile_stream folds them into y, which
+// stays in registers across the slice (from c, or zero at the first slice).
 template <int R>
 void tile_blocks(const QuantizedRows& x, const QuantizedPanels& w, int64_t p, int64_t kb, int64_t kc, int64_t row0,
                  const int32_t* a, const int32_t* b, float* c, int64_t ldc) {
+  FPanel y[R];
+  for (int r = 0; r < R; ++r) y[r] = kb == 0 ? FPanel::zero() : FPanel::load(c + r * ldc);
   for (int64_t kp0 = kb; kp0 < kb + kc; kp0 += kBlockPairs) {
     const int64_t block = kp0 / kBlockPairs;
     const int32_t* ap = a + (kp0 - kb) * R;
@@ -335,24 +361,15 @@ void tile_blocks(const QuantizedRows& x, const QuantizedPanels& w, int64_t p, in
       for (int r = 0; r < R; ++r) acc[r] = IPanel::madd(q, IPanel::broadcast(ap + kp * R + r), acc[r]);
     }
     // the fold
-    const uint16_t* sr = w.scale_row(p, block);
-    const Vec s0 = Vec::load_half(sr), s1 = Vec::load_half(sr + 8);
-    for (int r = 0; r < R; ++r) {
-      const Vec step = Vec::broadcast(x.step_of(row0 + r, block));
-      Vec y0 = block == 0 ? Vec::zero() : Vec::load(c + r * ldc);
-      Vec y1 = block == 0 ? Vec::zero() : Vec::load(c + r * ldc + 8);
-      y0 = Vec::fma(s0 * step, acc[r].half(0), y0);
-      y1 = Vec::fma(s1 * step, acc[r].half(1), y1);
-      if (w.mins != nullptr) {
-        const uint16_t* mr = w.min_row(p, block);
-        const Vec total = Vec::broadcast(x.total_of(row0 + r, block));
-        y0 = Vec::fma(Vec::load_half(mr), total, y0);
-        y1 = Vec::fma(Vec::load_half(mr + 8), total, y1);
-      }
-      y0.store(c + r * ldc);
-      y1.store(c + r * ldc + 8);
+    const FPanel scale = FPanel::load_half(w.scale_row(p, block));
+    for (int r = 0; r < R; ++r)
+      y[r] = FPanel::fma(scale * FPanel::broadcast(x.step_of(row0 + r, block)), FPanel::of(acc[r]), y[r]);
+    if (w.mins != nullptr) {
+      const FPanel min = FPanel::load_half(w.min_row(p, block));
+      for (int r = 0; r < R; ++r) y[r] = FPanel::fma(min, FPanel::broadcast(x.total_of(row0 + r, block)), y[r]);
     }
   }
+  for (int r = 0; r < R; ++r) y[r].store(c + r * ldc);
 }
 
 // The quantized panels as linear_blocked's kernel, over input pairs.
