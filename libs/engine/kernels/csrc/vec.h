@@ -118,6 +118,30 @@ inline float hsum(Vec a) {
   return (s04 + s26) + (s15 + s37);
 }
 
+// hsum of eight vectors at once: lane j of the result is hsum(a[j]), bitwise (the same tree), for
+// eight dot products in about a tenth of the instructions of eight hsum calls.
+inline Vec hsum8(const Vec a[8]) {
+#if defined(EXPERT_VEC_AVX2)
+  // p_i = x_i + x_{i+4} for two vectors at a time: [p(a[j]) | p(a[j + 4])]
+  __m256 p[4];
+  for (int j = 0; j < 4; ++j)
+    p[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j].v, a[j + 4].v, 0x20),
+                         _mm256_permute2f128_ps(a[j].v, a[j + 4].v, 0x31));
+  // (p0 + p2), (p1 + p3) for pairs of vectors
+  const __m256 q01 = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 q23 = _mm256_add_ps(_mm256_shuffle_ps(p[2], p[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(p[2], p[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  // (p0 + p2) + (p1 + p3)
+  return {_mm256_add_ps(_mm256_shuffle_ps(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm256_shuffle_ps(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)))};
+#else
+  float sums[kLanes];
+  for (int j = 0; j < kLanes; ++j) sums[j] = hsum(a[j]);
+  return Vec::load(sums);
+#endif
+}
+
 inline float hmax(Vec a) {
   float l[kLanes];
   a.lanes(l);
