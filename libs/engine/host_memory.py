@@ -58,20 +58,34 @@ class WeightArena:
         if nbytes == 0 or t.device.type != "cpu":
             return t.contiguous()
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
-            self._chunk = self._new_chunk(max(self.chunk_bytes, nbytes))
+            self._chunk = huge_page_bytes(max(self.chunk_bytes, nbytes))
             self._used = 0
         view = self._chunk[self._used : self._used + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         self._used += -(-nbytes // _ALIGN) * _ALIGN
         return view
 
-    @staticmethod
-    def _new_chunk(nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a huge page
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):  # huge pages disabled: ordinary pages, same layout
-                region.madvise(mmap.MADV_HUGEPAGE)
-        chunk = torch.frombuffer(region, dtype=torch.uint8)
-        skip = -chunk.data_ptr() % HUGE_PAGE
-        return chunk[skip : skip + size - HUGE_PAGE]
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeroed host memory (uint8), advised for transparent huge pages and starting on one.
+
+    Pages become resident when first touched, not before.
+    """
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a huge page
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # huge pages disabled: ordinary pages, same layout
+            region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip : skip + nbytes]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor in huge-page memory (see huge_page_bytes)."""
+    count = 1
+    for n in shape:
+        count *= n
+    element = torch.empty((), dtype=dtype).element_size()
+    return huge_page_bytes(count * element).view(dtype).view(shape)

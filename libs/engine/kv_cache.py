@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from libs.engine import host_memory
 from libs.engine.config import CacheConfig, ConfigError
 from libs.engine.models.config import ModelConfig
 
@@ -109,6 +110,13 @@ def plan_num_blocks(
 def allocate(
     num_blocks: int, model: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[layers, 2 (K, V), blocks, kv_heads, block_size, head_dim], zeroed so that padding reads zeros."""
+    """[layers, 2 (K, V), blocks, kv_heads, block_size, head_dim], zeroed so that padding reads zeros.
+
+    On the host the cache lives in huge pages: attention reads it a 4 KB block-head at a time from
+    scattered blocks, one TLB miss each with ordinary pages.
+    """
     shape = (model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, model.head_dim)
+    if device.type == "cpu":
+        # Written once so that every page is resident now: short memory fails here, not mid-request.
+        return host_memory.zeros(shape, dtype).zero_()
     return torch.zeros(shape, dtype=dtype, device=device)
