@@ -35,7 +35,9 @@ greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 prompts = [[5, 17, 42, 99, 7] * n for n in (1, 3, 9)]  # together: prefill and decode in one batch
 out = {}
 for quantization in (None, "int8", "int4"):
-    engine = LLMEngine.from_pretrained(sys.argv[2], num_blocks=32, kernels="native", quantization=quantization)
+    engine = LLMEngine.from_pretrained(
+        sys.argv[2], num_blocks=32, kernels="native", quantization=quantization
+    )
     logits = capture_logits(engine)
     tokens = [o.token_ids for o in engine.generate(prompts, greedy)]
     out[str(quantization)] = (tokens, logits)
