@@ -66,7 +66,6 @@ class WeightArena:
         return view
 
 
-
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeroed host memory (uint8), advised for transparent huge pages and starting on one.
 
