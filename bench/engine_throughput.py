@@ -7,7 +7,10 @@ loading, and the weight-streaming roofline (weight bytes / memory bandwidth, bot
 The peers: transformers `generate` (decode and batch-16 throughput, float32); vLLM-CPU's 32-request
 figure as recorded on this machine kind (not this run); and, with --llama-cpp-venv DIR, llama.cpp
 on the same weights through its C API (bench/llama_cpp_peer.py says how to build DIR): F32 for
-float32, Q8_0 for int8, and the default model's own Q4_1 file for int4.
+float32, Q8_0 for int8, and the default model's own Q4_1 file for int4. These machines drift
+within a minute by more than the differences measured, so each of our decode runs is followed by
+one of llama.cpp's and their ratio is the median of the pairs'; the 32-request figure is the median
+of --repeats runs.
 
     python bench/engine_throughput.py --model data/models/SmolLM2-135M-Instruct --quantization int4 \
         --llama-cpp-venv /tmp/llama-venv
@@ -73,9 +76,7 @@ def prompts_of(vocab: int, count: int, length: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def ours(
-    model_dir: str, quantization: str | None, new_tokens: int, batch: list[list[int]], repeats: int
-) -> dict[str, float]:
+def load_engine(model_dir: str, quantization: str | None, max_num_seqs: int):
     from libs.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(
@@ -84,29 +85,35 @@ def ours(
         dtype="float32",
         quantization=quantization,
         max_model_len=1024,
-        max_num_seqs=len(batch),
+        max_num_seqs=max_num_seqs,
     )
-    engine.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=8))  # warm up
+    engine.generate([[100, 200, 300]] * 2, SamplingParams(temperature=0.0, max_tokens=8))  # warm up
+    return engine
+
+
+def decode_rate(engine, prompt: list[int], new_tokens: int) -> float:
+    """Greedy tokens per second after `prompt` (prefill not counted)."""
+    from libs.engine import SamplingParams
+
     single = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    rates = []
-    for _ in range(repeats):
-        out = engine.generate([batch[0][:16]], single)[0]
-        rates.append(out.metrics.decode_tokens_per_second)
+    return engine.generate([prompt], single)[0].metrics.decode_tokens_per_second
+
+
+def throughput(engine, batch: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """Generated tokens per second with every prompt of `batch` submitted at once, and latencies."""
+    from libs.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outs = engine.generate(batch, single)
+    outs = engine.generate(batch, params)
     elapsed = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
     ttfts = sorted(o.metrics.ttft for o in outs)
     itls = sorted(x for o in outs for x in o.metrics.inter_token_latencies)
     return {
-        "decode": statistics.median(rates),
-        "throughput": generated / elapsed,
+        "throughput": sum(len(o.token_ids) for o in outs) / elapsed,
         "ttft_p50": ttfts[len(ttfts) // 2],
         "itl_p50": itls[len(itls) // 2],
         "itl_p99": itls[int(len(itls) * 0.99)],
-        "weight_bytes": streamed_weight_bytes(engine),
-        "kernels": engine.kernels,
-        "formats": engine.model.weight_formats,
     }
 
 
@@ -247,7 +254,28 @@ def main() -> None:
     bandwidth = measure_bandwidth()
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     batch = prompts_of(vocab, args.requests, args.prompt_tokens)
-    us = ours(args.model, quantization, args.new_tokens, batch, args.repeats)
+    prompt = batch[0][:32]
+    engine = load_engine(args.model, quantization, len(batch))
+    # Decode, interleaved with llama.cpp's: within a minute these machines drift by more than the
+    # difference measured, so each of our runs is paired with one of llama.cpp's right after it, and
+    # the ratio is the median of the pairs' ratios.
+    decodes, llama_decodes = [], []
+    for _ in range(args.repeats):
+        decodes.append(decode_rate(engine, prompt, args.new_tokens))
+        if args.llama_cpp_venv:
+            run = llama_cpp_peer(
+                args.llama_cpp_venv, args.quantization, prompt, [], args.threads, args.new_tokens, 1
+            )
+            llama_decodes.append(run["decode"])
+    runs = [throughput(engine, batch, args.new_tokens) for _ in range(args.repeats)]
+    runs.sort(key=lambda run: run["throughput"])  # the median run, with its latencies
+    us = runs[len(runs) // 2] | {
+        "decode": statistics.median(decodes),
+        "weight_bytes": streamed_weight_bytes(engine),
+        "kernels": engine.kernels,
+        "formats": engine.model.weight_formats,
+    }
+    del engine
     ppl, windows = engine_perplexity(args.model, quantization)
     ppl_fp32 = ppl if quantization is None else engine_perplexity(args.model, None)[0]
     peer = (
@@ -258,14 +286,11 @@ def main() -> None:
     llama = None
     if args.llama_cpp_venv:
         llama = llama_cpp_peer(
-            args.llama_cpp_venv,
-            args.quantization,
-            batch[0][:32],
-            windows,
-            args.threads,
-            args.new_tokens,
-            args.repeats,
-        )
+            args.llama_cpp_venv, args.quantization, prompt, windows, args.threads, args.new_tokens, 0
+        ) | {
+            "decode": statistics.median(llama_decodes),
+            "decode_ratio": statistics.median(a / b for a, b in zip(decodes, llama_decodes, strict=True)),
+        }
     roofline = bandwidth / us["weight_bytes"]
 
     formats = ", ".join(f"{n} {kind}" for kind, n in us["formats"].items())
@@ -296,6 +321,7 @@ def main() -> None:
                 llama["decode"],
                 f"llama.cpp {llama['type']}",
                 "decode_vs_llama_cpp" if quantization else None,
+                llama["decode_ratio"],
             )
         )
     rows.append(("batch-1 decode / roofline", us["decode"], roofline, "roofline", "decode_vs_roofline"))
@@ -320,8 +346,8 @@ def main() -> None:
             )
         )
     print(f"{'metric':<28}{'ours':>10}{'peer':>10}  {'peer is':<24}{'ratio':>7}{'target':>8}  result")
-    for name, mine, theirs, who, key in rows:
-        ratio = mine / theirs
+    for name, mine, theirs, who, key, *paired in rows:
+        ratio = paired[0] if paired else mine / theirs
         if key is None:
             print(f"{name:<28}{mine:>10.1f}{theirs:>10.1f}  {who:<24}{ratio:>6.2f}x{'':>8}  (no target)")
             continue

@@ -3,9 +3,10 @@
 Runs inside a virtual environment that has llama-cpp-python (not the project's: it brings its own
 numpy and build), as `DIR/bin/python bench/llama_cpp_peer.py JOB.json`, and prints one JSON object.
 The job names the GGUF to measure (made from the default model's Q4_1 file with
-llama_model_quantize when it is another type), the prompt and the number of greedy tokens, the
-threads, and the windows of token ids to compute the perplexity of. Decoding is a plain loop of
-llama_decode and llama.cpp's own greedy sampler: its Python `Llama` class adds about a quarter.
+llama_model_quantize when it is another type), the prompt, the number of greedy tokens and how many
+times to time them (0: none), the threads, and the windows of token ids to compute the perplexity of
+(none: no perplexity). Decoding is a plain loop of llama_decode and llama.cpp's own greedy
+sampler: its Python `Llama` class adds about a quarter.
 
 Build the environment once (about 13 minutes on two cores):
 
@@ -114,13 +115,20 @@ class Runner:
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     path = make_gguf(Path(job["source"]), Path(job["target"]), job["type"])
-    runner = Runner(path, job["threads"], max(512, max(len(w) for w in job["windows"]) + 8))
-    runner.greedy_decode_rate(job["prompt"], 8)  # warm up
-    rates = [runner.greedy_decode_rate(job["prompt"], job["new_tokens"]) for _ in range(job["repeats"])]
-    ppl, scored = runner.perplexity(job["windows"])
+    runner = Runner(path, job["threads"], max([512] + [len(w) + 8 for w in job["windows"]]))
+    rates = []
+    if job["repeats"]:
+        runner.greedy_decode_rate(job["prompt"], 8)  # warm up
+        rates = [runner.greedy_decode_rate(job["prompt"], job["new_tokens"]) for _ in range(job["repeats"])]
+    ppl, scored = runner.perplexity(job["windows"]) if job["windows"] else (None, 0)
     print(
         json.dumps(
-            {"decode": sorted(rates)[len(rates) // 2], "perplexity": ppl, "scored": scored, "gguf": str(path)}
+            {
+                "decode": sorted(rates)[len(rates) // 2] if rates else None,
+                "perplexity": ppl,
+                "scored": scored,
+                "gguf": str(path),
+            }
         )
     )
 

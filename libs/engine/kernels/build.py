@@ -23,6 +23,7 @@ _SOURCES = (
     "attention.cpp",
     "activation.cpp",
     "adapters.cpp",
+    "layers.cpp",
     "registration.cpp",
 )
 _lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -104,6 +105,54 @@ class NativeOps(TorchOps):
         if w.mins is not None:
             values += w.mins[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
         return values
+
+    def stack_layers(self, layers: Sequence[Any]) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Per layer, the slots csrc/layers.cpp reads: the four norms (q/k None when absent), then
+        each projection's weight, scales, mins and bias (None when absent), and its output size."""
+        weights: list[torch.Tensor | None] = []
+        sizes: list[int] = []
+        for layer in layers:
+            weights += [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm]
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                weights += [w.weight, w.scales, w.mins, w.bias]
+                sizes.append(w.out_features)
+        return weights, sizes
+
+    def run_layers(
+        self,
+        stack: tuple[list[torch.Tensor | None], list[int]],
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        heads: HeadLayout,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor:
+        """The model's layer loop in one call (csrc/layers.cpp): the same kernels in the same order,
+        for steps without experts. x is the first layer's normed input; residual is updated in place."""
+        weights, sizes = stack
+        return self._k.decoder_layers(
+            x,
+            residual,
+            positions,
+            cos_sin,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            weights,
+            sizes,
+            heads.num_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            eps,
+            scale,
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._k.rms_norm(x, weight, eps)

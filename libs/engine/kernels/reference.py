@@ -8,6 +8,7 @@ directly (FlashAttention / FlashInfer style) would replace `attention` behind th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,12 @@ class TorchOps:
     """Operators written with torch functions only."""
 
     name = "torch"
+
+    def stack_layers(self, layers: Sequence[Any]) -> Any | None:
+        """The model's decoder layers (each with input_norm, qkv, q_norm, k_norm, o, post_norm,
+        gate_up and down) prepared for an operator set that runs them all in one call, or None: this
+        one runs them from the model's loop, one operator at a time."""
+        return None
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
         return LinearWeight(weight.contiguous(), bias, weight.shape[1], weight.shape[0])

@@ -105,6 +105,8 @@ class DecoderModel:
                 self.lm_head = linear(["lm_head"], False)
         # cos | sin per position, float32 like transformers computes them
         self.cos_sin = cos_sin_table(config.rope, config.head_dim, max_positions).to(device)
+        # The layers for an operator set that runs them in one call (None: the loop in forward).
+        self.layer_stack = ops.stack_layers(self.layers)
 
     @torch.inference_mode()
     def forward(
@@ -125,6 +127,11 @@ class DecoderModel:
         if adapters is not None:
             residual = adapters.embed(residual)
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        if adapters is None and self.layer_stack is not None:  # no experts to apply between kernels
+            stack, cos_sin, heads, scale = self.layer_stack, self.cos_sin, self.heads, self.scale
+            x = ops.run_layers(stack, x, residual, positions, cos_sin, kv_caches, meta, heads, eps, scale)
+            x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
+            return x
         for n, layer in enumerate(self.layers):
             if n > 0:
                 x, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)

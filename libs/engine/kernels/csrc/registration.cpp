@@ -27,6 +27,13 @@ void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const a
 void ia3_scale(at::Tensor& y, int64_t col_offset, const at::Tensor& table, const at::Tensor& query_start_loc,
                const at::Tensor& entry_ptr, const at::Tensor& entry_slot, const at::Tensor& entry_weight);
 
+at::Tensor decoder_layers(at::Tensor x, at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos_sin,
+                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const c10::List<c10::optional<at::Tensor>>& weights,
+                          at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          double eps, double scale);
+
 bool supports_head_dim(int64_t head_dim) { return head_dim % 16 == 0 && paged_attention_supports(head_dim); }
 }  // namespace expert
 
@@ -48,6 +55,12 @@ TORCH_LIBRARY(expert_kernels, m) {
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor",
       &expert::paged_attention);
+  m.def(
+      "decoder_layers(Tensor x, Tensor(a!) residual, Tensor positions, Tensor cos_sin, Tensor(b!)[] k_caches, "
+      "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor?[] weights, int[] out_features, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "float scale) -> Tensor",
+      &expert::decoder_layers);
   m.def("supports_head_dim(int head_dim) -> bool", &expert::supports_head_dim);
   m.def(
       "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, int col_offset, Tensor query_start_loc, "
