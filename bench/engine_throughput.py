@@ -71,8 +71,8 @@ def streamed_weight_bytes(engine) -> int:
     return total
 
 
-def prompts_of(vocab: int, count: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
+def prompts_of(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(count)]
 
 
@@ -254,7 +254,7 @@ def main() -> None:
     bandwidth = measure_bandwidth()
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     batch = prompts_of(vocab, args.requests, args.prompt_tokens)
-    prompt = batch[0][:32]
+    prompt = prompts_of(vocab, 1, 32, seed=1000)[0]  # shares no prefix with the 32-request prompts
     engine = load_engine(args.model, quantization, len(batch))
     # Decode, interleaved with llama.cpp's: within a minute these machines drift by more than the
     # difference measured, so each of our runs is paired with one of llama.cpp's right after it, and
@@ -267,7 +267,11 @@ def main() -> None:
                 args.llama_cpp_venv, args.quantization, prompt, [], args.threads, args.new_tokens, 1
             )
             llama_decodes.append(run["decode"])
-    runs = [throughput(engine, batch, args.new_tokens) for _ in range(args.repeats)]
+    # Fresh prompts for each run: the same ones again would hit the prefix cache and skip prefill.
+    runs = [
+        throughput(engine, prompts_of(vocab, args.requests, args.prompt_tokens, seed), args.new_tokens)
+        for seed in range(args.repeats)
+    ]
     runs.sort(key=lambda run: run["throughput"])  # the median run, with its latencies
     us = runs[len(runs) // 2] | {
         "decode": statistics.median(decodes),
