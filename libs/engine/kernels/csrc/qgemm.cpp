@@ -46,6 +46,11 @@ constexpr int64_t kBlockPairs = kBlock / 2;  // the same block in pairs of input
 constexpr int64_t kInt4Step = 8;             // inputs per int4 word
 constexpr float kXMax = 32767.0f;
 
+// Two 16-bit values in one 32-bit lane, the low half first: how x and the codes pair inputs.
+inline int32_t pair_of(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+}
+
 // Sixteen 32-bit lanes, one per column of a panel. As weights or x they hold pairs of 16-bit
 // values (the low half first), as accumulators 32-bit sums. With AVX-512 VNNI one instruction
 // multiplies and accumulates a whole panel (vpdpwssd); AVX2 takes two madd + add; the portable
@@ -129,10 +134,6 @@ struct IPanel {
     return acc;
   }
 };
-
-inline int32_t pair_of(int32_t lo, int32_t hi) {
-  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
-}
 
 inline IPanel int8_pairs(const uint8_t* q) {
   IPanel r;
@@ -233,8 +234,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
         int32_t* out = q.pairs.data() + (r * K + b * kBlock) / 2;
         for (int64_t k = 0; k < kBlock; k += 2) {
           sum += codes[k] + codes[k + 1];
-          out[k / 2] = static_cast<int32_t>((static_cast<uint32_t>(codes[k]) & 0xFFFFu) |
-                                            (static_cast<uint32_t>(codes[k + 1]) << 16));
+          out[k / 2] = pair_of(codes[k], codes[k + 1]);
         }
         q.step[r * blocks + b] = step;
         q.total[r * blocks + b] = step * static_cast<float>(sum);
