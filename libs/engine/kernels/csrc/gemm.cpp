@@ -9,7 +9,7 @@
 //
 // Weights are packed once at load into panels of 16 output columns: [P][K][16], zero-padded.
 // Few rows (decode) stream the panels straight from memory; more rows (prefill, big batches)
-// pack a block of x and reuse each 16-column weight slice from L1 across row tiles (GotoBLAS).
+// pack a block of x and reuse each 16-column weight slice from cache across row tiles (GotoBLAS).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -88,11 +88,14 @@ void linear_stream(const float* a, const float* b, float* y, int64_t M, int64_t 
 // across K blocks through y.
 struct FloatPanels {
   const float* b;
-  int64_t K;
+  int64_t K, P;
   const float* slice(int64_t p, int64_t kb, int64_t, float*) const { return b + p * K * kNR + kb * kNR; }
-  void tile(int64_t, int64_t kb, int64_t kc, int64_t, int64_t rows, const float* a, const float* bp, float* c,
+  void tile(int64_t p, int64_t kb, int64_t kc, int64_t row, int64_t rows, const float* a, const float* bp, float* c,
             int64_t ldc) const {
-    tile_packed_rows(rows, kb > 0, a, bp, kc, c, ldc);
+    // The first row tile of a block of rows prefetches the next panel's slice (measured 5-9 %
+    // faster at 32 rows, the batched decode step).
+    const float* next = row % kMC == 0 && p + 1 < P ? bp + K * kNR : nullptr;
+    tile_packed_rows(rows, kb > 0, a, bp, kc, c, ldc, next);
   }
 };
 
@@ -124,7 +127,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
     if (M <= 2) {
       linear_stream(a, b, c, M, K, N, P);
     } else {
-      linear_blocked(a, c, M, K, N, P, FloatPanels{b, K});
+      linear_blocked(a, c, M, K, N, P, FloatPanels{b, K, P});
     }
     if (bias.has_value() && bias->defined()) y.add_(*bias);
   }

@@ -25,7 +25,7 @@
 //
 // Batch invariance: integer sums are exact, so how a path blocks them cannot change them; the
 // fold over blocks is the same sequence of float operations on every path. Few rows (decode)
-// convert the codes in registers as they stream; more rows convert a [kc][16] slice once into L1
+// convert the codes in registers as they stream; more rows convert a [kc][16] slice once into cache
 // and run integer register tiles over it. A row gives the same bits alone or in any batch, and the
 // AVX-512, AVX2 and portable (plain integer loops, std::fma) builds give the same bits.
 #include <ATen/ATen.h>
