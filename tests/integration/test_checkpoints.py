@@ -184,6 +184,7 @@ def test_tied_embeddings_match_transformers(tmp_path):
     assert "lm_head.weight" not in load_file(path / "model.safetensors")
     engine = load(path)
     assert engine.model_config.tie_word_embeddings
+    assert engine.model.embed_tokens is None  # tokens are looked up in the head's weight: held once
     assert_matches_transformers(path, long_prompts(engine.model_config.vocab_size, lengths=(7, 40)))
 
 

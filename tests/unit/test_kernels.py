@@ -32,6 +32,14 @@ def test_linear_rows_are_bitwise_independent_of_the_batch(native):
     assert torch.equal(native.linear(x[150:151], w), full[150:151])
 
 
+def test_embedding_rows_of_a_packed_weight_are_its_rows(native, ref):
+    # A tied LM head is also the embedding table: rows are read back out of the 16-column panels.
+    w = torch.randn(77, 40, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([0, 76, 15, 16, 33, 15, 64])
+    assert torch.equal(native.embedding(native.prepare_linear(w), ids), w[ids])
+    assert torch.equal(ref.embedding(ref.prepare_linear(w), ids), w[ids])
+
+
 def test_rms_norms_match_torch(native, ref):
     g = torch.Generator().manual_seed(1)
     x, r, w = (

@@ -94,6 +94,8 @@ class NativeOps(TorchOps):
     def embedding(self, w: LinearWeight, ids: torch.Tensor) -> torch.Tensor:
         # Row n of the weight is lane n % 16 of panel n // 16 at every k.
         panel, lane = ids // PANEL, ids % PANEL
+        if w.kind == "float":  # [P, K, 16]
+            return w.weight[panel, :, lane]
         if w.kind == "int4":  # [T, K / 8] words of eight nibbles
             words = w.weight.view(torch.int32)[panel, :, lane]
             codes = (words[..., None] >> NIBBLE_SHIFTS.to(words.device)) & 0x0F

@@ -110,7 +110,9 @@ class TorchOps:
         return F.linear(x, w.weight, w.bias)
 
     def embedding(self, w: LinearWeight, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of a quantized weight as float32: the lookup into a tied, quantized LM head."""
+        """Rows `ids` of a prepared weight: the lookup into a tied LM head (float32 when quantized)."""
+        if w.kind == "float":
+            return w.weight[ids]
         return quant.rows(w.quantized, ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -92,17 +92,15 @@ class DecoderModel:
                 )
             )
         self.norm = take("model.norm.weight")
-        # A quantized embedding table is always the tied LM head (loader.quantizable_names): its
-        # rows are looked up in the quantized weight itself rather than kept twice.
+        # A tied embedding table is the LM head: its rows are looked up in the head's prepared
+        # weight (packed, or quantized; a quantized table is always tied, loader.quantizable_names)
+        # rather than kept twice, which for the default model in float32 is 113 MB.
         self.embed_tokens: torch.Tensor | None = None
-        if isinstance(weights["model.embed_tokens.weight"], QuantizedWeight):
+        if config.tie_word_embeddings:
             self.lm_head = linear(["model.embed_tokens"], False)
         else:
             self.embed_tokens = take("model.embed_tokens.weight")
-            if config.tie_word_embeddings:
-                self.lm_head = ops.prepare_linear(self.embed_tokens)
-            else:
-                self.lm_head = linear(["lm_head"], False)
+            self.lm_head = linear(["lm_head"], False)
         # cos | sin per position, float32 like transformers computes them
         self.cos_sin = cos_sin_table(config.rope, config.head_dim, max_positions).to(device)
         # The layers for an operator set that runs them in one call (None: the loop in forward).
