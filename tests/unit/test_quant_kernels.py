@@ -141,3 +141,9 @@ def test_the_kernel_refuses_malformed_weights_by_what_is_wrong(native):
         k.quantized_linear(torch.randn(1, 32), w.weight, w.scales, w.mins, None, 16)
     with pytest.raises(RuntimeError, match="scales must be float16"):
         k.quantized_linear(x, w.weight, w.scales.float(), w.mins, None, 16)
+
+
+def test_embedding_ids_outside_the_table_are_refused(native):
+    w = native.prepare_quantized(quant.quantize(_weight(40, 64, 4), "int4", 32), None, CPU)
+    with pytest.raises(RuntimeError, match="id 48 is outside the table"):
+        native.embedding(w, torch.tensor([3, 48]))

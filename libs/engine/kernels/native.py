@@ -92,21 +92,10 @@ class NativeOps(TorchOps):
         return self._k.linear(x, w.weight, w.bias, w.out_features)
 
     def embedding(self, w: LinearWeight, ids: torch.Tensor) -> torch.Tensor:
-        # Row n of the weight is lane n % 16 of panel n // 16 at every k.
-        panel, lane = ids // PANEL, ids % PANEL
-        if w.kind == "float":  # [P, K, 16]
-            return w.weight[panel, :, lane]
-        if w.kind == "int4":  # [T, K / 8] words of eight nibbles
-            words = w.weight.view(torch.int32)[panel, :, lane]
-            codes = (words[..., None] >> NIBBLE_SHIFTS.to(words.device)) & 0x0F
-        else:  # [T, K / 2] pairs
-            codes = w.weight.view(w.weight.shape[0], -1, PANEL, 2)[panel, :, lane]
-        codes = codes.reshape(len(ids), w.in_features)
-        scales = w.scales[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
-        values = codes.float() * scales  # exact: at most 8 + 11 significant bits
-        if w.mins is not None:
-            values += w.mins[panel, :, lane].float().repeat_interleave(w.group_size, dim=1)
-        return values
+        if w.kind != "float":
+            return self._k.quantized_embedding(w.weight, w.scales, w.mins, ids.long())
+        # Row n of the weight is lane n % 16 of panel n // 16 at every k: [P, K, 16].
+        return w.weight[ids // PANEL, :, ids % PANEL]
 
     def stack_layers(self, layers: Sequence[Any]) -> tuple[list[torch.Tensor | None], list[int]]:
         """Per layer, the slots csrc/layers.cpp reads: the four norms (q/k None when absent), then

@@ -10,6 +10,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                             int64_t out_features);
+at::Tensor quantized_embedding(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                               const at::Tensor& ids);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

@@ -397,27 +397,45 @@ struct QuantizedKernel {
 
 }  // namespace
 
+namespace {
+
+// The panels of a quantized weight, after checking that the tensors are laid out as above.
+QuantizedPanels panels_of(const char* op, const at::Tensor& codes, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& mins) {
+  const bool int4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || codes.scalar_type() == at::kChar, op, ": codes must be int8 or uint8 (int4)");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (int4 ? 4 * kNR : 2 * kNR) && codes.is_contiguous(), op,
+              ": codes are not packed in panels of 16");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(int4 == has_mins, op, ": int4 weights need minimums, int8 weights have none");
+  const int64_t P = codes.size(0), K = (int4 ? kInt4Step : 2) * codes.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&
+                  scales.size(2) == kNR && scales.is_contiguous(),
+              op, ": scales must be float16 [P][groups][16]");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(groups > 0 && K % groups == 0, op, ": ", K, " features are not whole groups");
+  const int64_t group = K / groups;
+  TORCH_CHECK(group % kBlock == 0, op, ": groups of ", group, " features are not multiples of ", kBlock);
+  if (has_mins)
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(), op,
+                ": mins must match the scales");
+  return {int4,
+          static_cast<const uint8_t*>(codes.data_ptr()),
+          reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+          has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
+          K,
+          groups,
+          group};
+}
+
+}  // namespace
+
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                             int64_t out_features) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "quantized_linear: the input must be float32");
-  const bool int4 = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 || codes.scalar_type() == at::kChar, "quantized_linear: codes must be int8 or uint8 (int4)");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (int4 ? 4 * kNR : 2 * kNR) && codes.is_contiguous(),
-              "quantized_linear: codes are not packed in panels of 16");
-  const bool has_mins = mins.has_value() && mins->defined();
-  TORCH_CHECK(int4 == has_mins, "quantized_linear: int4 weights need minimums, int8 weights have none");
-  const int64_t P = codes.size(0), K = (int4 ? kInt4Step : 2) * codes.size(1), N = out_features;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&
-                  scales.size(2) == kNR && scales.is_contiguous(),
-              "quantized_linear: scales must be float16 [P][groups][16]");
-  const int64_t groups = scales.size(1);
-  TORCH_CHECK(groups > 0 && K % groups == 0, "quantized_linear: ", K, " features are not whole groups");
-  const int64_t group = K / groups;
-  TORCH_CHECK(group % kBlock == 0, "quantized_linear: groups of ", group, " features are not multiples of ", kBlock);
-  if (has_mins)
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(),
-                "quantized_linear: mins must match the scales");
+  const QuantizedPanels w = panels_of("quantized_linear", codes, scales, mins);
+  const int64_t P = codes.size(0), K = w.K, N = out_features;
   TORCH_CHECK(input.size(-1) == K, "quantized_linear: input has ", input.size(-1), " features, weight expects ", K);
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "quantized_linear: out_features does not match the panels");
   auto x = input.reshape({-1, K}).contiguous();
@@ -425,13 +443,6 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, co
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y.view([&] { auto s = input.sizes().vec(); s.back() = N; return s; }());
   const QuantizedRows rows = quantize_rows(x.data_ptr<float>(), M, K);
-  const QuantizedPanels w{int4,
-                          static_cast<const uint8_t*>(codes.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-                          has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
-                          K,
-                          groups,
-                          group};
   float* c = y.data_ptr<float>();
   if (M <= 2) linear_stream(rows, w, c, M, N, P);
   else linear_blocked(rows.pairs.data(), c, M, K / 2, N, P, QuantizedKernel{rows, w});
@@ -439,6 +450,41 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& codes, co
   auto shape = input.sizes().vec();
   shape.back() = N;
   return y.view(shape);
+}
+
+// Rows `ids` of a quantized weight as float32: the lookup into a tied, quantized LM head. Each value
+// is float(q) * scale, plus min for int4, rounded after each step as quant.dequantize does.
+at::Tensor quantized_embedding(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                               const at::Tensor& ids) {
+  const QuantizedPanels w = panels_of("quantized_embedding", codes, scales, mins);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quantized_embedding: ids must be int64 [T]");
+  auto rows = ids.contiguous();
+  const int64_t T = rows.size(0), K = w.K, N = codes.size(0) * kNR;
+  const int64_t* pid = rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pid[t] >= 0 && pid[t] < N, "quantized_embedding: id ", pid[t], " is outside the table");
+  auto out = at::empty({T, K}, codes.options().dtype(at::kFloat));
+  float* po = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = pid[t] / kNR, lane = pid[t] % kNR;
+    const uint8_t* panel = w.panel(p);
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t q;
+      if (w.int4) {  // word k / 8 of the column; input 2 i + h at bits 4 i + 16 h
+        uint32_t word;
+        std::memcpy(&word, panel + (k / kInt4Step) * QuantizedPanels::kInt4WordBytes + lane * 4, sizeof(word));
+        const int64_t i = (k % kInt4Step) / 2, h = k % 2;
+        q = static_cast<int32_t>((word >> (4 * i + 16 * h)) & 0xFu);
+      } else {  // pair k / 2 of the column, the low input first
+        q = static_cast<int8_t>(panel[(k / 2) * QuantizedPanels::kInt8PairBytes + lane * 2 + k % 2]);
+      }
+      const int64_t at = (p * w.groups + k / w.group) * kNR + lane;
+      float v = static_cast<float>(q) * half_to_float(w.scales[at]);
+      if (w.mins != nullptr) v = v + half_to_float(w.mins[at]);
+      po[t * K + k] = v;
+    }
+  }
+  return out;
 }
 
 }  // namespace expert

@@ -13,6 +13,8 @@ TORCH_LIBRARY(expert_kernels, m) {
   m.def("linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor", &expert::linear);
   m.def("quantized_linear(Tensor input, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int out_features) -> Tensor",
         &expert::quantized_linear);
+  m.def("quantized_embedding(Tensor codes, Tensor scales, Tensor? mins, Tensor ids) -> Tensor",
+        &expert::quantized_embedding);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &expert::rms_norm);
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         &expert::fused_add_rms_norm);
