@@ -395,10 +395,6 @@ struct QuantizedKernel {
   }
 };
 
-}  // namespace
-
-namespace {
-
 // The panels of a quantized weight, after checking that the tensors are laid out as above.
 QuantizedPanels panels_of(const char* op, const at::Tensor& codes, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& mins) {
