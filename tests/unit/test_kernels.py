@@ -99,10 +99,13 @@ def _metadata(q_lens, seq_lens, tables, block_size):
     )
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_paged_attention_matches_torch_on_a_mixed_batch(native, ref, head_dim):
+@pytest.mark.parametrize(
+    ("head_dim", "hq", "hkv"), [(16, 6, 2), (64, 6, 2), (128, 6, 2), (64, 4, 4), (32, 80, 1)]
+)
+def test_paged_attention_matches_torch_on_a_mixed_batch(native, ref, head_dim, hq, hkv):
+    # grouped-query, multi-head (one query head per KV head) and multi-query with many heads
     g = torch.Generator().manual_seed(head_dim)
-    block_size, hq, hkv = 4, 6, 2
+    block_size = 4
     k_cache, v_cache = (
         torch.randn(40, hkv, block_size, head_dim, generator=g),
         torch.randn(40, hkv, block_size, head_dim, generator=g),

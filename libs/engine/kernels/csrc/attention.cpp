@@ -24,7 +24,6 @@ namespace expert {
 namespace {
 
 constexpr int64_t kQueryTile = 8;  // queries per work item in prefill
-constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;
@@ -47,17 +46,17 @@ inline void prefetch_block(const float* p, int64_t floats) {
 }
 
 // Query rows of the G heads that share kv_head, for one token: q and out are [G][D], scores is
-// [G][stride]. Each head's numbers are computed exactly as alone: its dot products, running max,
-// exponentials, sum and weighted sum of V, keys in ascending order. Interleaving the heads block
-// by block only changes when they run: each block of K and V is read from memory once for the
-// group, while it is in L1, and the block `kAhead` ahead is prefetched behind the work on this one.
+// [G][stride], maxima and sums [G] (scratch). Each head's numbers are computed exactly as alone:
+// its dot products, running max, exponentials, sum and weighted sum of V, keys in ascending order.
+// Interleaving the heads block by block only changes when they run: each block of K and V is read
+// from memory once for the group, while it is in L1, and the block `kAhead` ahead is prefetched
+// behind the work on this one.
 template <int D>
 void attend_group(const float* q, int64_t G, const CacheView& cache, int64_t kv_head, int64_t num_keys, float scale,
-                  float* scores, int64_t stride, float* out) {
+                  float* scores, int64_t stride, float* maxima, float* sums, float* out) {
   constexpr int C = D / kLanes;
   constexpr int64_t kAhead = 2;
   const int64_t bs = cache.block_size, block_floats = bs * D;
-  float maxima[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) maxima[g] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < std::min(num_keys, kAhead * bs); j += bs) prefetch_block(cache.k + cache.offset(kv_head, j), block_floats);
   for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
@@ -91,7 +90,6 @@ void attend_group(const float* q, int64_t G, const CacheView& cache, int64_t kv_
   }
   // The first V blocks load behind the exponentials.
   for (int64_t j = 0; j < std::min(num_keys, kAhead * bs); j += bs) prefetch_block(cache.v + cache.offset(kv_head, j), block_floats);
-  float sums[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * stride;
     const Vec vm = Vec::broadcast(maxima[g]);
@@ -132,7 +130,8 @@ void attend_group(const float* q, int64_t G, const CacheView& cache, int64_t kv_
   }
 }
 
-using GroupFn = void (*)(const float*, int64_t, const CacheView&, int64_t, int64_t, float, float*, int64_t, float*);
+using GroupFn = void (*)(const float*, int64_t, const CacheView&, int64_t, int64_t, float, float*, int64_t, float*,
+                        float*, float*);
 
 GroupFn group_function(int64_t head_dim) {
   switch (head_dim) {
@@ -170,7 +169,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const GroupFn attend = group_function(D);
   TORCH_CHECK(attend != nullptr, "paged_attention: unsupported head_dim ", D);
   const int64_t group = Hq / Hkv, max_blocks = bt.size(1);
-  TORCH_CHECK(group <= kMaxGroup, "paged_attention: more than ", kMaxGroup, " query heads per KV head");
   const int32_t* pbt = bt.data_ptr<int32_t>();
   const int32_t* plen = lens.data_ptr<int32_t>();
   const int32_t* pqsl = qsl.data_ptr<int32_t>();
@@ -196,7 +194,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     const int64_t stride = std::max<int64_t>(max_len, 1);
-    std::vector<float> scores(group * stride);
+    std::vector<float> scores(group * stride), maxima(group), sums(group);
     for (int64_t i = i0; i < i1; ++i) {
       const WorkItem& it = items[i];
       const CacheView cache{kc, vc, pbt + it.seq * max_blocks, Hkv, block_size, D};
@@ -206,7 +204,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
         const int64_t token = pqsl[it.seq] + qi;
         const int64_t h = it.kv_head * group;
         attend(pq + (token * Hq + h) * D, group, cache, it.kv_head, first_pos + qi + 1, fscale, scores.data(), stride,
-               po + (token * Hq + h) * D);
+               maxima.data(), sums.data(), po + (token * Hq + h) * D);
       }
     }
   });
