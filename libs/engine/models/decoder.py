@@ -120,7 +120,7 @@ class DecoderModel:
         `adapters` applies each sequence's experts: soft prompts replace virtual-token embeddings,
         IA³ scales projection inputs or outputs, LoRA adds its low-rank deltas.
         """
-        ops, eps, c = self.ops, self.config.rms_norm_eps, self.config
+        ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed(input_ids)  # [T, H]
         if adapters is not None:
             residual = adapters.embed(residual)
@@ -128,8 +128,23 @@ class DecoderModel:
         if adapters is None and self.layer_stack is not None:  # no experts to apply between kernels
             stack, cos_sin, heads, scale = self.layer_stack, self.cos_sin, self.heads, self.scale
             x = ops.run_layers(stack, x, residual, positions, cos_sin, kv_caches, meta, heads, eps, scale)
-            x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
-            return x
+        else:
+            x, residual = self._layer_loop(x, residual, positions, meta, kv_caches, adapters)
+        x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
+        return x
+
+    def _layer_loop(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        adapters: AdapterBatch | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers one kernel at a time, applying experts between them: the last layer's
+        output and the residual stream."""
+        ops, eps, c = self.ops, self.config.rms_norm_eps, self.config
         for n, layer in enumerate(self.layers):
             if n > 0:
                 x, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
@@ -165,8 +180,7 @@ class DecoderModel:
             x = ops.linear(hidden, layer.down)
             if adapters is not None:
                 adapters.apply_output(ops, n, ("down_proj",), (0,), x, hidden)
-        x, _ = ops.add_rms_norm(x, residual, self.norm, eps)
-        return x
+        return x, residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
