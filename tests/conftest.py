@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. Triton reads this when
+# a kernel is defined (at import), so it is set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # grpc.aio shuts its process-wide completion queue down whenever the last aio object is collected,
 # and that shutdown can wait forever on its poller thread (grpc/grpc#40989, #22365). The services
 # keep aio objects for their whole life; this process creates and drops hundreds across event

@@ -107,9 +107,12 @@ class EngineConfig:
     device / dtype "auto": CUDA with bfloat16 when a GPU is present, else the CPU with float32. dtype
     may be given as a torch.dtype or by vLLM's names ("float", "half"); it is kept as its canonical
     name ("float32", "bfloat16", "float16" or "auto").
-    kernels "auto": the native CPU kernels when they apply (CPU, float32), else torch operators.
-    static_decode_shapes pads decode batches to fixed sizes (needed for CUDA-graph capture);
-    "auto" turns it on for CUDA only, since on a CPU padding costs compute and buys nothing.
+    kernels "auto": the native CPU kernels when they apply (CPU, float32), the Triton kernels on
+    CUDA, else torch operators.
+    cuda_graphs: decode steps padded to fixed sizes and replayed from CUDA graphs captured at
+    start-up. "auto" captures them on CUDA with graph-safe kernels (Triton); "on" also runs the same
+    padded steps eagerly on a CPU (where padding costs compute and buys nothing: for tests); "off"
+    runs every step eagerly.
     """
 
     model: str = DEFAULT_MODEL
@@ -124,7 +127,7 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None
     seed: int | None = None
-    static_decode_shapes: str = "auto"
+    cuda_graphs: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
@@ -138,8 +141,8 @@ class EngineConfig:
                 f"quantization: expected one of {', '.join(QUANTIZATIONS)} or none, got {self.quantization!r}"
             )
         choices = {
-            "kernels": ("auto", "native", "torch"),
-            "static_decode_shapes": ("auto", "on", "off"),
+            "kernels": ("auto", "native", "triton", "torch"),
+            "cuda_graphs": ("auto", "on", "off"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -210,7 +213,7 @@ class EngineConfig:
             num_threads=reader.integer("EXPERT_NUM_THREADS"),
             max_model_len=reader.integer("EXPERT_MAX_MODEL_LEN"),
             seed=reader.integer("EXPERT_SEED"),
-            static_decode_shapes=reader.text("EXPERT_STATIC_DECODE_SHAPES", "auto"),
+            cuda_graphs=reader.text("EXPERT_CUDA_GRAPHS", "auto"),
             cache=CacheConfig(
                 block_size=reader.integer("EXPERT_KV_BLOCK_SIZE", 16),
                 num_blocks=reader.integer("EXPERT_KV_NUM_BLOCKS"),
@@ -243,7 +246,7 @@ ENV_VARIABLES = {
     "num_threads": "EXPERT_NUM_THREADS",
     "max_model_len": "EXPERT_MAX_MODEL_LEN",
     "seed": "EXPERT_SEED",
-    "static_decode_shapes": "EXPERT_STATIC_DECODE_SHAPES",
+    "cuda_graphs": "EXPERT_CUDA_GRAPHS",
     "block_size": "EXPERT_KV_BLOCK_SIZE",
     "num_blocks": "EXPERT_KV_NUM_BLOCKS",
     "kv_cache_bytes": "EXPERT_KV_CACHE_BYTES",

@@ -17,10 +17,10 @@ import torch
 from libs.engine import host_memory, kv_cache
 from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManager, ExpertSpec
 from libs.engine.block_manager import KVCacheManager
-from libs.engine.config import EngineConfig
+from libs.engine.config import ConfigError, EngineConfig
 from libs.engine.errors import InvalidRequestError
 from libs.engine.grammar import GrammarCompiler
-from libs.engine.kernels import select_ops
+from libs.engine.kernels import TorchOps, select_ops
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.decoder import DecoderModel
 from libs.engine.models.generation_config import sampling_defaults
@@ -45,6 +45,21 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError("device", "CUDA was requested but no GPU is available")
     return device
+
+
+def graph_mode(setting: str, device: torch.device, ops: TorchOps) -> str | None:
+    """How the runner uses decode graphs (runner.GRAPH_MODES) for the `cuda_graphs` setting."""
+    if setting == "off":
+        return None
+    if device.type == "cuda":
+        if ops.graph_safe:
+            return "capture"
+        if setting == "on":
+            raise ConfigError(
+                f"cuda_graphs: on needs graph-safe kernels (EXPERT_KERNELS=triton), not {ops.name}"
+            )
+        return None
+    return "eager" if setting == "on" else None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -97,12 +112,15 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         tensor = kv_cache.allocate(num_blocks, self.model_config, cache.block_size, self.dtype, self.device)
-        static = config.static_decode_shapes == "on" or (
-            config.static_decode_shapes == "auto" and self.device.type == "cuda"
-        )
-        self.experts = ExpertManager(self.model_config, config.adapters, self.device)
+        self.experts = ExpertManager(self.model_config, config.adapters, self.device, self.dtype)
         self.runner = ModelRunner(
-            self.model, tensor, cache.block_size, self.max_model_len, static, self.experts.device_tier
+            self.model,
+            tensor,
+            cache.block_size,
+            self.max_model_len,
+            config.scheduler.max_num_seqs,
+            graph_mode(config.cuda_graphs, self.device, ops),
+            self.experts.device_tier,
         )
         self.sessions = SessionTable(self.kv, config.scheduler.max_sessions)
         self.scheduler = Scheduler(

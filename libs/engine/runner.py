@@ -1,10 +1,12 @@
 """The model runner: turns a SchedulerOutput into tensors, runs the model, samples. The only part
 of the engine that builds tensors.
 
-All index tensors of a step (positions, slots, block tables, sequence boundaries) are built once
-here with numpy and shared by every layer. With static decode shapes on, a decode-only batch is
-padded to the next size in `decode_sizes` and block tables to a fixed width, so the shapes a GPU
-sees repeat and a CUDA graph per size could be captured and replayed.
+A step's inputs (token ids, positions, slots, block tables, sequence lengths, adapter entries and
+sampling settings) are written with numpy into one staging buffer and sent to the device in one
+copy (`staging.py`, `step_inputs.py`). With graphs on, a decode-only step is padded to the next
+captured size and replayed from a CUDA graph (`cuda_graphs.py`); prefills and mixed steps run
+eagerly. Either way the model's output rows are gathered for the rows that sample, and the sampler
+draws every row at once.
 """
 
 from __future__ import annotations
@@ -14,16 +16,26 @@ import itertools
 import numpy as np
 import torch
 
-from libs.engine.adapters.batch import build_adapter_batch
+from libs.engine.adapters.batch import AdapterBatch, AdapterPlan, plan_adapters
 from libs.engine.adapters.device import DeviceAdapters
-from libs.engine.grammar import bitmask_width
-from libs.engine.kernels import AttentionMetadata
+from libs.engine.cuda_graphs import ENTRIES_PER_ROW, CapturedStep, DecodeGraphs, Keys, decode_sizes
 from libs.engine.models.decoder import DecoderModel
-from libs.engine.sampler import SampledToken, Sampler, SamplerOutput, SamplingBatch
+from libs.engine.sampler import SampledToken, Sampler, SamplerOutput
 from libs.engine.scheduler import SchedulerOutput
 from libs.engine.sequence import Sequence
+from libs.engine.staging import Layout, StagingBuffers
+from libs.engine.step_inputs import (
+    SampleRows,
+    StepShape,
+    add_model_fields,
+    add_sampling_fields,
+    attention_metadata,
+    fill_model_fields,
+    fill_sampling_fields,
+    sampling_batch,
+)
 
-DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+GRAPH_MODES = ("capture", "eager")  # CUDA graphs, or the same padded steps run eagerly (CPU)
 
 
 class ModelRunner:
@@ -33,7 +45,8 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         block_size: int,
         max_model_len: int,
-        static_decode_shapes: bool = False,
+        max_num_seqs: int = 64,
+        graphs: str | None = None,
         adapters: DeviceAdapters | None = None,
     ) -> None:
         self.model = model
@@ -42,10 +55,25 @@ class ModelRunner:
         self.kv_cache = kv_cache  # [layers, 2, blocks, kv_heads, block_size, head_dim]
         self.kv_caches = [(kv_cache[n, 0], kv_cache[n, 1]) for n in range(kv_cache.shape[0])]
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.static_decode_shapes = static_decode_shapes
         self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler()
+        self.staging = StagingBuffers(self.device)
+        # On a GPU nothing in sampling may wait for the device (no branch on a device value).
+        self.sampler = Sampler(sync_free=self.device.type == "cuda")
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None:
+            if graphs not in GRAPH_MODES:
+                raise ValueError(f"graphs: expected one of {', '.join(GRAPH_MODES)} or None, got {graphs!r}")
+            self.graphs = DecodeGraphs(
+                decode_sizes(max_num_seqs),
+                self._decode_layout,
+                self._decode_forward,
+                self.device,
+                capture=graphs == "capture",
+                adapter_generation=lambda: 0 if adapters is None else adapters.storage_generation,
+            )
+            self.graphs.capture_all()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into destinations across all layers."""
@@ -60,153 +88,130 @@ class ModelRunner:
         """Run one step; returns seq_id -> sampled tokens for sequences whose tokens are now all
         computed (several for a sequence that forks into n outputs)."""
         self.copy_blocks(step.blocks_to_copy)
-        input_ids, positions, meta, qsl = self._prepare(step)
+        shape = StepShape.build(step.scheduled, 0, None)
+        qsl = shape.query_start_loc
+        plan = None if self.adapters is None else plan_adapters(step.scheduled, qsl, self.adapters)
+        captured = self._graph_for(step, plan)
+        if captured is not None:
+            shape = shape.padded(captured.size, self.max_blocks_per_seq)
+            qsl = shape.query_start_loc
+            plan = None if plan is None else plan.padded(captured.size)
+        sample = SampleRows.of(step.scheduled, qsl)
+
+        layout = Layout(dict(captured.layout.fields), captured.layout.nbytes) if captured else Layout()
+        if captured is None:
+            add_model_fields(layout, shape.num_rows, shape.num_tokens, shape.width)
+            if plan is not None:
+                plan.add_fields(layout, plan.entry_counts())
+        if sample.rows:
+            add_sampling_fields(layout, sample, self.vocab_size)
+        host = self.staging.stage(layout)
+        fill_model_fields(host, shape, self.block_size)
+        if plan is not None:
+            plan.fill(host)
+        if sample.rows:
+            fill_sampling_fields(host, sample, self.vocab_size)
+        views = self.staging.send(layout)
+
+        if captured is not None:
+            logits = self.graphs.replay(captured, self.staging.dev, plan)
+            if not sample.rows:
+                return {}
+            logits = logits.index_select(0, views["sample_rows"])
+        else:
+            hidden = self._forward(views, shape, plan)
+            if not sample.rows:
+                return {}
+            logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        result = self.sampler(logits, sampling_batch(views, sample))
+        return _collect(sample.seqs, result)
+
+    # -- eager steps ---------------------------------------------------------------------------
+
+    def _forward(
+        self, views: dict[str, torch.Tensor], shape: StepShape, plan: AdapterPlan | None
+    ) -> torch.Tensor:
+        max_query_len = int(shape.q_lens.max())
+        meta = attention_metadata(views, max_query_len, int(shape.seq_lens.max()), self.block_size)
         adapters = None
-        if self.adapters is not None:
-            adapters = build_adapter_batch(
-                step.scheduled, qsl, meta.query_start_loc, self.adapters, self.device
+        if plan is not None:
+            qsl = shape.query_start_loc
+            adapters = plan.batch(
+                views,
+                meta.query_start_loc,
+                _ranges(qsl),
+                self.adapters,
+                max_query_len,
+                plan.max_entries,
             )
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, adapters)
+        return self.model.forward(views["input_ids"], views["positions"], meta, self.kv_caches, adapters)
 
-        # Sample where a sequence's last token was computed; a forking sequence takes n rows.
-        rows, row_seqs, seeds = [], [], []
-        ends = itertools.accumulate(num_new for _, num_new in step.scheduled)
-        for (seq, num_new), end in zip(step.scheduled, ends, strict=True):
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                for seed in seq.sample_seeds():
-                    rows.append(end - 1)
-                    row_seqs.append(seq)
-                    seeds.append(seed)
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = self.sampler(logits, self._sampling_batch(row_seqs, seeds))
-        return self._collect(row_seqs, result)
+    # -- graph steps ---------------------------------------------------------------------------
 
-    def _prepare(
-        self, step: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
-        """Token ids, positions and attention metadata of the step's flat batch (plus padding rows),
-        and the query start offsets as numpy."""
-        seqs = [seq for seq, _ in step.scheduled]
-        q_lens = np.fromiter((n for _, n in step.scheduled), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        pad = self._decode_padding(q_lens)
-        num_rows = len(seqs) + pad
-        q_lens = np.concatenate([q_lens, np.ones(pad, dtype=np.int64)])
-        seq_lens = np.concatenate([starts + q_lens[: len(seqs)], np.ones(pad, dtype=np.int64)])
-        qsl = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        total = int(qsl[-1])
+    def _graph_for(self, step: SchedulerOutput, plan: AdapterPlan | None) -> CapturedStep | None:
+        """The captured step a decode-only step replays, or None: it runs eagerly (not decode-only,
+        too many rows, soft-prompt tokens, or more adapter entries per row than a graph holds)."""
+        if self.graphs is None or any(n != 1 for _, n in step.scheduled):
+            return None
+        size = self.graphs.size_for(len(step.scheduled))
+        if size is None:
+            return None
+        if plan is not None and (plan.virtual_tokens or plan.max_entries > ENTRIES_PER_ROW):
+            return None
+        return self.graphs.get(size, () if plan is None else plan.keys)
 
-        width = (
-            self.max_blocks_per_seq if self.static_decode_shapes else max(len(s.block_table) for s in seqs)
-        )
-        tables = np.zeros((num_rows, width), dtype=np.int32)  # padding points at the null block
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
+    def _decode_layout(self, size: int, keys: Keys) -> Layout:
+        layout = Layout()
+        add_model_fields(layout, size, size, self.max_blocks_per_seq)
+        if keys:
+            _empty_plan(size, keys).add_fields(layout, dict.fromkeys(keys, size * ENTRIES_PER_ROW))
+        return layout
 
-        row_of_token = np.repeat(np.arange(num_rows), q_lens)
-        positions = np.repeat(seq_lens - q_lens, q_lens) + (np.arange(total) - np.repeat(qsl[:-1], q_lens))
-        slots = tables[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        slots += positions % self.block_size
-        if pad:
-            slots[-pad:] = -1  # padding rows write nothing
-        input_ids = np.zeros(total, dtype=np.int64)
-        for seq, start, end, first in zip(
-            seqs, qsl[:-1].tolist(), qsl[1:].tolist(), starts.tolist(), strict=False
-        ):
-            input_ids[start:end] = seq.token_ids[first : first + end - start]
+    def _decode_forward(self, captured: CapturedStep, plan: AdapterPlan | None) -> torch.Tensor:
+        """The model over a captured step's region: logits [size, vocab] for every row. `plan` is the
+        real step's (eager replays, whose torch operators read its lists), or None (capture)."""
+        views, size = captured.views, captured.size
+        max_seq_len = self.max_model_len
+        if plan is None or captured.graph is not None:
+            plan = _empty_plan(size, captured.keys) if captured.keys else None
+        else:  # an eager replay: the reference operators size their work by the real lengths
+            max_seq_len = int(views["seq_lens"].max())
+        meta = attention_metadata(views, 1, max_seq_len, self.block_size)
+        adapters: AdapterBatch | None = None
+        if plan is not None:
+            adapters = plan.batch(
+                views, meta.query_start_loc, _ranges(np.arange(size + 1)), self.adapters, 1, ENTRIES_PER_ROW
+            )
+        hidden = self.model.forward(views["input_ids"], views["positions"], meta, self.kv_caches, adapters)
+        return self.model.compute_logits(hidden)
 
-        to = self._tensor
-        meta = AttentionMetadata(
-            query_start_loc=to(qsl, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(tables, torch.int32),
-            slot_mapping=to(slots, torch.int64),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-        )
-        return to(input_ids, torch.int64), to(positions, torch.int64), meta, qsl
 
-    def _decode_padding(self, q_lens: np.ndarray) -> int:
-        if not self.static_decode_shapes or q_lens.max() != 1:
-            return 0
-        size = next((s for s in DECODE_SIZES if s >= len(q_lens)), len(q_lens))
-        return size - len(q_lens)
+def _ranges(qsl: np.ndarray) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(qsl.tolist()))
 
-    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
 
-    def _sampling_batch(self, seqs: list[Sequence], seeds: list[int]) -> SamplingBatch:
-        params = [s.params for s in seqs]
-        dev = self.device
+def _empty_plan(rows: int, keys: Keys) -> AdapterPlan:
+    plan = AdapterPlan(rows=rows)
+    for kind, key in keys:
+        (plan.lora if kind == "lora" else plan.ia3)[key] = [[] for _ in range(rows)]
+    return plan
 
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
 
-        batch = SamplingBatch(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            seed_lo=column([s & 0xFFFFFFFF for s in seeds], torch.int64),
-            seed_hi=column([s >> 32 for s in seeds], torch.int64),
-            step=column([s.num_output_tokens for s in seqs], torch.int64),
-            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
-        )
-        if any(p.uses_penalties for p in params):
-            batch.repetition_penalty = column([p.repetition_penalty for p in params], torch.float32)
-            batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)
-            batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
-            batch.prompt_tokens = self._padded([s.prompt_token_ids for s in seqs])
-            batch.output_tokens = self._padded([s.output_token_ids for s in seqs])
-            batch.penalty_exempt = self._padded([list(s.penalty_exempt_ids) for s in seqs])
-        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if constrained:
-            batch.constrained_rows = column(constrained, torch.int64)
-            batch.allowed_tokens = self._allowed_tokens([seqs[i] for i in constrained]).to(dev)
-        return batch
-
-    def _allowed_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The constrained rows' token bitmasks, filled by their matchers on the CPU (llguidance
-        writes straight into the tensor). The n rows of a forking sequence share one mask."""
-        bitmask = torch.empty((len(seqs), bitmask_width(self.vocab_size)), dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            if row and seq is seqs[row - 1]:
-                bitmask[row] = bitmask[row - 1]
-            else:
-                seq.grammar.fill(bitmask, row)
-        return bitmask
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        out = np.full((len(rows), width), self.vocab_size, dtype=np.int64)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = r
-        return self._tensor(out, torch.int64)
-
-    @staticmethod
-    def _collect(seqs: list[Sequence], result: SamplerOutput) -> dict[int, list[SampledToken]]:
-        tokens = result.token_ids.tolist()
-        sampled = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
-        ranks = result.sampled_ranks.tolist() if result.sampled_ranks is not None else None
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        out: dict[int, list[SampledToken]] = {}
-        for i, seq in enumerate(seqs):
-            wanted = seq.params.logprobs
-            top: tuple[tuple[int, float], ...] = ()
-            if wanted and top_ids is not None:
-                top = tuple(zip(top_ids[i][:wanted], top_vals[i][:wanted], strict=True))
-            if sampled is not None and ranks is not None and wanted is not None:
-                sample = SampledToken(tokens[i], sampled[i], ranks[i], top)
-            else:
-                sample = SampledToken(tokens[i])
-            out.setdefault(seq.seq_id, []).append(sample)
-        return out
+def _collect(seqs: list[Sequence], result: SamplerOutput) -> dict[int, list[SampledToken]]:
+    tokens = result.token_ids.tolist()
+    sampled = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
+    ranks = result.sampled_ranks.tolist() if result.sampled_ranks is not None else None
+    top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    out: dict[int, list[SampledToken]] = {}
+    for i, seq in enumerate(seqs):
+        wanted = seq.params.logprobs
+        top: tuple[tuple[int, float], ...] = ()
+        if wanted and top_ids is not None:
+            top = tuple(zip(top_ids[i][:wanted], top_vals[i][:wanted], strict=True))
+        if sampled is not None and ranks is not None and wanted is not None:
+            sample = SampledToken(tokens[i], sampled[i], ranks[i], top)
+        else:
+            sample = SampledToken(tokens[i])
+        out.setdefault(seq.seq_id, []).append(sample)
+    return out

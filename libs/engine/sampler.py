@@ -6,7 +6,9 @@ its token by inverting the cumulative distribution of its filtered probabilities
 therefore depends only on its own logits, seed and position, never on what else is in the batch:
 same seed, same tokens. Top-k and top-p look at the 256 most likely tokens of a row and sort the
 whole row only when those do not hold the requested mass, so the common case never sorts the
-vocabulary.
+vocabulary. On a GPU (`Sampler(sync_free=True)`) nothing waits for the device: a top-p batch sorts
+whole rows instead of asking whether the candidates sufficed, and every other fallback is a
+`torch.where` over the batch rather than a branch on a device value.
 
 Rows under a structured output format come with a token bitmask: their disallowed tokens get -inf
 after the penalties and before anything else, so every filter and draw sees only allowed tokens.
@@ -46,6 +48,7 @@ class SamplingBatch:
     constrained_rows: torch.Tensor | None = None  # [C] int64
     allowed_tokens: torch.Tensor | None = None
     num_logprobs: int = -1  # max top-N logprobs any row wants, -1 = none
+    max_top_k: int = 0  # the largest top_k of any row (host-known, so no device value sizes a tensor)
     all_greedy: bool = False
     any_top_k: bool = False
     any_top_p: bool = False
@@ -129,9 +132,10 @@ def _allow_only(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor)
     return logits.index_copy(0, rows, masked)
 
 
-def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _filter(probs: torch.Tensor, batch: SamplingBatch, sort_all: bool = False) -> torch.Tensor:
     """Zero the probabilities outside each row's min-p, then top-k, then top-p set (vLLM's order);
-    rows with a filter off pass through it unchanged. Ties at a cut-off value are all kept."""
+    rows with a filter off pass through it unchanged. Ties at a cut-off value are all kept.
+    `sort_all`: top-p looks at whole sorted rows (the same cut-offs, without a host sync)."""
     s, v = probs.shape
     if batch.any_min_p:
         floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -140,7 +144,9 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return probs
     rows = torch.arange(s, device=probs.device)
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=v), v)
-    width = min(v, max(CANDIDATES, int(k.max()) if batch.any_top_k else 0))
+    width = min(v, max(CANDIDATES, batch.max_top_k if batch.any_top_k else 0))
+    if sort_all and batch.any_top_p:
+        width = v
     top = probs.topk(width, dim=-1).values  # [S, width], descending
     cutoff = torch.zeros(s, dtype=probs.dtype, device=probs.device)
     if batch.any_top_k:
@@ -153,7 +159,7 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         wanted = batch.top_p * kept
         active = batch.top_p < 1.0
         short = active & (top.sum(dim=-1) < wanted)
-        if bool(short.any()):  # the nucleus reaches past the candidates: sort those rows fully
+        if width < v and bool(short.any()):  # the nucleus reaches past the candidates: sort those rows
             full = (
                 torch.where(probs >= cutoff[:, None], probs, 0.0)[short].sort(dim=-1, descending=True).values
             )
@@ -190,9 +196,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # fall back to the most likely token, which is always allowed.
     chosen = probs.gather(1, tokens[:, None]).squeeze(1)
     bad = (offset >= block) | (chosen <= 0)
-    if bool(bad.any()):
-        tokens = torch.where(bad, probs.argmax(dim=-1), tokens)
-    return tokens
+    return torch.where(bad, probs.argmax(dim=-1), tokens)
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,9 @@ class SampledToken:
 
 class Sampler:
     """Draw one token per row of logits according to the row's settings."""
+
+    def __init__(self, sync_free: bool = False) -> None:
+        self.sync_free = sync_free
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -224,11 +231,9 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-            probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch)
+            probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free)
             tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
-            greedy = batch.temperature == 0
-            if bool(greedy.any()):
-                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
         if batch.num_logprobs >= 0:
             logprobs = raw.log_softmax(dim=-1)

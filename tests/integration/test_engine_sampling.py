@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from libs.engine import LLMEngine, OutputKind, RequestOutput, SamplingParams
-from libs.engine.sampler import _apply_penalties
+from libs.engine.sampler import SamplingBatch, _apply_penalties
+from libs.engine.staging import Layout
+from libs.engine.step_inputs import SampleRows, add_sampling_fields, fill_sampling_fields, sampling_batch
 from tests.helpers.reference import hf_greedy, load_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -291,6 +293,15 @@ def test_the_default_model_ignoring_eos_runs_to_max_tokens(default_engine):
 # -- penalties ------------------------------------------------------------------------------------
 
 
+def _staged_sampling_batch(engine, seq) -> SamplingBatch:
+    """The sampler's batch for one row of `seq`, staged as the runner stages a step's."""
+    sample, vocab = SampleRows([0], [seq], [0]), engine.model_config.vocab_size
+    layout = Layout()
+    add_sampling_fields(layout, sample, vocab)
+    fill_sampling_fields(engine.runner.staging.stage(layout), sample, vocab)
+    return sampling_batch(engine.runner.staging.send(layout), sample)
+
+
 def test_penalties_leave_eos_stop_ids_and_chat_control_tokens_alone(engine):
     # Through the engine's own path: the request's exempt ids, the runner's sampling batch, the
     # sampler's penalties; a chat prompt and an output holding the control tokens many times.
@@ -310,7 +321,7 @@ def test_penalties_leave_eos_stop_ids_and_chat_control_tokens_alone(engine):
     assert {im_start, im_end, word} <= set(seq.prompt_token_ids)
     logits = torch.linspace(-2.0, 2.0, engine.model_config.vocab_size)[None, :]
     logits[0, [im_start, im_end, endoftext, stop, word]] = torch.tensor([1.0, 2.0, -1.0, 0.5, 1.5])
-    out = _apply_penalties(logits.clone(), engine.runner._sampling_batch([seq], [0]))
+    out = _apply_penalties(logits.clone(), _staged_sampling_batch(engine, seq))
     for token in (im_start, im_end, endoftext, stop):
         assert out[0, token] == logits[0, token]
     assert out[0, word] == pytest.approx(1.5 / 1.3 - 4 - 1)  # 4 times in the output

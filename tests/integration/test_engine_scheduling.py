@@ -168,11 +168,11 @@ def _record_decode_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_static_decode_shapes_pad_decode_batches_to_fixed_sizes(tiny_llama, engine, kernels):
-    from libs.engine.runner import DECODE_SIZES
+def test_graph_steps_pad_decode_batches_to_captured_sizes(tiny_llama, engine, kernels):
+    from libs.engine.cuda_graphs import DECODE_SIZES
 
     padded = LLMEngine.from_pretrained(
-        str(tiny_llama), max_model_len=512, num_blocks=400, static_decode_shapes="on", kernels=kernels
+        str(tiny_llama), max_model_len=512, num_blocks=400, cuda_graphs="on", kernels=kernels
     )
     seen = _record_decode_shapes(padded)
     outs = padded.generate(_prompts(engine, 5, seed=12), SEEDED)
@@ -185,9 +185,7 @@ def test_static_decode_shapes_pad_decode_batches_to_fixed_sizes(tiny_llama, engi
 
 def test_padding_rows_change_no_output(tiny_llama, engine):
     # Exact with the native kernels, whose rows do not depend on the batch.
-    padded = LLMEngine.from_pretrained(
-        str(tiny_llama), max_model_len=512, num_blocks=400, static_decode_shapes="on"
-    )
+    padded = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=512, num_blocks=400, cuda_graphs="on")
     prompts = _prompts(engine, 5, seed=12)
     expected = [out.token_ids for out in engine.generate(prompts, SEEDED)]
     assert [out.token_ids for out in padded.generate(prompts, SEEDED)] == expected

@@ -15,13 +15,13 @@ ENGINE = REPO / "libs/engine"
 # Lowest first. A unit may import units of lower layers only. Subpackages that are one piece
 # (kernels, tokenizer, the GGUF importer) are one unit each.
 LAYERS: list[set[str]] = [
-    {"errors", "sampler", "tokenizer", "models.errors", "adapters", "models", "host_memory"},
-    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar"},
+    {"errors", "sampler", "tokenizer", "models.errors", "adapters", "models", "host_memory", "staging"},
+    {"sampling_params", "config", "models.rope", "models.generation_config", "grammar", "cuda_graphs"},
     {"models.config", "quant"},
     {"adapters.weights", "kv_cache", "models.loader", "kernels", "models.gguf"},
     {"adapters.registry"},
     {"sequence", "adapters.device"},
-    {"block_manager", "adapters.batch"},
+    {"block_manager", "adapters.batch", "step_inputs"},
     {"sessions"},
     {"outputs"},
     {"scheduler", "models.decoder", "adapters.manager"},

@@ -65,6 +65,7 @@ def make_batch(
         any_top_k=bool((top_k > 0).any()),
         any_top_p=bool((top_p < 1).any()),
         any_min_p=bool((min_p > 0).any()),
+        max_top_k=int(top_k.max()),
     )
     penalties = (repetition_penalty, presence_penalty, frequency_penalty, prompt_tokens, output_tokens)
     if any(p is not None for p in penalties):
@@ -439,3 +440,22 @@ def test_top_logprobs_are_the_n_largest_sorted_descending():
         assert values == sorted(values, reverse=True)
         assert out.top_token_ids[row].tolist() == reference[row].argsort(descending=True)[:7].tolist()
         torch.testing.assert_close(out.top_logprobs[row], reference[row, out.top_token_ids[row]])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.999])
+def test_the_sync_free_sampler_draws_the_same_tokens(top_p):
+    # The GPU's sampler sorts whole rows for top-p instead of asking the device whether 256
+    # candidates held the nucleus: the same cut-offs, so the same tokens. A flat vocabulary of
+    # 3,000 makes the nucleus of p = 0.999 reach far past the candidates.
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(24, 3000, generator=g) * torch.linspace(0.1, 6.0, 24)[:, None]
+    batch = make_batch(
+        24,
+        temperature=[0.0, 0.7, 1.0, 1.3] * 6,
+        top_k=[0, 0, 50, 400] * 6,
+        top_p=top_p,
+        min_p=[0.0, 0.0, 0.0, 0.05] * 6,
+        seed=list(range(24)),
+    )
+    expected = Sampler()(logits, batch).token_ids
+    assert torch.equal(Sampler(sync_free=True)(logits, batch).token_ids, expected)

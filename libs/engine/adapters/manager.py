@@ -73,9 +73,15 @@ class ExpertHoldings:
 
 
 class ExpertManager:
-    def __init__(self, model: ModelConfig, config: AdapterConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: AdapterConfig,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
-        self.device_tier = DeviceAdapters(model, device, config.device_bytes)
+        self.device_tier = DeviceAdapters(model, device, config.device_bytes, dtype=dtype)
         self.registry = ExpertRegistry(model, config.host_bytes, on_drop=self._dropped)
         self.epoch = time.time_ns()
 

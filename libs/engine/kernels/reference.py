@@ -86,6 +86,9 @@ class TorchOps:
     """Operators written with torch functions only."""
 
     name = "torch"
+    # Whether every operator can be captured in a CUDA graph (no host syncs, grids from host ints).
+    # These are not: attention builds its padded batch with `nonzero`.
+    graph_safe = False
 
     def stack_layers(self, layers: Sequence[Any]) -> Any | None:
         """The model's decoder layers (each with input_norm, qkv, q_norm, k_norm, o, post_norm,
@@ -196,11 +199,15 @@ class TorchOps:
         token_ranges: list[tuple[int, int]],
         entries: Any,  # libs.engine.adapters.batch.Entries
     ) -> None:
-        """y[:, col_offset:col_offset+out] += weight * (x A^T) B^T for each sequence's LoRA entries."""
+        """y[:, col_offset:col_offset+out] += weight * (x A^T) B^T for each sequence's LoRA entries.
+
+        The delta is computed in float32 whatever the model's and the pools' dtypes, and added to y
+        in float32 before y's rounding, as peft does with its float32 adapter weights."""
         out = bt.shape[1]
         for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
             for row, count, weight in seq_entries:
-                delta = (x[start:end] @ a[row : row + count].t()) * weight @ bt[row : row + count]
+                shrunk = x[start:end].float() @ a[row : row + count].float().t()  # [t, count]
+                delta = (shrunk * weight) @ bt[row : row + count].float()
                 y[start:end, col_offset : col_offset + out] += delta
 
     def ia3_scale(
@@ -212,12 +219,14 @@ class TorchOps:
         token_ranges: list[tuple[int, int]],
         entries: Any,
     ) -> None:
-        """y[:, col_offset:col_offset+n] *= l (weight 1) or 1 + weight (l - 1), per sequence's IA³ entries."""
+        """y[:, col_offset:col_offset+n] *= l (weight 1) or 1 + weight (l - 1), per sequence's IA³ entries
+        (the factors in float32, y rounded once per entry)."""
         n = table.shape[1]
         for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
             for slot, _, weight in seq_entries:
-                factor = table[slot] if weight == 1.0 else 1.0 + weight * (table[slot] - 1.0)
-                y[start:end, col_offset : col_offset + n] *= factor.to(y.dtype)
+                vector = table[slot].float()
+                factor = vector if weight == 1.0 else 1.0 + weight * (vector - 1.0)
+                y[start:end, col_offset : col_offset + n] *= factor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
