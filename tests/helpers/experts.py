@@ -58,8 +58,9 @@ class Publisher:
         return out
 
 
-def peft_model(base: Path, adapters: dict[str, Path]) -> Any:
-    """The base model with the PEFT adapters loaded by name (the first one active)."""
+def peft_model(base: Path, adapters: dict[str, Path], dtype: torch.dtype = torch.float32) -> Any:
+    """The base model in `dtype` with the PEFT adapters loaded by name (the first one active; peft
+    keeps adapter weights in float32 on a half-precision model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -67,7 +68,7 @@ def peft_model(base: Path, adapters: dict[str, Path]) -> Any:
         warnings.simplefilter("ignore")
         names = list(adapters)
         model = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            AutoModelForCausalLM.from_pretrained(base, dtype=dtype),
             adapters[names[0]],
             adapter_name=names[0],
         )

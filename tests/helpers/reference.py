@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 
-def load_hf(path: Path):
+def load_hf(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @torch.inference_mode()

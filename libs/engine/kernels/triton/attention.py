@@ -33,14 +33,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """a @ b accumulated in float32. Triton's interpreter multiplies bfloat16 operands as their
+def _dot(a, b, IEEE: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """a @ b accumulated in float32: IEEE float32 products for float32 inputs (no TF32), the
+    tensor-core dot for 16-bit ones. Triton's interpreter multiplies bfloat16 operands as their
     uint16 bit patterns, so there (DOT_UPCAST) they go to float32 first: products of two bfloat16
     values are exact in float32, which is what a tensor-core dot computes too."""
     if DOT_UPCAST:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
     else:
-        c = tl.dot(a, b, input_precision=DOT_PRECISION)
+        c = tl.dot(a, b)
     return c
 
 
@@ -69,7 +72,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P tile rows
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    DOT_PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -114,14 +117,14 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
 
-        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [M, N] float32
+        s = _dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
         visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # [M] rescales what was accumulated under the old maximum
         p = tl.exp2(s - m_new[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_UPCAST)
         m_i = m_new
 
     # Every row sees key 0 (position >= 0), so l_i > 0.
@@ -186,7 +189,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IEEE=q.dtype == torch.float32,
         DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
         num_stages=2,

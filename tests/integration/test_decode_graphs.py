@@ -1,0 +1,170 @@
+"""The decode-graph runner's bookkeeping, run on the CPU: `cuda_graphs="on"` pads decode steps to
+the captured sizes and runs them over the captured steps' own input regions, exactly as a CUDA
+graph replays them, only eagerly (no GPU here: the capture itself, `torch.cuda.CUDAGraph`, is the
+one part this cannot run). With the native kernels, whose rows do not depend on the batch, padded
+steps give bitwise the tokens of unpadded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libs.engine import LLMEngine, SamplingParams
+from libs.engine.cuda_graphs import DECODE_SIZES, DecodeGraphs, decode_sizes
+from libs.engine.staging import Layout
+from tests.helpers.experts import Publisher
+from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 300, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def _engine(tiny_llama, **settings) -> LLMEngine:
+    return LLMEngine.from_pretrained(str(tiny_llama), max_model_len=256, num_blocks=200, **settings)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama) -> LLMEngine:
+    return _engine(tiny_llama, cuda_graphs="off")
+
+
+@pytest.fixture(scope="module")
+def graphed(tiny_llama) -> LLMEngine:
+    return _engine(tiny_llama, cuda_graphs="on", max_num_seqs=16)
+
+
+def test_the_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert decode_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert decode_sizes(50) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert decode_sizes(1) == (1,)
+    assert decode_sizes(300) == (*DECODE_SIZES, 320)
+    for n in range(1, 300):
+        graphs = DecodeGraphs(decode_sizes(n), None, None, torch.device("cpu"), False, lambda: 0)
+        assert graphs.size_for(n) >= n
+
+
+def test_start_up_prepares_a_step_per_size_without_experts(graphed):
+    steps = graphed.runner.graphs.steps
+    assert set(steps) == {(size, ()) for size in (1, 2, 4, 8, 16)}
+    assert all(step.graph is None for step in steps.values())  # the CPU runs them eagerly
+
+
+def test_a_decode_step_replays_the_next_size_up(graphed):
+    graphs = graphed.runner.graphs
+    before = {key: step.replays for key, step in graphs.steps.items()}
+    graphed.generate(_prompts(5, seed=1), GREEDY)
+    replayed = {key for key, step in graphs.steps.items() if step.replays > before[key]}
+    assert (8, ()) in replayed  # five sequences decode as a batch of eight
+
+
+def test_padded_steps_give_the_tokens_of_unpadded_ones(plain, graphed):
+    prompts = _prompts(5, seed=2)
+    for params in (GREEDY, SEEDED):
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+        assert [o.token_ids for o in graphed.generate(prompts, params)] == expected
+
+
+def test_padding_rows_write_no_kv(graphed):
+    # Padding rows point at the null block 0 with slot -1: block 0 stays zero however many run.
+    graphed.generate(_prompts(3, seed=3), GREEDY)
+    assert not graphed.runner.kv_cache[:, :, 0].any()
+
+
+def test_a_size_reads_its_inputs_from_the_same_buffers_every_step(graphed):
+    seen: list[tuple[int, int, int]] = []
+    forward = graphed.model.forward
+
+    def recording(input_ids, positions, meta, kv_caches, adapters=None):
+        if meta.max_query_len == 1:
+            seen.append((input_ids.shape[0], input_ids.data_ptr(), meta.block_tables.data_ptr()))
+        return forward(input_ids, positions, meta, kv_caches, adapters)
+
+    graphed.model.forward = recording
+    try:
+        graphed.generate(_prompts(6, seed=4), GREEDY)
+    finally:
+        del graphed.model.forward
+    by_size: dict[int, set[tuple[int, int]]] = {}
+    for rows, ids, tables in seen:
+        by_size.setdefault(rows, set()).add((ids, tables))
+    assert 8 in by_size
+    for size, pointers in by_size.items():
+        assert len(pointers) == 1  # every step of this size: the same input ids and block tables
+        ((ids, _),) = pointers
+        region = graphed.runner.graphs.steps[(size, ())].region
+        assert region.data_ptr() <= ids < region.data_ptr() + region.numel()  # in the size's own region
+
+
+def test_prefills_and_batches_past_the_largest_size_run_eagerly(tiny_llama):
+    engine = _engine(tiny_llama, cuda_graphs="on", max_num_seqs=16)
+    engine.runner.graphs.sizes = (1, 2)  # as if only these had been captured
+    before = sum(step.replays for step in engine.runner.graphs.steps.values())
+    outs = engine.generate(_prompts(3, seed=5), GREEDY)  # prefill: eager; three decoding: no size fits
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert sum(step.replays for step in engine.runner.graphs.steps.values()) == before
+
+
+@pytest.fixture(scope="module")
+def expert_packages(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph-experts")
+    publisher = Publisher.create(root / "publisher")
+    packages = {
+        "lora": write_lora_adapter(tiny_llama, root / "lora", seed=1),
+        "lora-qv": write_lora_adapter(
+            tiny_llama, root / "lora-qv", target_modules=("q_proj", "v_proj"), seed=2
+        ),
+        "ia3": write_ia3_adapter(tiny_llama, root / "ia3", seed=3),
+    }
+    return {n: publisher.pack(d, tiny_llama, root / f"{n}.expert", n) for n, d in packages.items()}, publisher
+
+
+def test_steps_with_experts_replay_a_step_per_key_set(tiny_llama, plain, expert_packages):
+    packages, publisher = expert_packages
+    engines = {
+        "plain": _engine(tiny_llama, cuda_graphs="off"),
+        "graphed": _engine(tiny_llama, cuda_graphs="on"),
+    }
+    for engine in engines.values():
+        for package in packages.values():
+            engine.load_expert(package, publisher.trusted)
+    prompts = _prompts(4, seed=6)
+    experts = [[("lora", 1.0)], [("lora-qv", 0.5), ("ia3", 1.0)], None, [("lora", 0.3), ("lora-qv", 0.7)]]
+    outputs = {
+        name: [o.token_ids for o in engine.generate(prompts, GREEDY, experts=experts)]
+        for name, engine in engines.items()
+    }
+    assert outputs["graphed"] == outputs["plain"]
+    keys = {k for (_, k), step in engines["graphed"].runner.graphs.steps.items() if k and step.replays}
+    assert keys and all(("lora", "q_proj") in k and ("ia3", "k_proj:out") in k for k in keys)
+
+
+def test_pool_growth_captures_the_expert_steps_again():
+    generation = [0]
+    layouts = []
+
+    def layout_for(size, keys):
+        layout = Layout()
+        layout.add("input_ids", torch.int64, size)
+        layout.add("positions", torch.int64, size)
+        layout.add("slot_mapping", torch.int64, size)
+        layout.add("query_start_loc", torch.int32, size + 1)
+        layout.add("seq_lens", torch.int32, size)
+        layouts.append((size, keys))
+        return layout
+
+    graphs = DecodeGraphs((1, 2), layout_for, None, torch.device("cpu"), False, lambda: generation[0])
+    keys = (("lora", "q_proj"),)
+    first = graphs.get(2, keys)
+    assert graphs.get(2, keys) is first and graphs.get(2, ()) is graphs.get(2, ())
+    generation[0] += 1  # the pools were reallocated
+    assert graphs.get(2, keys) is not first
+    base = graphs.get(2, ())
+    assert graphs.get(2, ()) is base  # steps without experts read no pool
