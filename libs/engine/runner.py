@@ -98,7 +98,7 @@ class ModelRunner:
             plan = None if plan is None else plan.padded(captured.size)
         sample = SampleRows.of(step.scheduled, qsl)
 
-        layout = Layout(dict(captured.layout.fields), captured.layout.nbytes) if captured else Layout()
+        layout = captured.layout.copy() if captured else Layout()
         if captured is None:
             add_model_fields(layout, shape.num_rows, shape.num_tokens, shape.width)
             if plan is not None:

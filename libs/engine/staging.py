@@ -22,11 +22,9 @@ import torch
 
 _ALIGN = 64  # bytes: every field starts on a cache line (and on any dtype's alignment)
 
-_NUMPY = {
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.float32: np.float32,
-}
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+_SIZE = {torch.int32: 4, torch.int64: 8, torch.float32: 4}
+_CACHED_LAYOUTS = 64  # view sets kept per buffer (a decode step's layout repeats step after step)
 
 
 @dataclass(frozen=True)
@@ -34,10 +32,7 @@ class Field:
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+    nbytes: int
 
 
 @dataclass
@@ -51,9 +46,20 @@ class Layout:
         if name in self.fields:
             raise ValueError(f"layout field {name!r} added twice")
         offset = -(-self.nbytes // _ALIGN) * _ALIGN
-        f = Field(offset, dtype, tuple(shape))
+        count = 1
+        for n in shape:
+            count *= n
+        f = Field(offset, dtype, tuple(shape), count * _SIZE[dtype])
         self.fields[name] = f
         self.nbytes = offset + f.nbytes
+
+    def copy(self) -> Layout:
+        return Layout(dict(self.fields), self.nbytes)
+
+    @property
+    def key(self) -> tuple:
+        """Equal for layouts with the same fields at the same places (their views are interchangeable)."""
+        return tuple((name, f.offset, f.dtype, f.shape) for name, f in self.fields.items())
 
     def __contains__(self, name: str) -> bool:
         return name in self.fields
@@ -83,6 +89,10 @@ class StagingBuffers:
         self.on_host = device.type == "cpu"
         self.host = self._host_buffer(initial_bytes)
         self.dev = self.host if self.on_host else torch.empty(initial_bytes, dtype=torch.uint8, device=device)
+        # Views by layout key, made once per layout and buffer: building a dozen views costs more
+        # host time than filling them.
+        self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
+        self._dev_views: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         pin = not self.on_host and torch.cuda.is_available()
@@ -92,11 +102,12 @@ class StagingBuffers:
         """Numpy views of `layout` in the host buffer (grown to hold it), zeroed."""
         if layout.nbytes > self.host.numel():
             self.host = self._host_buffer(max(layout.nbytes, 2 * self.host.numel()))
+            self._host_views.clear()
             if self.on_host:
                 self.dev = self.host
-        views = layout.numpy_views(self.host)
+                self._dev_views.clear()
         self.host[: layout.nbytes].zero_()
-        return views
+        return _cached(self._host_views, layout, lambda: layout.numpy_views(self.host))
 
     def send(self, layout: Layout) -> dict[str, torch.Tensor]:
         """Copy the staged prefix to the device (one asynchronous copy) and return typed views of it."""
@@ -105,5 +116,16 @@ class StagingBuffers:
                 self.dev = torch.empty(
                     max(layout.nbytes, 2 * self.dev.numel()), dtype=torch.uint8, device=self.device
                 )
+                self._dev_views.clear()
             self.dev[: layout.nbytes].copy_(self.host[: layout.nbytes], non_blocking=True)
-        return layout.tensor_views(self.dev)
+        return _cached(self._dev_views, layout, lambda: layout.tensor_views(self.dev))
+
+
+def _cached(cache: dict[tuple, dict], layout: Layout, make) -> dict:
+    key = layout.key
+    views = cache.get(key)
+    if views is None:
+        if len(cache) >= _CACHED_LAYOUTS:
+            cache.pop(next(iter(cache)))  # the oldest
+        views = cache[key] = make()
+    return views
