@@ -1,4 +1,5 @@
-"""The Triton LoRA (shrink + expand) and IA³ kernels against the torch reference, under the interpreter."""
+"""The Triton LoRA (shrink + expand) and IA³ kernels against the torch reference: under the
+interpreter on the CPU, compiled on a GPU when there is one (the reference always runs on the CPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from libs.engine.adapters.device import PAGE_ROWS
 from libs.engine.kernels.triton import unavailable_reason
 from libs.engine.kernels.triton.lora import ia3_scale, lora_apply
 
-pytestmark = pytest.mark.skipif(unavailable_reason("cpu") is not None, reason=str(unavailable_reason("cpu")))
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason(DEVICE.type) is not None, reason=str(unavailable_reason(DEVICE.type))
+)
 
 NAN_PAGE = 15  # a pool page (and IA³ slot) full of NaN that no real entry uses: reading it shows
 
@@ -67,6 +71,11 @@ def _lora(page: int, rank: int, weight: float = 1.0) -> list[tuple[int, int, flo
     ]
 
 
+def _on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies on the kernels' device (always copies, so the kernels never write a caller's tensor)."""
+    return [t.clone().to(DEVICE) for t in tensors]
+
+
 def _pools(k: int, n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A [16 pages * 8, k] and Bt [16 pages * 8, n], the last page NaN."""
     g = torch.Generator().manual_seed(seed)
@@ -89,23 +98,24 @@ def _run_lora(
     y = torch.randn(batch.num_tokens + padding, offset + n + 5, generator=g).to(dtype)
     expected = y.clone()
     ref.lora_apply(expected, x, a, bt, offset, batch.query_start_loc, batch.token_ranges, batch.entries)
-    got = y.clone()
     e = batch.entries
+    got, *inputs = _on_device(y, x, a, bt, batch.query_start_loc, e.entry_ptr, e.index, e.count, e.scale)
+    x_d, a_d, bt_d, qsl, entry_ptr, index, count, scale = inputs
     lora_apply(
         got,
-        x,
-        a,
-        bt,
+        x_d,
+        a_d,
+        bt_d,
         offset,
-        batch.query_start_loc,
-        e.entry_ptr,
-        e.index,
-        e.count,
-        e.scale,
+        qsl,
+        entry_ptr,
+        index,
+        count,
+        scale,
         batch.max_query_len,
         batch.max_entries,
     )
-    return y, got, expected
+    return y, got.cpu(), expected
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -175,11 +185,15 @@ def test_lora_reads_strided_x_rows(ref):
     fused = torch.randn(batch.num_tokens, 64 + 32)  # x is a column slice of a wider activation
     x = fused[:, 32:]
     y = torch.randn(batch.num_tokens, 96)
-    expected, got = y.clone(), y.clone()
+    expected = y.clone()
     ref.lora_apply(expected, x, a, bt, 0, batch.query_start_loc, batch.token_ranges, batch.entries)
     e = batch.entries
-    lora_apply(got, x, a, bt, 0, batch.query_start_loc, e.entry_ptr, e.index, e.count, e.scale, 3, 1)
-    _close(got, expected, torch.float32)
+    got, wide, *inputs = _on_device(
+        y, fused, a, bt, batch.query_start_loc, e.entry_ptr, e.index, e.count, e.scale
+    )
+    a_d, bt_d, qsl, entry_ptr, index, count, scale = inputs
+    lora_apply(got, wide[:, 32:], a_d, bt_d, 0, qsl, entry_ptr, index, count, scale, 3, 1)
+    _close(got.cpu(), expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -204,11 +218,14 @@ def _table(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def _run_ia3(ref, batch: Batch, n: int, width: int, offset: int, *, dtype=torch.float32, seed=0):
     table = _table(n, dtype, seed)
     y = torch.randn(batch.num_tokens, width, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    expected, got = y.clone(), y.clone()
+    expected = y.clone()
     ref.ia3_scale(expected, offset, table, batch.query_start_loc, batch.token_ranges, batch.entries)
     e = batch.entries
-    ia3_scale(got, offset, table, batch.query_start_loc, e.entry_ptr, e.index, e.scale, batch.max_query_len)
-    return y, got, expected
+    got, table_d, qsl, entry_ptr, index, scale = _on_device(
+        y, table, batch.query_start_loc, e.entry_ptr, e.index, e.scale
+    )
+    ia3_scale(got, offset, table_d, qsl, entry_ptr, index, scale, batch.max_query_len)
+    return y, got.cpu(), expected
 
 
 def test_ia3_weight_one_scales_by_the_vector(ref):
