@@ -168,3 +168,48 @@ def test_pool_growth_captures_the_expert_steps_again():
     assert graphs.get(2, keys) is not first
     base = graphs.get(2, ())
     assert graphs.get(2, ()) is base  # steps without experts read no pool
+
+
+class _RecordedStep:
+    """Stands in for a CUDA graph on the CPU: `replay` runs the captured step's forward again with
+    what a capture sees (its region and nothing of the step being replayed) into the output tensor
+    the capture produced, as a graph replay writes its captured output."""
+
+    def __init__(self, graphs: DecodeGraphs, step) -> None:
+        self.graphs, self.step = graphs, step
+
+    def replay(self) -> None:
+        self.step.logits.copy_(self.graphs.forward(self.step, None))
+
+
+def test_replays_that_see_only_their_region_give_the_eager_tokens(tiny_llama, expert_packages, monkeypatch):
+    # A CUDA graph replays what was captured: any input read from the step's Python state instead of
+    # the region (a length, an adapter list) would be frozen at capture. With the Triton kernels,
+    # which read only device tensors, re-running the captured forward must give the same tokens.
+    def capture(self, step) -> bool:
+        step.logits = self.forward(step, None)
+        step.graph = _RecordedStep(self, step)
+        return True
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    packages, publisher = expert_packages
+    engines = {
+        mode: _engine(tiny_llama, kernels="triton", cuda_graphs=mode, max_num_seqs=4)
+        for mode in ("off", "on")
+    }
+    graphs = engines["on"].runner.graphs
+    graphs.capture = True  # every step is captured again, and replayed through its recording
+    graphs.steps.clear()
+    for engine in engines.values():
+        for package in packages.values():
+            engine.load_expert(package, publisher.trusted)
+    prompts = _prompts(3, seed=8)
+    experts = [[("lora", 1.0)], None, [("lora-qv", 0.5), ("ia3", 1.0)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = {
+        mode: [o.token_ids for o in engine.generate(prompts, params, experts=experts)]
+        for mode, engine in engines.items()
+    }
+    assert outputs["on"] == outputs["off"]
+    replayed = [s for s in graphs.steps.values() if s.replays]
+    assert any(s.keys for s in replayed) and all(isinstance(s.graph, _RecordedStep) for s in replayed)
