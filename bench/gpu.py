@@ -12,6 +12,7 @@ checkpoints (nothing comes from a model hub): Llama-3.2-1B's shape with a 49k vo
   without experts;
 - the share of a 64-way decode step's wall time in which the GPU is busy (torch.profiler);
 - decode-graph capture time and memory;
+- attention alone: our paged kernel against gather + SDPA and dense SDPA (bench/gpu_kernels.py);
 
 and the peers, in the same run: transformers `generate` eager, and with its static cache under
 `torch.compile` (transformers compiles `generate`'s forward itself with cache_implementation
@@ -439,6 +440,14 @@ def parity(bench: Bench) -> None:
     bench.results["parity_counts"] = results
 
 
+def kernels(bench: Bench) -> None:
+    """Attention alone: our paged kernel against gather + SDPA and dense SDPA (bench/gpu_kernels.py)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_kernels import attention_timings
+
+    bench.record(**attention_timings(bench.device, bench.smoke))
+
+
 def one_b(bench: Bench) -> None:
     """The 1.17 B shape: our decode, throughput, busy share, graphs; transformers' eager and compiled."""
     shape = TINY if bench.smoke else LLAMA_1B
@@ -586,6 +595,10 @@ def table(bench: Bench) -> list[tuple[str, str, str, str]]:
     )
     row("GPU busy, 64-way decode", r.get("busy_64"), "", None, f"(target {TARGETS['busy_64']:.2f})")
     row("graph capture s / MiB", r.get("graph_capture_s"), "MiB", r.get("graph_memory_mib"))
+    for case in ("decode", "chunk"):
+        ours = r.get(f"attn_{case}_ours_us")
+        row(f"attention {case} us", ours, "gather+SDPA", r.get(f"attn_{case}_gather_sdpa_us"))
+        row(f"attention {case} us", ours, "dense SDPA", r.get(f"attn_{case}_dense_sdpa_us"))
     rows.append(
         (
             "parity float32 / bfloat16",
@@ -604,7 +617,7 @@ def main() -> None:
         "--skip",
         default="",
         type=lambda s: set(filter(None, s.split(","))),
-        help="comma-separated sections or peers to leave out: parity, 1b, loras, 8b, eager, compiled",
+        help="what to leave out, comma-separated: parity, kernels, 1b, loras, 8b, eager, compiled",
     )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -618,6 +631,7 @@ def main() -> None:
     # Our figures first, the peers last: the compiled peer's compiles take the longest.
     bench.section("bound", lambda: hbm_bound(bench))
     bench.section("parity", lambda: parity(bench))
+    bench.section("kernels", lambda: kernels(bench))
     bench.section("1b", lambda: one_b(bench))
     bench.section("loras", lambda: loras(bench))
     bench.section("8b", lambda: eight_b(bench))
