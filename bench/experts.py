@@ -199,9 +199,9 @@ def index_of(client, root: Path, name: str, encoder, rules, packages, recipes, d
 
 
 def report_routing(client, root: Path, encoder, packages) -> None:
-    from libs.experts.demo.catalog import GOOD
     from services.router.calibration import FloorRule
     from services.router.matching import MatchRule
+    from tools.demo.catalog import GOOD
 
     plain = MatchRule(word_weight=0.0, topic_gate=False, companion_ratio=0.0)
     default = "default: calibrated, request row, author's words, topic gate, companions"
@@ -250,9 +250,9 @@ def report_routing(client, root: Path, encoder, packages) -> None:
 
 
 def report_feedback(client, root: Path, encoder, packages, engine) -> None:
-    from libs.experts.demo.catalog import DRAFT, RECIPES
     from services.router.calibration import FloorRule
     from services.router.matching import MatchRule
+    from tools.demo.catalog import DRAFT, RECIPES
 
     print("\n3. Feedback: the mislabelled json-extract-draft against json-extract")
     index = index_of(client, root, "feedback", encoder, (FloorRule(), MatchRule()), packages, RECIPES, False)
@@ -278,12 +278,12 @@ def main() -> None:
     import torch
 
     from libs.engine import LLMEngine
-    from libs.experts.demo.build import TRUSTED, build
-    from libs.experts.demo.catalog import GOOD
     from libs.experts.package import read_package
     from libs.experts.signing import Keyring
-    from libs.stack import LocalStack
     from services.router.embedding import SentenceEncoder
+    from tools.demo.build import TRUSTED, build
+    from tools.demo.catalog import GOOD
+    from tools.stack import LocalStack
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

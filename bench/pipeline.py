@@ -4,7 +4,7 @@ token, each against calling `LLMEngine` directly with the same final input.
 
 Each wave of `clients` concurrent requests runs three times: on an in-process `LLMEngine` (the
 peer, all of the wave submitted at once), then through the whole stack (a redis-server and the five
-services as processes, libs.stack) with one `ExpertClient.infer` call per client, then the same
+services as processes, tools.stack) with one `ExpertClient.infer` call per client, then the same
 streamed, one `infer_stream` call per client. Greedy decoding makes all three produce the same
 tokens, so the differences are what reception, the router, preparation, postproc, Redis and the
 gRPC hops add, and what streaming every token to the client adds on top.
@@ -361,7 +361,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from libs.stack import LocalStack
+    from tools.stack import LocalStack
 
     batch = prompts(max(args.requests, max(args.clients)))
     slots = max(args.clients)

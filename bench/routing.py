@@ -11,7 +11,7 @@ holds yet (cold: the package is read from the store and streamed with `LoadExper
 whose expert the engine holds already (hot: nothing moves). The peer is the engine's own load of
 the same package from a local file (`ExpertManager.load`, signature check included).
 
-Both run against one local stack (redis-server and the five services as processes, libs.stack).
+Both run against one local stack (redis-server and the five services as processes, tools.stack).
 
     python bench/routing.py --model data/models/SmolLM2-135M-Instruct
 """
@@ -158,7 +158,7 @@ def encode_floor(calls: int) -> list[float]:
 
 
 def install(stack, packages: list[Path], store: Path, trusted: Path, model: str) -> None:
-    from libs.expertctl.main import main as expertctl
+    from tools.expertctl.main import main as expertctl
 
     for path in packages:
         code = expertctl(
@@ -221,7 +221,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from libs.experts.store import ExpertStore
-    from libs.stack import LocalStack
+    from tools.stack import LocalStack
 
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         root = Path(tmp)

@@ -36,8 +36,8 @@ from libs.gen.expert.v1 import (  # noqa: E402
     session_pb2,
     session_pb2_grpc,
 )
-from libs.stack import LocalStack  # noqa: E402
 from services.reception.sessions import session_key  # noqa: E402
+from tools.stack import LocalStack  # noqa: E402
 
 TURNS = 10
 REPLY_TOKENS = 24

@@ -51,8 +51,8 @@ from expert_system import (
 )
 from expert_system.results import FINAL_STATUSES
 from libs.gen.expert.v1 import engine_pb2, engine_pb2_grpc, preparation_pb2, preparation_pb2_grpc
-from libs.stack import REDIS, SERVICES, LocalStack
 from services.reception.jobs import PREFIX as JOB_PREFIX
+from tools.stack import REDIS, SERVICES, LocalStack
 
 # Kind -> weight. Mostly plain traffic; cancels and timeouts are the paths that leak when wrong.
 KINDS = {"sync": 0.35, "stream": 0.25, "async": 0.20, "cancel": 0.10, "timeout": 0.10}

@@ -31,6 +31,16 @@ MAX_VIOLATIONS_SENT = 10
 _MAX_FIELD_BYTES = 96
 _MAX_DESCRIPTION_BYTES = 192
 _MAX_MESSAGE_BYTES = 512
+# The codes that say the request is wrong rather than a service: a job a stage refused with one of
+# them fails its client's call with that code, and an engine that answers one is not blamed for it.
+CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 
 
 class ServiceError(Exception):
@@ -58,6 +68,11 @@ class ServiceError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
+
+
+def is_client_error(code: grpc.StatusCode) -> bool:
+    """Whether `code` is the client's fault (CLIENT_ERRORS), not a service's."""
+    return code in CLIENT_ERRORS
 
 
 def invalid_argument(field: str, description: str) -> ServiceError:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
+
 from libs.gen.expert.v1 import common_pb2
+
+# ErrorCode numbers its values as gRPC numbers the codes of the same names.
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode if code is not grpc.StatusCode.OK}
 
 
 def failed(outcome: common_pb2.GenerationOutcome, *, timed_out: bool, cancelled: bool) -> bool:
@@ -79,3 +84,18 @@ def job_result(
         dropped_experts=dropped_experts,
         choices=choices,
     )
+
+
+def set_failure(
+    result: common_pb2.InferenceResult, code: grpc.StatusCode, fields: Sequence[tuple[str, str]] = ()
+) -> None:
+    """Record in `result` why its job failed: the stage's gRPC code (and its name, for the clients
+    that read `error_code`) and the fields it found invalid."""
+    result.error_status_code = code.value[0]
+    result.error_code = code.name
+    result.error_fields.extend(common_pb2.FieldError(field=f, description=d) for f, d in fields)
+
+
+def failure_code(result: common_pb2.InferenceResult) -> grpc.StatusCode | None:
+    """The gRPC code a stage failed the job with; None when the result records none."""
+    return _STATUS_CODES.get(result.error_status_code)

@@ -8,12 +8,14 @@ engine = LLMEngine.from_pretrained("data/models/SmolLM2-135M-Instruct")
 outs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
-from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from libs.engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from libs.engine.errors import InvalidRequestError
+from libs.engine.info import EngineLoad, ModelInfo
 from libs.engine.llm_engine import LLMEngine
 from libs.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
+from libs.engine.streams import RequestStream
 
 __all__ = [
     "AsyncLLMEngine",
@@ -22,10 +24,12 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineLoad",
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
     "Logprob",
+    "ModelInfo",
     "OutputKind",
     "RequestMetrics",
     "RequestOutput",

@@ -6,11 +6,10 @@ torch's parallel ops: every thread that does gets its own OpenMP team, and once 
 more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions, which halved
 decode speed on a 2-core machine (23 instead of 48 tokens/s on the default model).
 
-Requests and aborts cross into the engine thread through a queue; outputs come back with
-`call_soon_threadsafe` into per-request streams, so the decode loop never waits for a consumer,
-however slow. A stream holds at most `max_pending` outputs: when a consumer falls behind, new
-outputs are merged into the last one waiting (text appended for DELTA, replaced for CUMULATIVE),
-so memory stays bounded without dropping or blocking anything.
+Everything the event loop asks of the engine crosses into the engine thread as a typed command
+on one queue (`AddRequest`, `AbortRequest`, `CallInEngine`), handled between steps; outputs come
+back with `call_soon_threadsafe` into per-request streams (`streams.py`), so the decode loop never
+waits for a consumer, however slow.
 """
 
 from __future__ import annotations
@@ -22,19 +21,22 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertSpec
 from libs.engine.adapters.registry import ExpertError
 from libs.engine.config import EngineConfig
 from libs.engine.errors import InvalidRequestError
+from libs.engine.info import EngineLoad, ModelInfo
 from libs.engine.llm_engine import LLMEngine, Prompt
 from libs.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from libs.engine.request import Request
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.sessions import SessionError, SessionRef
+from libs.engine.streams import RequestStream
+from libs.engine.tokenizer import Tokenizer
 from libs.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -44,60 +46,34 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an internal error; every open stream receives it."""
 
 
-class RequestStream:
-    """The outputs of one request as an async iterator; ends after the finished output."""
+# The engine thread's inbox: one command per thing the event loop asks, handled between steps.
 
-    def __init__(
-        self,
-        request_id: str,
-        output_kind: OutputKind = OutputKind.CUMULATIVE,
-        max_pending: int = 64,
-        on_finished: Callable[[RequestOutput], None] | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.output_kind = output_kind
-        self.max_pending = max_pending
-        self.on_finished = on_finished
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-        self.finished = False
-        self.coalesced = 0  # outputs merged because the consumer was behind
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if self.on_finished is not None and isinstance(item, RequestOutput) and item.finished:
-            # On arrival, not when read: a consumer that went away (a cancelled call) never reads it.
-            try:
-                self.on_finished(item)
-            except Exception:
-                log.exception("on_finished of request %s failed", self.request_id)
-        last = self._items[-1] if self._items else None
-        if (
-            len(self._items) >= self.max_pending
-            and isinstance(item, RequestOutput)
-            and isinstance(last, RequestOutput)
-        ):
-            self._items[-1] = merge_outputs(last, item, self.output_kind)
-            self.coalesced += 1
-        else:
-            self._items.append(item)
-        self._ready.set()
+@dataclass(frozen=True)
+class AddRequest:
+    """Hand a prepared request to the scheduler; with `stream_interval` N > 1 its outputs are held
+    back until they carry N new tokens."""
 
-    def __aiter__(self) -> RequestStream:
-        return self
+    request: Request
+    stream_interval: int
 
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request and free its KV blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class CallInEngine:
+    """Run `fn` on the LLMEngine and settle `future` with its result or its exception."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+
+EngineCommand = AddRequest | AbortRequest | CallInEngine
 
 
 class AsyncLLMEngine:
@@ -109,7 +85,7 @@ class AsyncLLMEngine:
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.max_pending = max_pending  # outputs a stream holds before it merges them
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         # Engine thread only: the stream interval of requests that have one, and their held outputs.
@@ -121,6 +97,7 @@ class AsyncLLMEngine:
         self._sessions_checked = 0.0  # engine thread: when idle sessions were last looked at
         self._dead: BaseException | None = None
         self._stats: EngineStats | None = self.engine.get_stats() if self.engine is not None else None
+        self._model_info: ModelInfo | None = self.engine.model_info if self.engine is not None else None
         # Published by the engine thread, like the stats: what the fleet's heartbeat reports must
         # never wait for a model step (a long prefill holds the engine thread for seconds).
         self._holdings: ExpertHoldings | None = (
@@ -139,10 +116,17 @@ class AsyncLLMEngine:
         return cls(lambda: LLMEngine(config), max_pending)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         if self.engine is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited (the engine is not built)")
         return self.engine.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The model served and the engine's limits (fixed once built: readable from any thread)."""
+        if self._model_info is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been awaited (the engine is not built)")
+        return self._model_info
 
     @property
     def is_running(self) -> bool:
@@ -196,8 +180,10 @@ class AsyncLLMEngine:
         the stream, whether or not anyone reads the stream any more: once for every request that
         finishes, aborted ones (a cancelled caller, a deadline, shutdown) included.
 
-        Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input;
-        a session turn the engine cannot take (SessionError) ends the stream with that error.
+        Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input,
+        SessionFullError for a session turn its session's token limit leaves no room for; a session
+        turn the engine cannot take now (SessionLimitError, SessionBusyError) ends the stream with
+        that error.
         """
         if stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"must be at least 1, got {stream_interval}")
@@ -212,8 +198,7 @@ class AsyncLLMEngine:
         )
         stream = RequestStream(request_id, request.params.output_kind, self.max_pending, on_finished)
         self._streams[request_id] = stream
-        self._inbox.put(("add", (request, stream_interval)))
-        self._wake.set()
+        self._send(AddRequest(request, stream_interval))
         return stream
 
     async def generate(
@@ -247,8 +232,7 @@ class AsyncLLMEngine:
         False when the request is not running (finished, or unknown)."""
         if request_id not in self._streams:
             return False
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._send(AbortRequest(request_id))
         return True
 
     def get_stats(self) -> EngineStats:
@@ -257,21 +241,25 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         return self._stats
 
+    def load(self) -> EngineLoad:
+        """How busy the engine is, from the snapshot of its latest step, against its limits."""
+        return EngineLoad.of(self.get_stats(), self.model_info)
+
     async def load_expert(
         self, source: bytes | str | os.PathLike[str], trusted_keys_dir: str | os.PathLike[str] | None = None
     ) -> tuple[str, str]:
         """LLMEngine.load_expert, run on the engine thread between steps."""
-        return await self._call("load_expert", source, trusted_keys_dir)
+        return await self._call(lambda engine: engine.load_expert(source, trusted_keys_dir))
 
     async def end_session(self, session_id: str) -> bool:
         """LLMEngine.end_session, run on the engine thread between steps."""
-        return await self._call("end_session", session_id)
+        return await self._call(lambda engine: engine.end_session(session_id))
 
     async def unload_expert(self, name: str) -> None:
-        await self._call("unload_expert", name)
+        await self._call(lambda engine: engine.unload_expert(name))
 
     async def list_experts(self) -> list[ExpertInfo]:
-        return await self._call("list_experts")
+        return await self._call(lambda engine: engine.list_experts())
 
     async def expert_holdings(self) -> ExpertHoldings:
         """The experts held, as the engine thread published them after its latest change: at once,
@@ -281,14 +269,17 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         return self._holdings
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """Run the engine's `method(*args)` on the engine thread (the engine is single-threaded)."""
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread (the engine is single-threaded)."""
         if not self.is_running:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._inbox.put(("call", (getattr(self.engine, method), args, future)))
-        self._wake.set()
+        self._send(CallInEngine(fn, future))
         return await future
+
+    def _send(self, command: EngineCommand) -> None:
+        self._inbox.put(command)
+        self._wake.set()
 
     # -- engine thread -------------------------------------------------------------------------
 
@@ -303,7 +294,7 @@ class AsyncLLMEngine:
             for request_id, item, final in items:
                 stream = self._streams.get(request_id)
                 if stream is not None:
-                    stream._put(item)
+                    stream.deliver(item)
                     if final:
                         del self._streams[request_id]
 
@@ -337,22 +328,25 @@ class AsyncLLMEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                request: Request = payload[0]
-                try:
-                    self.engine.enqueue(request)
-                except (InvalidRequestError, ExpertError, SessionError) as exc:
-                    self._deliver(request.request_id, exc, final=True)
-                    continue
-                if payload[1] > 1:
-                    self._intervals[request.request_id] = (payload[1], request.params.output_kind, 0)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-            else:
-                self._run_call(*payload)
+            match command:
+                case AddRequest(request, stream_interval):
+                    self._add(request, stream_interval)
+                case AbortRequest(request_id):
+                    self.engine.abort_request(request_id)
+                case CallInEngine(fn, future):
+                    self._run_call(fn, future)
+
+    def _add(self, request: Request, stream_interval: int) -> None:
+        try:
+            self.engine.enqueue(request)
+        except (InvalidRequestError, ExpertError, SessionError) as exc:
+            self._deliver(request.request_id, exc, final=True)
+            return
+        if stream_interval > 1:
+            self._intervals[request.request_id] = (stream_interval, request.params.output_kind, 0)
 
     def _expire_sessions(self) -> None:
         """End the sessions idle past their timeout, checked about once a second (the loop wakes at
@@ -363,9 +357,9 @@ class AsyncLLMEngine:
             for session_id in self.engine.expire_sessions():
                 log.info("session %s ended: idle past its timeout", session_id)
 
-    def _run_call(self, fn: Callable[..., Any], args: tuple, future: asyncio.Future) -> None:
+    def _run_call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
         try:
-            result, error = fn(*args), None
+            result, error = fn(self.engine), None
         except Exception as exc:  # handed to the awaiting caller
             result, error = None, exc
         self._publish_holdings()  # before the caller resumes: it sees what its call changed
@@ -395,6 +389,7 @@ class AsyncLLMEngine:
         try:
             if self.engine is None:
                 self.engine = self._build()
+            self._model_info = self.engine.model_info
             self._stats = self.engine.get_stats()
             self._publish_holdings()
         except Exception as exc:

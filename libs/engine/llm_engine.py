@@ -20,6 +20,7 @@ from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import ConfigError, EngineConfig
 from libs.engine.errors import InvalidRequestError
 from libs.engine.grammar import GrammarCompiler
+from libs.engine.info import ModelInfo
 from libs.engine.kernels import TorchOps, select_ops
 from libs.engine.models.config import ModelConfig
 from libs.engine.models.decoder import DecoderModel
@@ -32,8 +33,9 @@ from libs.engine.runner import ModelRunner
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.scheduler import Scheduler
 from libs.engine.sequence import Sequence, SequenceStatus
-from libs.engine.sessions import SessionRef, SessionTable
+from libs.engine.sessions import SessionRef, SessionTable, turn_max_tokens
 from libs.engine.tokenizer import Tokenizer
+from libs.experts.manifest import BaseModelIdentity
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,22 @@ class LLMEngine:
         self._aborted: list[Request] = []
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
+        self.model_info = ModelInfo(
+            name=config.model_name,
+            base_model=BaseModelIdentity.from_hf_config(self.model_config.raw),
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            dtype_bytes=self.dtype_bytes,
+            max_model_len=self.max_model_len,
+            block_size=cache.block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_sessions=config.scheduler.max_sessions,
+            kernels=self.kernels,
+            weight_formats=self.model.weight_formats,
+            sampling_defaults=self.sampling_defaults,
+        )
         log.info(
             "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; "
             "max_model_len %d; %.1f s",
@@ -228,8 +246,20 @@ class LLMEngine:
         experts: ExpertSpec | None = None,
         session: SessionRef | None = None,
     ) -> Request:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+        A session turn with a token limit (`SessionRef.max_tokens`) takes token ids, and its
+        max_tokens is cut to what the limit leaves (SessionFullError when nothing is)."""
+        if session is not None and session.max_tokens is not None:
+            params = self._fit_turn(prompt, params or SamplingParams(), session.max_tokens)
         return self._builder.build(request_id, prompt, params, priority, arrival_time, experts, session)
+
+    def _fit_turn(self, prompt: Prompt, params: SamplingParams, session_max_tokens: int) -> SamplingParams:
+        if not (isinstance(prompt, list) and all(isinstance(token, int) for token in prompt)):
+            raise InvalidRequestError(
+                "prompt", "a session turn with a token limit takes token ids: its history and its own"
+            )
+        room = turn_max_tokens(len(prompt), params.max_tokens, session_max_tokens, self.max_model_len)
+        return params if room == params.max_tokens else dataclasses.replace(params, max_tokens=room)
 
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler."""

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from libs.engine.errors import InvalidRequestError
+from libs.limits import ENGINE_BOUNDS, Bound, sampling_problems
 from libs.structured_output import StructuredOutput
 
-MAX_LOGPROBS = 20
-MAX_N = 64
+# Fields whose None means "not set" (no seed, the rest of the context, no logprobs): not checked then.
+_UNSET_IS_NONE = ("seed", "max_tokens", "logprobs")
+_TOKEN_ID = Bound(0, None, integer=True, note="a token id")
 
 
 class OutputKind(Enum):
@@ -18,12 +20,6 @@ class OutputKind(Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
-
-
-def _number(name: str, value: object, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise InvalidRequestError(name, f"expected {'an integer' if integer else 'a number'}, got {value!r}")
 
 
 @dataclass
@@ -82,48 +78,22 @@ class SamplingParams:
             self.top_k = 0
 
     def _validate(self) -> None:
-        _number("n", self.n, integer=True)
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
-        _number("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError("temperature", f"must be in [0, 2], got {self.temperature}")
-        _number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        _number("top_k", self.top_k, integer=True)
-        if self.top_k < -1:
-            raise InvalidRequestError(
-                "top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k}"
-            )
-        _number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        _number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequestError(
-                "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _number(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
-        if self.seed is not None:
-            _number("seed", self.seed, integer=True)
-            if not 0 <= self.seed < 2**64:
-                raise InvalidRequestError("seed", f"must be in [0, 2^64), got {self.seed}")
-        if self.max_tokens is not None:
-            _number("max_tokens", self.max_tokens, integer=True)
-            if self.max_tokens < 1:
-                raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        """The sampling values against the engine's bounds (libs.limits: wider than the public
+        API's where an in-process caller needs it), then the fields only the engine has."""
+        values = {
+            name: getattr(self, name)
+            for name in ENGINE_BOUNDS
+            if getattr(self, name) is not None or name not in _UNSET_IS_NONE
+        }
+        for name, problem in sampling_problems(values, ENGINE_BOUNDS):
+            raise InvalidRequestError(name, problem)
         for i, text in enumerate(self.stop):
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError(f"stop[{i}]", "must be a non-empty string")
         for i, token in enumerate(self.stop_token_ids):
-            _number(f"stop_token_ids[{i}]", token, integer=True)
-            if token < 0:
-                raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be a token id >= 0, got {token}")
+            problem = _TOKEN_ID.problem(token)
+            if problem is not None:
+                raise InvalidRequestError(f"stop_token_ids[{i}]", problem)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"expected true or false, got {getattr(self, name)!r}")
@@ -133,10 +103,6 @@ class SamplingParams:
             raise InvalidRequestError(
                 "structured", f"expected a StructuredOutput, got {type(self.structured).__name__}"
             )
-        if self.logprobs is not None:
-            _number("logprobs", self.logprobs, integer=True)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,10 @@ class SessionBusyError(SessionError):
     """A turn of the session is already running."""
 
 
+class SessionFullError(SessionError):
+    """A session turn whose prompt leaves no room for a reply under the session's token limit."""
+
+
 @dataclass(frozen=True)
 class SessionRef:
     """What a request says about the session it is a turn of.
@@ -43,11 +47,35 @@ class SessionRef:
     `history_tokens`: how many leading prompt tokens are the session's history (0 for its first
     turn), so a turn that finds none of them kept is counted as a recompute. `idle_seconds`: how long
     the session may stay idle before the engine ends it (0: until ended or evicted by the table's
-    limit)."""
+    limit). `max_tokens`: the tokens the session may hold, its history, this turn and the reply
+    (0: the context window): the reply is cut to what is left (`turn_max_tokens`); None: no session
+    limit, the request's own max_tokens is checked as any request's."""
 
     session_id: str
     history_tokens: int = 0
     idle_seconds: float = 0.0
+    max_tokens: int | None = None
+
+
+def turn_max_tokens(
+    num_prompt_tokens: int, requested: int | None, session_max_tokens: int, max_model_len: int
+) -> int:
+    """The most tokens a session turn's reply may have: what the session's limit leaves after the
+    turn's prompt (its history and the turn's tokens), or `requested` when that is less (None: as
+    many as are left). The limit is `session_max_tokens` when it is above 0 and below the context
+    window, else the context window. Raises SessionFullError, naming the limit, when nothing is left."""
+    limit, name = max_model_len, f"the model's context window ({max_model_len} tokens)"
+    if 0 < session_max_tokens < limit:
+        # Reception sets the session limit from its EXPERT_SESSION_MAX_TOKENS and relays this error
+        # to the client, so the message names the setting that bounds the session.
+        limit, name = session_max_tokens, f"EXPERT_SESSION_MAX_TOKENS ({session_max_tokens})"
+    room = limit - num_prompt_tokens
+    if room < 1:
+        raise SessionFullError(
+            f"the session holds {num_prompt_tokens} tokens with this turn, and {name} leaves no room "
+            "for a reply: end it and start a new one"
+        )
+    return room if requested is None or requested > room else requested
 
 
 @dataclass

@@ -17,7 +17,7 @@ from libs.engine.adapters.registry import (
 from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from libs.engine.errors import InvalidRequestError
 from libs.engine.sampling_params import SamplingParams
-from libs.engine.sessions import SessionBusyError, SessionLimitError
+from libs.engine.sessions import SessionBusyError, SessionFullError, SessionLimitError
 from libs.errors import (
     ServiceError,
     failed_precondition,
@@ -55,7 +55,7 @@ def map_error(error: BaseException) -> ServiceError | None:
         return unavailable(str(error))
     if isinstance(error, SessionLimitError):
         return resource_exhausted(str(error))
-    if isinstance(error, SessionBusyError):
+    if isinstance(error, SessionBusyError | SessionFullError):
         return failed_precondition(str(error))
     return None
 
@@ -77,7 +77,6 @@ async def main() -> None:
         # The model loads (seconds) on the engine's own thread, which keeps all of torch's work there.
         engine = AsyncLLMEngine.from_config(config.engine, max_pending=config.stream_buffer)
         await engine.start()
-        inner = engine.engine
         servicer.engine = engine
         # Warm up: one real generation through the whole path before declaring SERVING.
         async for _ in engine.generate(
@@ -96,8 +95,8 @@ async def main() -> None:
         log.info(
             "engine ready",
             engine=config.engine_id,
-            kernels=inner.kernels,
-            weights=inner.model.weight_formats,
+            kernels=engine.model_info.kernels,
+            weights=engine.model_info.weight_formats,
             model=config.engine.model,
         )
         await health.set_serving(True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,8 +18,7 @@ from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.sessions import SessionRef
 from libs.engine.tokenizer import ChatTemplateError, Tokenizer
 from libs.engine.tokenizer.turns import encode_turn
-from libs.errors import failed_precondition, invalid_argument, not_found, unavailable
-from libs.experts.base_model import BaseModelIdentity
+from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.response_format import to_structured
 from services.engine.metrics import EngineMetrics
@@ -143,11 +141,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         await self.engine.compile_structured(params.structured)
         session, turn_input = None, []
         if request.HasField("session"):
-            prompt, turn_input, params = self._session_turn(request.session, params)
+            prompt, turn_input = self._session_turn(request.session)
             session = SessionRef(
                 request.session.session_id,
                 history_tokens=len(request.session.history),
                 idle_seconds=request.session.idle_seconds,
+                max_tokens=request.session.max_tokens,  # the engine cuts the reply to what it leaves
             )
         else:
             prompt = self._prompt(request.input)
@@ -175,33 +174,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             if not stream.finished:  # the caller went away or was cancelled: free the KV now
                 self.engine.abort(request_id)
 
-    def _session_turn(
-        self, turn: engine_pb2.SessionTurn, params: SamplingParams
-    ) -> tuple[list[int], list[int], SamplingParams]:
-        """A session turn's prompt (its history and the tokens the turn adds), those added tokens,
-        and its params with max_tokens cut to what the session's token limit leaves."""
+    def _session_turn(self, turn: engine_pb2.SessionTurn) -> tuple[list[int], list[int]]:
+        """A session turn's prompt (its history and the tokens the turn adds) and those added tokens."""
         if not turn.session_id:
             raise invalid_argument("session.session_id", "must not be empty")
-        engine = self.engine.engine
         messages = [{"role": m.role, "content": m.content} for m in turn.messages]
         try:
-            added = encode_turn(engine.tokenizer, list(turn.history), messages)
+            added = encode_turn(self.engine.tokenizer, list(turn.history), messages)
         except ChatTemplateError as exc:
             field, _, message = str(exc).partition(": ")
             raise invalid_argument(f"session.{field}", message) from None
-        prompt = [*turn.history, *added]
-        limit, name = engine.max_model_len, f"the model's context window ({engine.max_model_len} tokens)"
-        if 0 < turn.max_tokens < limit:
-            limit, name = turn.max_tokens, f"EXPERT_SESSION_MAX_TOKENS ({turn.max_tokens})"
-        room = limit - len(prompt)
-        if room < 1:
-            raise failed_precondition(
-                f"the session holds {len(prompt)} tokens with this turn, and {name} leaves no room "
-                "for a reply: end it and start a new one"
-            )
-        if params.max_tokens is None or params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
-        return prompt, added, params
+        return [*turn.history, *added], added
 
     async def ReleaseSession(
         self, request: engine_pb2.ReleaseSessionRequest, context: grpc.aio.ServicerContext
@@ -390,32 +373,29 @@ def expert_holdings(holdings: ExpertHoldings) -> common_pb2.ExpertHoldings:
 
 
 def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:
-    stats = engine.get_stats()
-    sessions = stats.sessions
+    load = engine.load()
     return common_pb2.EngineLoad(
-        kv_blocks_total=stats.kv_num_blocks,
-        # The blocks idle sessions keep are given up when a request needs them.
-        kv_blocks_free=stats.kv_free_blocks + sessions.idle_blocks,
-        running=stats.num_running,
-        waiting=stats.num_waiting,
-        max_num_seqs=engine.engine.config.scheduler.max_num_seqs,
-        sessions=sessions.sessions,
-        max_sessions=engine.engine.config.scheduler.max_sessions,
-        kv_blocks_sessions=sessions.idle_blocks,
+        kv_blocks_total=load.kv_blocks_total,
+        kv_blocks_free=load.kv_blocks_free,
+        running=load.running,
+        waiting=load.waiting,
+        max_num_seqs=load.max_num_seqs,
+        sessions=load.sessions,
+        max_sessions=load.max_sessions,
+        kv_blocks_sessions=load.kv_blocks_sessions,
     )
 
 
 def model_spec(engine: AsyncLLMEngine) -> common_pb2.ModelSpec:
-    inner = engine.engine
-    config = inner.model_config
+    info = engine.model_info
     return common_pb2.ModelSpec(
-        name=inner.config.model_name,
-        base_model_hash=BaseModelIdentity.from_hf_config(config.raw).config_hash,
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype_bytes=inner.dtype_bytes,
-        max_model_len=inner.max_model_len,
-        block_size=inner.config.cache.block_size,
-        sampling_defaults=common_pb2.SamplingDefaults(**inner.sampling_defaults),
+        name=info.name,
+        base_model_hash=info.base_model.config_hash,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        dtype_bytes=info.dtype_bytes,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        sampling_defaults=common_pb2.SamplingDefaults(**info.sampling_defaults),
     )

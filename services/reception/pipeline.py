@@ -27,7 +27,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from libs.errors import ServiceError, field_violations
+from libs.errors import ServiceError, field_violations, is_client_error
 from libs.gen.expert.v1 import (
     common_pb2,
     engine_pb2,
@@ -36,7 +36,7 @@ from libs.gen.expert.v1 import (
     router_pb2,
     session_state_pb2,
 )
-from libs.job_results import job_result, reasoning_trace
+from libs.job_results import job_result, reasoning_trace, set_failure
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.capacity import served_model
@@ -48,13 +48,6 @@ from services.reception.stages import Stages
 log = get_logger(__name__)
 T = TypeVar("T")
 
-# Engine stream errors that mean "this request is wrong", not "this engine is gone".
-_REQUEST_ERRORS = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.OUT_OF_RANGE,
-)
 _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A Prepare that ended with these may have reserved a slot before the answer was lost.
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
@@ -78,7 +71,9 @@ class JobStopped(Exception):
 class JobFailed(Exception):
     """A stage refused or could not run the job."""
 
-    def __init__(self, message: str, code: str = "", fields: list[tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self, message: str, code: grpc.StatusCode, fields: list[tuple[str, str]] | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.fields = fields or []
@@ -220,17 +215,14 @@ class Pipeline:
             raise
         except Exception as exc:  # a bug or an unreachable stage: fail this job, not the dispatcher
             log.exception("job failed", job_id=run.job_id)
-            failure = JobFailed(f"{type(exc).__name__}: {exc}", "INTERNAL")
+            failure = JobFailed(f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL)
             outcome = self._partial(run)
             outcome.error = str(failure)
         run.placed.set()
         result = await self._finalize(run, outcome, timed_out, cancelled)
         result.model = run.model
         if failure is not None:
-            result.error_code = failure.code
-            result.error_fields.extend(
-                common_pb2.FieldError(field=f, description=d) for f, d in failure.fields
-            )
+            set_failure(result, failure.code, failure.fields)
         if run.session is not None:  # before the result is announced: the session is free for the next turn
             await self._settle_turn(run, result)
         await self.jobs.finish(run.job_id, result)
@@ -239,7 +231,9 @@ class Pipeline:
     async def _session_turn(self, run: JobRun) -> session_state_pb2.SessionRecord:
         record = await self.sessions.running_turn(run.record.session_id, run.job_id)
         if record is None:
-            raise JobFailed(f"session {run.record.session_id} ended before its turn ran", "NOT_FOUND")
+            raise JobFailed(
+                f"session {run.record.session_id} ended before its turn ran", grpc.StatusCode.NOT_FOUND
+            )
         return record
 
     async def _settle_turn(self, run: JobRun, result: common_pb2.InferenceResult) -> None:
@@ -268,7 +262,7 @@ class Pipeline:
         try:
             model = served_model(self.fleet(), request)
         except ServiceError as exc:  # its model is no longer served
-            raise JobFailed(exc.message, exc.code.name, list(exc.violations)) from None
+            raise JobFailed(exc.message, exc.code, list(exc.violations)) from None
         plan_request = router_pb2.PlanRequest(job_id=run.job_id, request=request)
         if model is not None:
             run.model = model.name
@@ -285,7 +279,7 @@ class Pipeline:
                 run.plan = await self._until(run, self.stages.plan(plan_request, run.remaining()))
             except grpc.aio.AioRpcError as exc:
                 _stop_if_expired(run, exc)
-                raise JobFailed(f"router: {exc.details()}", exc.code().name, field_violations(exc)) from None
+                raise JobFailed(f"router: {exc.details()}", exc.code(), field_violations(exc)) from None
         if run.session is not None:
             # The engine computes at most the history and the turn's messages (bytes bound tokens).
             turn_bytes = sum(len(m.content.encode()) for m in self.sessions.engine_turn(run.session).messages)
@@ -304,7 +298,7 @@ class Pipeline:
                 excluded.append(run.placement.engine_id)
                 if attempt == self.engine_retries:
                     raise JobFailed(
-                        f"engine {run.placement.engine_id} failed: {lost}", "UNAVAILABLE"
+                        f"engine {run.placement.engine_id} failed: {lost}", grpc.StatusCode.UNAVAILABLE
                     ) from None
                 log.warning(
                     "engine lost, placing the job again",
@@ -379,7 +373,7 @@ class Pipeline:
                 if exc.code() not in _PLACE_LATER:
                     _stop_if_expired(run, exc)
                     raise JobFailed(
-                        f"preparation: {exc.details()}", exc.code().name, field_violations(exc)
+                        f"preparation: {exc.details()}", exc.code(), field_violations(exc)
                     ) from None
                 if excluded and exc.code() == grpc.StatusCode.UNAVAILABLE:
                     # The job's engine died and no other is registered: fail now with the reason
@@ -387,7 +381,7 @@ class Pipeline:
                     raise JobFailed(
                         f"engine {excluded[-1]} failed and no other engine can take the job "
                         f"({exc.details()})",
-                        "UNAVAILABLE",
+                        grpc.StatusCode.UNAVAILABLE,
                     ) from None
             # no engine has room (or none is registered yet): wait for one, within the deadline
             await self._until(run, asyncio.sleep(delay))
@@ -443,11 +437,11 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             _stop_if_expired(run, exc)
             # A session turn the engine has no room for (its session limit) is refused, not retried.
-            refused = exc.code() in _REQUEST_ERRORS or (
+            refused = is_client_error(exc.code()) or (
                 run.session is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             )
             if refused:
-                raise JobFailed(f"engine: {exc.details()}", exc.code().name, field_violations(exc)) from None
+                raise JobFailed(f"engine: {exc.details()}", exc.code(), field_violations(exc)) from None
             raise EngineLost(f"{exc.code().name}: {exc.details()}") from None
         finally:
             stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request

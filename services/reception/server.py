@@ -20,12 +20,13 @@ from google.protobuf.message import DecodeError
 
 from libs.auth.limits import KeyLimiter
 from libs.auth.policy import Access, current_caller, methods
-from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
+from libs.errors import ServiceError, invalid_argument, invalid_arguments, is_client_error, not_found
 from libs.gen.expert.v1 import common_pb2, inference_pb2
+from libs.job_results import failure_code
 from libs.logging import bind_context, get_logger
 from libs.timestamps import timestamp
 from services.reception.capacity import Capacity, served_model
-from services.reception.jobs import JobExpired, JobStore
+from services.reception.jobs import FINAL, JobExpired, JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.queue import JobQueue, stream
 from services.reception.validation import validate
@@ -39,8 +40,6 @@ ACCESS = methods(
 )
 DEFAULT_PRIORITY = 5
 MAX_JOB_ID_CHARS = 64  # ids are 32 hex digits; anything much longer is not worth a Redis lookup
-# A failed job whose stage refused the request answers Infer with that refusal itself.
-_CLIENT_ERRORS = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"}
 
 
 class Undecodable:
@@ -243,12 +242,7 @@ class ReceptionServicer:
         return await self._job(job.job_id)
 
     async def _cancel(self, job: common_pb2.Job) -> None:
-        if job.status in (
-            common_pb2.JOB_STATUS_COMPLETED,
-            common_pb2.JOB_STATUS_FAILED,
-            common_pb2.JOB_STATUS_CANCELLED,
-            common_pb2.JOB_STATUS_TIMED_OUT,
-        ):
+        if job.status in FINAL:
             return
         if job.status == common_pb2.JOB_STATUS_QUEUED:
             # Not picked up yet: end it here (a dispatcher that picks it later sees it final).
@@ -304,10 +298,11 @@ def _job_id(request: object) -> str:
 
 def _raise_client_error(result: common_pb2.InferenceResult) -> None:
     """A job refused by a stage (e.g. an unknown forced expert) fails the call with that refusal."""
-    if result.status == common_pb2.JOB_STATUS_FAILED and result.error_code in _CLIENT_ERRORS:
+    code = failure_code(result)
+    if result.status == common_pb2.JOB_STATUS_FAILED and code is not None and is_client_error(code):
         if result.error_fields:
             raise invalid_arguments([(f.field, f.description) for f in result.error_fields])
-        raise ServiceError(getattr(grpc.StatusCode, result.error_code), result.error)
+        raise ServiceError(code, result.error)
 
 
 def tolerant(message: type) -> object:

@@ -24,9 +24,11 @@ import grpc
 from libs.auth.policy import Access, methods
 from libs.errors import ServiceError, invalid_argument, invalid_arguments, resource_exhausted
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
+from libs.job_results import failure_code
+from libs.limits import SAMPLING_FIELDS
 from libs.logging import get_logger
 from services.reception.server import MAX_JOB_ID_CHARS, ReceptionServicer, Undecodable, tolerant
-from services.reception.sessions import SAMPLING_FIELDS, SessionStore, turn_request
+from services.reception.sessions import SessionStore, turn_request
 from services.reception.stages import Stages
 from services.reception.validation import MAX_MESSAGES, MAX_PROMPT_CHARS, validate
 
@@ -37,7 +39,6 @@ _METHODS = ("CreateSession", "AppendInput", "GenerateStream", "CancelGenerate", 
 ACCESS = methods(SERVICE, dict.fromkeys(_METHODS, Access.INFER))
 APPEND_ROLES = ("user", "system", "tool")
 CANCEL_WAIT_S = 5.0  # how long CancelGenerate waits for the turn to settle
-RELEASE_TIMEOUT_S = 2.0
 _END = object()
 
 
@@ -177,7 +178,7 @@ class SessionServicer:
         if record.engine_address:
             # The engine's KV goes now; if the engine cannot be reached, its idle timeout frees it.
             try:
-                await self.stages.release_session(record.engine_address, record.session_id, RELEASE_TIMEOUT_S)
+                await self.stages.release_session(record.engine_address, record.session_id)
             except grpc.aio.AioRpcError as exc:
                 log.warning(
                     "engine did not release the session", session_id=record.session_id, error=exc.details()
@@ -281,11 +282,11 @@ class SessionServicer:
 
 def _raise_refusal(result: common_pb2.InferenceResult) -> None:
     """A turn a stage refused ends the call with that refusal (the session limit, a bad format)."""
-    if result.status != common_pb2.JOB_STATUS_FAILED or not result.error_code:
+    code = failure_code(result)
+    if result.status != common_pb2.JOB_STATUS_FAILED or code is None:
         return
     if result.error_fields:
         raise invalid_arguments([(f.field, f.description) for f in result.error_fields])
-    code = getattr(grpc.StatusCode, result.error_code, grpc.StatusCode.INTERNAL)
     raise ServiceError(code, result.error)
 
 

@@ -24,6 +24,7 @@ from redis.exceptions import WatchError
 
 from libs.errors import failed_precondition, not_found
 from libs.gen.expert.v1 import common_pb2, engine_pb2, session_pb2, session_state_pb2
+from libs.limits import SAMPLING_FIELDS
 from libs.response_format import from_request
 from libs.timestamps import timestamp
 
@@ -34,17 +35,6 @@ _CONTINUABLE = (
     common_pb2.FINISH_REASON_LENGTH,
     common_pb2.FINISH_REASON_ABORT,
     common_pb2.FINISH_REASON_TIMEOUT,
-)
-# The sampling fields a session (or a turn) sets explicitly, as InferenceRequest fields.
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
 )
 
 

@@ -26,6 +26,11 @@ from libs.logging import get_logger
 from services.reception.peers import Peers
 
 log = get_logger(__name__)
+# How long a release (a job's engine slot at preparation, a session's KV at its engine) may take.
+# Each has a fallback (preparation forgets the jobs of an engine that stops heartbeating, an engine
+# ends a session left idle), but a job's slot on a live engine stays reserved until released, so
+# its call gets room for `call`'s retries. A reachable peer answers in milliseconds and a stopped
+# one refuses at once: only a hung peer makes a caller wait this long.
 RELEASE_TIMEOUT_S = 5.0
 PEER_WAIT_S = 10.0  # how long a router that answers UNAVAILABLE is waited for
 
@@ -56,8 +61,9 @@ class Stages(Protocol):
 
     async def abort(self, address: str, request_id: str, timeout: float) -> None: ...
 
-    async def release_session(self, address: str, session_id: str, timeout: float) -> None:
-        """Have the engine at `address` forget a session and free the KV it keeps."""
+    async def release_session(self, address: str, session_id: str) -> None:
+        """Have the engine at `address` forget a session and free the KV it keeps (within
+        RELEASE_TIMEOUT_S)."""
 
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float
@@ -111,9 +117,11 @@ class GrpcStages:
         stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
         await stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=timeout)
 
-    async def release_session(self, address: str, session_id: str, timeout: float) -> None:
+    async def release_session(self, address: str, session_id: str) -> None:
         stub = engine_pb2_grpc.EngineServiceStub(self.peers.engine_channel(address))
-        await stub.ReleaseSession(engine_pb2.ReleaseSessionRequest(session_id=session_id), timeout=timeout)
+        await stub.ReleaseSession(
+            engine_pb2.ReleaseSessionRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S
+        )
 
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float

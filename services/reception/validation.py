@@ -8,7 +8,6 @@ INVALID_ARGUMENT lists all that is wrong with a request.
 from __future__ import annotations
 
 import json
-import math
 import re
 import unicodedata
 
@@ -19,6 +18,7 @@ from referencing.jsonschema import DRAFT202012
 
 from libs.errors import invalid_arguments
 from libs.gen.expert.v1 import common_pb2
+from libs.limits import API_BOUNDS, MAX_EXPERTS, sampling_problems
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
 from libs.response_format import from_request, to_structured
 from libs.structured_output import MAX_FORMAT_BYTES, format_problem
@@ -34,8 +34,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1_000  # per stop string
 MAX_NAME_CHARS = 256  # an expert name or a user id
 MAX_EXCLUDED_EXPERTS = 100
-MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batch
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's logprobs
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in the schema text
 MAX_FORMAT_NAME_CHARS = 64  # OpenAI's bound on response_format.json_schema.name
 MAX_FORMAT_DESCRIPTION_CHARS = 1_000  # kept with the request, never shown to the model
@@ -43,6 +41,12 @@ ROLES = ("system", "user", "assistant", "tool")
 TEXT_FIELDS = ("prompt", "template", "body", "user_id", "json_schema")
 _ALWAYS_PRESENT = ("prompt", "user_id")  # plain proto3 fields: no presence to test
 _FORMAT_NAME = re.compile(rf"[a-zA-Z0-9_-]{{1,{MAX_FORMAT_NAME_CHARS}}}")
+# The original rules keep the words the API has always used for them (libs.limits has their bounds).
+_TEMPERATURE, _MAX_TOKENS = API_BOUNDS["temperature"], API_BOUNDS["max_tokens"]
+_ORIGINAL_WORDS = {
+    "temperature": f"Temperature must be in [{_TEMPERATURE.low:.1f}, {_TEMPERATURE.high:.1f}]",
+    "max_tokens": f"max_tokens must be in [{_MAX_TOKENS.low}, {_MAX_TOKENS.high}]",
+}
 
 
 def normalize(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
@@ -92,55 +96,27 @@ def _normalize_format(response_format: common_pb2.ResponseFormat) -> list[tuple[
     return problems
 
 
-def _bound(problems, request, name: str, low: float, high: float, *, low_open: bool = False) -> None:
-    if not request.HasField(name):
-        return
-    value = getattr(request, name)
-    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        problems.append((f"request.{name}", f"must be in {interval}, got {value:g}"))
-
-
 def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> None:
     """Normalize the request in place, then raise INVALID_ARGUMENT listing every field that is wrong.
 
     max_model_len is the fleet's context window (0 when no engine is known yet: the engine checks then).
     """
     problems = normalize(request)
-    # the original rules
     if not request.prompt and not request.messages:
         problems.append(("request.prompt", "Prompt cannot be empty"))
     if len(request.prompt) > MAX_PROMPT_CHARS:
         problems.append(
             ("request.prompt", f"Prompt too long ({len(request.prompt)} > {MAX_PROMPT_CHARS} characters)")
         )
-    if request.HasField("temperature") and not (
-        math.isfinite(request.temperature) and 0.0 <= request.temperature <= 2.0
-    ):
-        problems.append(("request.temperature", "Temperature must be in [0.0, 2.0]"))
-    if request.HasField("max_tokens") and not 1 <= request.max_tokens <= 200_000:
-        problems.append(("request.max_tokens", "max_tokens must be in [1, 200000]"))
-    if request.HasField("max_experts") and not 1 <= request.max_experts <= 10:
-        problems.append(("request.max_experts", "max_experts must be in [1, 10]"))
-    # the other fields (vLLM / OpenAI-style bounds)
-    _bound(problems, request, "top_p", 0.0, 1.0, low_open=True)
-    if request.HasField("top_k") and request.top_k < 0:
-        problems.append(("request.top_k", f"must be >= 0 (0 = off), got {request.top_k}"))
-    _bound(problems, request, "min_p", 0.0, 1.0)
-    _bound(problems, request, "repetition_penalty", 1.0, 2.0)
-    _bound(problems, request, "presence_penalty", -2.0, 2.0)
-    _bound(problems, request, "frequency_penalty", -2.0, 2.0)
+    problems += _sampling(request)
+    if request.HasField("max_experts") and not 1 <= request.max_experts <= MAX_EXPERTS:
+        problems.append(("request.max_experts", f"max_experts must be in [1, {MAX_EXPERTS}]"))
     if request.HasField("priority") and not 0 <= request.priority <= 9:
         problems.append(("request.priority", f"must be in [0, 9], got {request.priority}"))
     if request.HasField("timeout_ms") and request.timeout_ms <= 0:
         problems.append(("request.timeout_ms", f"must be > 0, got {request.timeout_ms}"))
     if request.HasField("context_size") and request.context_size < 1:
         problems.append(("request.context_size", f"must be >= 1, got {request.context_size}"))
-    if request.HasField("n") and not 1 <= request.n <= MAX_CHOICES:
-        problems.append(("request.n", f"must be in [1, {MAX_CHOICES}], got {request.n}"))
-    if request.HasField("logprobs") and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        problems.append(("request.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {request.logprobs}"))
     problems += _stops(request)
     if len(request.user_id) > MAX_NAME_CHARS:
         problems.append(
@@ -153,6 +129,14 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     problems += _format(request)
     if problems:
         raise invalid_arguments(problems)
+
+
+def _sampling(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
+    """The sampling values the request sets, against the public API's bounds (libs.limits)."""
+    values = {name: getattr(request, name) for name in API_BOUNDS if request.HasField(name)}
+    return [
+        (f"request.{name}", _ORIGINAL_WORDS.get(name, problem)) for name, problem in sampling_problems(values)
+    ]
 
 
 def _stops(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:
@@ -177,8 +161,10 @@ def _expert_lists(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]
                 problems.append(
                     (f"request.{name}[{i}]", f"at most {MAX_NAME_CHARS} characters, got {len(value)}")
                 )
-    if len(request.force_experts) > 10:
-        problems.append(("request.force_experts", f"at most 10 experts, got {len(request.force_experts)}"))
+    if len(request.force_experts) > MAX_EXPERTS:
+        problems.append(
+            ("request.force_experts", f"at most {MAX_EXPERTS} experts, got {len(request.force_experts)}")
+        )
     if len(request.exclude_experts) > MAX_EXCLUDED_EXPERTS:
         problems.append(
             (

@@ -10,12 +10,13 @@ import time
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
 from libs.input_size import input_bytes
+from libs.limits import MAX_EXPERTS
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, render_template
 from libs.response_format import from_request
 from services.router.features import Features, extract_features, for_format
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
-from services.router.selection import MAX_EXPERTS, Selection, select_experts
+from services.router.selection import Selection, select_experts
 from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
 
 

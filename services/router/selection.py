@@ -17,9 +17,10 @@ scored, filtered and ordered.
    `incompatible_with`) is passed over, and so is one whose similarity is under the companion ratio
    (0.5) times the best chosen one's: floors calibrated to keep generic prompts out still let a
    prompt's weaker neighbours in, and composing an unrelated adapter spoils the answer.
-5. The top K, K = `max_experts` (at most 10). `force_experts` are chosen first whatever their score,
-   `exclude_experts` never. Refused, naming the field: an unknown forced name, more forced experts
-   than K, two forced experts incompatible with each other, a name both forced and excluded.
+5. The top K, K = `max_experts` (at most libs.limits.MAX_EXPERTS, 10). `force_experts` are chosen
+   first whatever their score, `exclude_experts` never. Refused, naming the field: an unknown forced
+   name, more forced experts than K, two forced experts incompatible with each other, a name both
+   forced and excluded.
 6. Composition order: soft prompts first, then the other adapters, each by manifest priority
    (highest first), then name.
 
@@ -31,12 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.errors import invalid_arguments
+from libs.limits import MAX_EXPERTS
 from services.router.features import Features
 from services.router.index import ExpertIndex, IndexedExpert, Match
 from services.router.matching import PromptQuery
 
 RETRIEVE_K = 30
-MAX_EXPERTS = 10
 W_SIMILARITY, W_SUCCESS, W_VRAM = 0.50, 0.30, 0.20
 MIB = 1 << 20
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from libs.gen.expert.v1 import common_pb2
+from libs.limits import SAMPLING_FIELDS
 from services.router.features import Features
 
 
@@ -31,19 +32,7 @@ TASK_DEFAULTS = {
 DEFAULT = Tuning(temperature=0.6, max_tokens=2048, top_p=0.95, repetition_penalty=1.1)
 
 # Request fields copied to the generation parameters whenever the user set them.
-_OVERRIDES = (
-    "temperature",
-    "max_tokens",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-    "logprobs",
-)
+_OVERRIDES = (*SAMPLING_FIELDS, "max_tokens", "n", "logprobs")
 
 
 # Without a user max_tokens, no more than this (EXPERT_ROUTER_MAX_TOKENS_DEFAULT): the table's

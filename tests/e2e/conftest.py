@@ -1,5 +1,5 @@
 """The whole system for end-to-end tests: a real redis-server and the five real services as processes
-(libs.stack), on free ports, with their logs under the test's temporary directory."""
+(tools.stack), on free ports, with their logs under the test's temporary directory."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from expert_system import ExpertClient
 from libs.engine import LLMEngine, SamplingParams
 from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
-from libs.stack import LocalStack
+from tools.stack import LocalStack
 
 
 def stack_env(model: Path, **extra: str) -> dict[str, str]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.stack import LocalStack
 from tests.e2e.conftest import LONG, ready_tiny_stack, wait_ready, wait_rest_job
+from tools.stack import LocalStack
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 PROMPT = "What is the capital of France? (audited)"

@@ -14,7 +14,6 @@ import pytest
 
 from expert_system import ExpertClient, ResourceExhausted, Unauthenticated
 from libs.auth.metadata import credentials_metadata
-from libs.expertctl.main import main as expertctl
 from libs.gen.expert.v1 import (
     engine_pb2,
     engine_pb2_grpc,
@@ -23,8 +22,9 @@ from libs.gen.expert.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from libs.stack import LocalStack, free_port, health_status
 from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tools.expertctl.main import main as expertctl
+from tools.stack import LocalStack, free_port, health_status
 
 TOKEN = "e2e-internal-token-0123456789abcdef"
 INTERNAL = credentials_metadata(internal_token=TOKEN)

@@ -21,7 +21,6 @@ from expert_system import ExpertClient, FailedPrecondition, InvalidRequest
 from libs.engine.adapters.manager import ExpertManager
 from libs.engine.config import AdapterConfig
 from libs.engine.models.config import ModelConfig
-from libs.expertctl.main import main as expertctl
 from libs.gen.expert.v1 import (
     engine_pb2,
     engine_pb2_grpc,
@@ -30,7 +29,6 @@ from libs.gen.expert.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from libs.stack import LocalStack
 from tests.e2e.conftest import stack_env
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import (
@@ -38,6 +36,8 @@ from tests.helpers.peft_adapters import (
     write_lora_adapter,
     write_prompt_tuning_adapter,
 )
+from tools.expertctl.main import main as expertctl
+from tools.stack import LocalStack
 
 WRITERS = {"lora": write_lora_adapter, "ia3": write_ia3_adapter, "soft_prompt": write_prompt_tuning_adapter}
 

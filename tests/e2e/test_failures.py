@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from libs.stack import free_port, health_status
 from tests.e2e.conftest import LONG, client_engines, long_job
 from tests.e2e.test_pipeline import wait_final, wait_status
+from tools.stack import free_port, health_status
 
 
 def test_a_job_whose_dispatcher_dies_is_reclaimed_and_completes(tiny_stack, long_prompt):

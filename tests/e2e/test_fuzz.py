@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from libs import errors
 from libs.errors import field_violations
 from libs.gen.expert.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from libs.stack import SERVICES, LocalStack, health_status
 from tests.e2e.conftest import stack_env
+from tools.stack import SERVICES, LocalStack, health_status
 
 EXAMPLES = 500
 ROLES = ("system", "user", "assistant", "tool")

@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from expert_system import ExpertClient, InvalidRequest
-from libs.expertctl.main import main as expertctl
-from libs.stack import LocalStack
 from tests.e2e.conftest import openai_client, ready_tiny_stack
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_lora_adapter
+from tools.expertctl.main import main as expertctl
+from tools.stack import LocalStack
 
 EXPERT = "json-parser"
 QWEN_ENGINE = "qwen-engine"

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from expert_system import ExpertClient
-from libs.stack import LocalStack
 from tests.e2e.conftest import LONG, openai_client, ready_tiny_stack
+from tools.stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 FINAL = ("cancelled", "completed", "failed", "timed_out")

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from expert_system import ExpertClient
-from libs.stack import LocalStack
 from tests.e2e.conftest import LONG, ready_tiny_stack, wait_rest_job
+from tools.stack import LocalStack
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
 QUESTION = {"prompt": "What is the capital of France?", "temperature": 0.0, "max_tokens": 8}

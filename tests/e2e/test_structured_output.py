@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from expert_system import ExpertClient, InvalidRequest
-from libs.stack import LocalStack
 from libs.structured_output import StructuredOutput, text_problem
 from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tools.stack import LocalStack
 
 PROMPT = "Is Paris the capital of France?"
 MAX_TOKENS = 32

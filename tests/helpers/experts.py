@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from libs.expertctl.main import main as expertctl
+from tools.expertctl.main import main as expertctl
 
 
 @dataclass(frozen=True)

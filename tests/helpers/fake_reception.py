@@ -46,7 +46,8 @@ from libs.gen.expert.v1 import (
     preparation_pb2,
     preparation_pb2_grpc,
 )
-from libs.stack import free_port
+from libs.job_results import set_failure
+from tools.stack import free_port
 
 SUBMITTED_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 FINISHED_AT = SUBMITTED_AT + timedelta(seconds=1.5)
@@ -118,8 +119,8 @@ def echo_result(job_id: str, request: common_pb2.InferenceRequest) -> common_pb2
         result.status = common_pb2.JOB_STATUS_FAILED
         result.finish_reason = common_pb2.FINISH_REASON_ERROR
         result.error = "the router refused the job"
-        result.error_code = "INVALID_ARGUMENT"
-        result.error_fields.add(field="request.max_tokens", description="exceeds the context window 2048")
+        refused = [("request.max_tokens", "exceeds the context window 2048")]
+        set_failure(result, grpc.StatusCode.INVALID_ARGUMENT, refused)
         result.text = ""
     elif request.HasField("timeout_ms") and request.timeout_ms < 100:
         result.status = common_pb2.JOB_STATUS_TIMED_OUT

@@ -16,7 +16,7 @@ import grpc
 
 from libs.config import ServerConfig
 from libs.grpc_server import Health, serve
-from libs.stack import free_port
+from tools.stack import free_port
 
 
 @functools.cache

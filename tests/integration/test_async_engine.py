@@ -6,11 +6,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import json
 import time
 
 import pytest
 
-from libs.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, OutputKind, SamplingParams
+from libs.engine import (
+    AsyncLLMEngine,
+    InvalidRequestError,
+    LLMEngine,
+    OutputKind,
+    SamplingParams,
+    SchedulerConfig,
+)
+from libs.experts.manifest import BaseModelIdentity
 
 MAX_MODEL_LEN = 1024
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
@@ -355,3 +364,43 @@ def test_stats_are_a_snapshot_taken_by_the_engine_thread(engine):
     stats = asyncio.run(main())
     assert stats.requests_finished_total == {"length": 1}
     assert stats.generation_tokens_total == 5
+
+
+def test_the_model_info_describes_the_loaded_model_and_the_engines_limits(engine, tiny_llama):
+    async def main():
+        await engine.start()
+        try:
+            return engine.model_info
+        finally:
+            await engine.shutdown()
+
+    info = asyncio.run(main())
+    raw = json.loads((tiny_llama / "config.json").read_text())
+    assert info.name == tiny_llama.name
+    assert info.base_model == BaseModelIdentity.from_hf_config(raw)
+    assert (info.num_layers, info.num_kv_heads) == (raw["num_hidden_layers"], raw["num_key_value_heads"])
+    assert (info.dtype, info.dtype_bytes) == ("float32", 4)  # the CPU's default
+    assert info.max_model_len == MAX_MODEL_LEN
+    defaults = SchedulerConfig()
+    assert (info.max_num_seqs, info.max_sessions) == (defaults.max_num_seqs, defaults.max_sessions)
+
+
+def test_the_model_info_is_there_once_the_engine_is_built(engine):
+    with pytest.raises(RuntimeError, match="start"):
+        engine.model_info  # noqa: B018
+
+
+def test_the_load_is_the_latest_snapshot_against_the_engines_limits(engine):
+    async def main():
+        await engine.start()
+        try:
+            engine.add_request("busy", "Hello", LONG)
+            await wait_for(lambda: engine.load().running == 1)
+            return engine.load(), engine.model_info
+        finally:
+            await engine.shutdown()
+
+    load, info = asyncio.run(main())
+    assert load.running == 1 and load.waiting == 0
+    assert 0 < load.kv_blocks_free < load.kv_blocks_total
+    assert (load.max_num_seqs, load.max_sessions) == (info.max_num_seqs, info.max_sessions)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from libs.expertctl import model_cmd
-from libs.expertctl.errors import UsageError
+from tools.expertctl import model_cmd
+from tools.expertctl.errors import UsageError
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / model_cmd.DEFAULT_MODEL_DIR
 pytestmark = pytest.mark.default_model

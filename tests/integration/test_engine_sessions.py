@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from libs.engine import LLMEngine, SamplingParams
-from libs.engine.sessions import SessionBusyError, SessionLimitError, SessionRef
+from libs.engine.info import EngineLoad
+from libs.engine.sessions import SessionBusyError, SessionFullError, SessionLimitError, SessionRef
 from libs.engine.tokenizer import ChatTemplateError
 from libs.engine.tokenizer.turns import encode_turn
 
@@ -205,6 +206,52 @@ def test_a_session_turn_has_one_output(tiny_llama):
     engine = _engine(tiny_llama)
     with pytest.raises(InvalidRequestError, match=r"^n: a session turn has one output"):
         engine.add_request("n-0", [5, 6, 7], SamplingParams(n=2), session=SessionRef("n"))
+
+
+def test_a_turn_with_a_session_limit_has_its_reply_cut_to_what_the_limit_leaves(tiny_llama):
+    engine = _engine(tiny_llama)
+    prompt = list(range(5, 25))
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    out = _run(engine, "cut-0", prompt, params, SessionRef("cut", max_tokens=30))
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+def test_a_turn_without_a_session_limit_has_its_max_tokens_checked_as_any_requests(tiny_llama):
+    from libs.engine import InvalidRequestError
+
+    engine = _engine(tiny_llama, max_model_len=64)
+    params = SamplingParams(max_tokens=100)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: prompt \(20 tokens\) \+ max_tokens"):
+        engine.add_request("free-0", list(range(5, 25)), params, session=SessionRef("free"))
+    request = engine.prepare_request(
+        "window-0", list(range(5, 25)), params, session=SessionRef("window", max_tokens=0)
+    )
+    assert request.params.max_tokens == 44  # limit 0: the context window
+
+
+def test_a_turn_its_session_limit_leaves_no_room_for_is_refused_before_it_is_queued(tiny_llama):
+    engine = _engine(tiny_llama)
+    with pytest.raises(SessionFullError, match=r"EXPERT_SESSION_MAX_TOKENS \(20\) leaves no room"):
+        engine.add_request("full-0", list(range(5, 25)), GREEDY, session=SessionRef("full", max_tokens=20))
+    assert not engine.has_unfinished_requests() and "full" not in engine.sessions
+
+
+def test_a_session_limit_needs_the_turns_token_ids(tiny_llama):
+    from libs.engine import InvalidRequestError
+
+    engine = _engine(tiny_llama)
+    with pytest.raises(InvalidRequestError, match=r"^prompt: a session turn with a token limit"):
+        engine.add_request("text-0", "Hello", GREEDY, session=SessionRef("text", max_tokens=100))
+
+
+def test_the_load_counts_the_blocks_idle_sessions_keep_as_free(tiny_llama):
+    engine = _engine(tiny_llama)
+    Conversation(engine, "kept").turn(USERS[0])
+    stats = engine.get_stats()
+    load = EngineLoad.of(stats, engine.model_info)
+    assert load.kv_blocks_sessions == stats.sessions.idle_blocks > 0
+    assert load.kv_blocks_free == stats.kv_free_blocks + stats.sessions.idle_blocks
+    assert (load.sessions, load.max_sessions) == (1, engine.model_info.max_sessions)
 
 
 def test_a_turn_under_other_experts_does_not_reuse_the_kept_kv(tiny_llama):

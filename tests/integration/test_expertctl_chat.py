@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from libs.engine import LLMEngine, SamplingParams
-from libs.expertctl.chat_cmd import Chat
-from libs.expertctl.main import main
+from tools.expertctl.chat_cmd import Chat
+from tools.expertctl.main import main
 
 
 class _Lines(io.StringIO):
@@ -50,7 +50,7 @@ def test_chat_process_answers_from_piped_input(tiny_llama):
         [
             sys.executable,
             "-m",
-            "libs.expertctl.main",
+            "tools.expertctl.main",
             "chat",
             "--model",
             str(tiny_llama),

@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from expert_system import ExpertClient
-from libs.expertctl.chat_cmd import RemoteChat
-from libs.expertctl.main import main
 from libs.gen.expert.v1 import session_pb2, session_pb2_grpc
 from tests.e2e.conftest import ready_tiny_stack
 from tests.helpers.ports import free_port
+from tools.expertctl.chat_cmd import RemoteChat
+from tools.expertctl.main import main
 
 SETTINGS = ["--temperature", "0", "--max-tokens", "8", "--system", "Be brief."]
 
@@ -73,7 +73,7 @@ def _gone(target: str, session_id: str) -> bool:
 
 def test_the_chat_process_answers_each_line_through_a_session(target):
     result = subprocess.run(
-        [sys.executable, "-m", "libs.expertctl.main", "chat", "--target", target, *SETTINGS],
+        [sys.executable, "-m", "tools.expertctl.main", "chat", "--target", target, *SETTINGS],
         input="hello\nbad \x00 line\n/reset\nagain\n/exit\nnever read\n",
         capture_output=True,
         text=True,

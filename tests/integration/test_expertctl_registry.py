@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from libs.expertctl.main import main as expertctl
-from libs.stack import LocalStack
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_all_adapters
+from tools.expertctl.main import main as expertctl
+from tools.stack import LocalStack
 
 
 @pytest.fixture

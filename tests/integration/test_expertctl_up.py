@@ -24,12 +24,12 @@ import redis
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from libs.expertctl.errors import UsageError
-from libs.expertctl.up_cmd import READY_LINE, _check_ports_free, _settings, service_settings
 from libs.gen.expert.v1 import common_pb2
-from libs.stack import SERVICES, free_port, health_status
-from libs.supervisor import Backoff
 from services.reception.jobs import job_key
+from tools.expertctl.errors import UsageError
+from tools.expertctl.up_cmd import READY_LINE, _check_ports_free, _settings, service_settings
+from tools.stack import SERVICES, free_port, health_status
+from tools.supervisor import Backoff
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 45.0
@@ -54,7 +54,7 @@ def _flags(settings: dict[str, str]) -> list[str]:
 
 
 def _expertctl_up(*args: str) -> list[str]:
-    return [sys.executable, "-m", "libs.expertctl.main", "up", *args]
+    return [sys.executable, "-m", "tools.expertctl.main", "up", *args]
 
 
 class _Lines:

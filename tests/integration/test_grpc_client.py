@@ -12,9 +12,9 @@ import pytest
 
 from libs.gen.expert.v1 import router_pb2, router_pb2_grpc
 from libs.grpc_client import Channels, call, insecure_channel
-from libs.stack import free_port
 from tests.helpers.grpc_services import plan_request, running
 from tests.helpers.in_process import serving
+from tools.stack import free_port
 
 
 def test_call_retries_unavailable_only_when_idempotent():

@@ -12,7 +12,9 @@ import grpc
 import pytest
 from redis.asyncio import Redis
 
+from libs.errors import CLIENT_ERRORS
 from libs.gen.expert.v1 import common_pb2, engine_pb2, preparation_pb2
+from libs.job_results import failure_code
 from services.reception.capacity import Capacity
 from services.reception.dispatcher import Dispatcher, DispatchSettings
 from services.reception.jobs import JobStore, job_key
@@ -29,10 +31,11 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 
 
 class FakeStream:
-    """An engine's Generate stream: `script` is "complete", "die" (UNAVAILABLE after one chunk) or
-    "hang" (one chunk, then nothing until it is aborted or cancelled)."""
+    """An engine's Generate stream: `script` is "complete", "die" (UNAVAILABLE after one chunk),
+    "hang" (one chunk, then nothing until it is aborted or cancelled) or a status code (that error
+    after one chunk)."""
 
-    def __init__(self, script: str) -> None:
+    def __init__(self, script: str | grpc.StatusCode) -> None:
         self.script = script
         self.aborted = asyncio.Event()
         self.cancelled = False
@@ -46,6 +49,8 @@ class FakeStream:
         yield engine_pb2.GenerateResponse(text="Par", token_ids=[1])
         if self.script == "die":
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "engine gone")
+        if isinstance(self.script, grpc.StatusCode):
+            raise rpc_error(self.script, "the engine refused the request")
         if self.script == "hang":
             await self.aborted.wait()
             if self.cancelled:
@@ -72,7 +77,7 @@ class FakeStages:
         *,
         hang: str | None = None,
         errors: dict[str, grpc.aio.AioRpcError] | None = None,
-        engines: tuple[str, ...] = ("complete",),
+        engines: tuple[str | grpc.StatusCode, ...] = ("complete",),
     ) -> None:
         self.hang = hang
         self.errors = errors or {}
@@ -204,6 +209,19 @@ def test_an_engine_dying_with_no_retry_left_fails_the_job_and_releases_it(clean_
     stages = FakeStages(engines=("die",))
     result = run_saga(clean_redis_url, stages, retries=0)
     assert result.status == common_pb2.JOB_STATUS_FAILED and "engine-1" in result.error
+    assert_one_release_per_placement(stages, 1)
+
+
+@pytest.mark.parametrize("code", sorted(CLIENT_ERRORS, key=lambda c: c.value[0]), ids=lambda c: c.name)
+def test_an_engine_refusing_with_a_client_error_fails_the_job_with_that_code_on_no_other_engine(
+    clean_redis_url, code
+):
+    """libs.errors.is_client_error: the request is wrong, not the engine, so no retry elsewhere; and
+    reception's Infer answers with the code the result records (tests/unit/test_job_failures.py)."""
+    stages = FakeStages(engines=(code, "complete"))
+    result = run_saga(clean_redis_url, stages, retries=1)
+    assert result.status == common_pb2.JOB_STATUS_FAILED and "refused the request" in result.error
+    assert (failure_code(result), result.error_code) == (code, code.name)
     assert_one_release_per_placement(stages, 1)
 
 

@@ -11,9 +11,9 @@ from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
 from libs.redis_streams import read_next
-from libs.stack import LocalStack
 from services.reception.jobs import JobStore, job_key
 from services.reception.queue import GROUP, STREAMS, JobQueue, stream
+from tools.stack import LocalStack
 
 JOB_TTL_S = 3600
 

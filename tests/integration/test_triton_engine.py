@@ -27,7 +27,9 @@ def test_the_triton_kernels_give_the_native_kernels_tokens_in_float32(tiny_check
     checkpoint = tiny_checkpoints[architecture]
     triton = _engine(checkpoint, kernels="triton", cuda_graphs="on")
     assert triton.kernels == "triton" and triton.runner.graphs is not None
-    expected = [o.token_ids for o in _engine(checkpoint, kernels="native", device="cpu").generate(PROMPTS, GREEDY)]
+    expected = [
+        o.token_ids for o in _engine(checkpoint, kernels="native", device="cpu").generate(PROMPTS, GREEDY)
+    ]
     assert [o.token_ids for o in triton.generate(PROMPTS, GREEDY)] == expected
 
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from libs.experts.demo.catalog import RECIPES, WrongJsonKeys
-from libs.experts.demo.dates import DateNormalisation
-from libs.experts.demo.json_extract import JsonExtraction
-from libs.experts.demo.sql import SqlQueries, answer_query, run_query
-from libs.experts.demo.units import UnitConversion
+from tools.demo.catalog import RECIPES, WrongJsonKeys
+from tools.demo.dates import DateNormalisation
+from tools.demo.json_extract import JsonExtraction
+from tools.demo.sql import SqlQueries, answer_query, run_query
+from tools.demo.units import UnitConversion
 
 SKILLS = [recipe.skill for recipe in RECIPES]
 

@@ -26,12 +26,12 @@ import pytest
 import yaml
 
 from libs.engine.config import ENV_VARIABLES as ENGINE_ENV_VARIABLES
-from libs.stack import DEFAULT_HTTP_PORTS, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
 from services.engine.config import EngineServiceConfig
 from services.postproc.config import PostprocConfig
 from services.preparation.config import PreparationConfig
 from services.reception.config import ReceptionConfig
 from services.router.config import RouterConfig
+from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"

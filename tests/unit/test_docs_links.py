@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", REPO / "sdk/python/README.md", *sorted((REPO / "docs").glob("*.md"))]
 CODE = [
     p
-    for root in ("services", "libs", "sdk", "protos", "bench", "tests")
+    for root in ("services", "libs", "tools", "sdk", "protos", "bench", "tests")
     for p in sorted((REPO / root).rglob("*"))
     if p.suffix in (".py", ".proto") and not {"gen", "_proto"} & set(p.relative_to(REPO).parts)
     if p != Path(__file__).resolve()  # it names what it looks for

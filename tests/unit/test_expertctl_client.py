@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from libs.expertctl.main import main
 from libs.gen.expert.v1 import common_pb2
 from tests.helpers.fake_reception import TRACE, serve_fakes, unused_port
+from tools.expertctl.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -306,7 +306,7 @@ def test_engines_says_when_there_are_none(run, fakes, monkeypatch):
 
 def _expertctl(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "libs.expertctl.main", *args],
+        [sys.executable, "-m", "tools.expertctl.main", *args],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

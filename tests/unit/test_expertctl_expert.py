@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from libs.expertctl import expert_cmd
-from libs.expertctl.main import main
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.package import inspect_package
 from tests.helpers.peft_adapters import write_all_adapters
+from tools.expertctl import expert_cmd
+from tools.expertctl.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -236,7 +236,7 @@ def test_a_refusal_in_a_real_process_prints_no_traceback(adapters, keys, tmp_pat
     command = [
         sys.executable,
         "-m",
-        "libs.expertctl.main",
+        "tools.expertctl.main",
         "expert",
         "verify",
         str(out),

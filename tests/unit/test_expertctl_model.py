@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from libs.expertctl import model_cmd
-from libs.expertctl.main import main
 from tests.helpers.tiny_gguf import write_tiny_gguf
+from tools.expertctl import model_cmd
+from tools.expertctl.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_cli_process_prints_no_traceback(tmp_path):
         [
             sys.executable,
             "-m",
-            "libs.expertctl.main",
+            "tools.expertctl.main",
             "model",
             "import-gguf",
             str(tmp_path / "bad.gguf"),

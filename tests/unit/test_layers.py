@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"block_manager", "adapters.batch", "step_inputs"},
     {"sessions"},
     {"outputs"},
-    {"scheduler", "models.decoder", "adapters.manager"},
+    {"scheduler", "models.decoder", "adapters.manager", "info", "streams"},
     {"runner", "request"},
     {"request_builder"},
     {"llm_engine"},
@@ -32,10 +32,11 @@ LAYERS: list[set[str]] = [
     {""},  # the package's public names
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
-# What the engine library may use from the rest of libs/: settings, the expert package format and
-# the structured output formats.
+# What the engine library may use from the rest of libs/: settings, the limits of a request it
+# shares with the API, the expert package format and the structured output formats.
 ENGINE_MAY_IMPORT = (
     "libs.config",
+    "libs.limits",
     "libs.experts.manifest",
     "libs.experts.package",
     "libs.experts.signing",

@@ -29,8 +29,8 @@ from libs.engine.models.config import ModelConfig
 from libs.engine.outputs import ExpertStats
 from libs.experts.package import PackageError, read_package
 from libs.experts.signing import Keyring, SigningError
+from libs.limits import MAX_EXPERTS
 
-MAX_EXPERTS_PER_REQUEST = 10
 MAX_WEIGHT = 10.0
 
 # A request's expert list: ("name", weight) pairs or bare names (weight 1); "name@version" pins a version.
@@ -142,9 +142,9 @@ class ExpertManager:
             return ResolvedExperts((), b"", 0)
         if isinstance(spec, str | bytes) or not isinstance(spec, Sequence):
             raise InvalidRequestError("experts", "expected a list of (name, weight) pairs")
-        if len(spec) > MAX_EXPERTS_PER_REQUEST:
+        if len(spec) > MAX_EXPERTS:
             raise InvalidRequestError(
-                "experts", f"at most {MAX_EXPERTS_PER_REQUEST} experts per request, got {len(spec)}"
+                "experts", f"at most {MAX_EXPERTS} experts per request, got {len(spec)}"
             )
         uses: list[ExpertUse] = []
         for i, item in enumerate(spec):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,22 +77,6 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.kv_size * dtype_bytes
-
-    def identity_hash(self) -> str:
-        """A stable hash of the fields that decide whether weights fit this model (for experts)."""
-        keys = (
-            "architecture",
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "tie_word_embeddings",
-        )
-        canonical = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -7,7 +7,7 @@ from typing import Unpack
 import grpc
 
 from ._proto.expert.v1 import inference_pb2, inference_pb2_grpc
-from .client import CHANNEL_OPTIONS, DEFAULT_TIMEOUT, auth_metadata, default_target
+from .connection import CHANNEL_OPTIONS, DEFAULT_TIMEOUT, auth_metadata, default_target
 from .errors import error_from_aio_call
 from .request import RequestFields, build_request
 from .results import (

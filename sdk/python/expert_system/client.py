@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import grpc
 
 from ._proto.expert.v1 import inference_pb2, inference_pb2_grpc
+from .connection import (  # re-exported: `expert_system.client.CHANNEL_OPTIONS` and the rest stay
+    API_KEY_ENV,
+    CHANNEL_OPTIONS,
+    DEFAULT_TARGET,
+    DEFAULT_TIMEOUT,
+    TARGET_ENV,
+    auth_metadata,
+    default_target,
+)
 from .errors import error_from_call
 from .request import RequestFields, build_request
 from .results import (
@@ -19,36 +27,21 @@ from .results import (
     result_from_proto,
     submission_from_proto,
 )
+from .session import Session, SessionFields
 from .stream import InferStream
 
-if TYPE_CHECKING:
-    from .session import Session, SessionFields
-
-DEFAULT_TARGET = "localhost:50051"
-TARGET_ENV = "EXPERT_RECEPTION_TARGET"
-API_KEY_ENV = "EXPERT_API_KEY"
-# Seconds allowed for the quick calls (submit, get_job, cancel). Infer has no deadline by default:
-# the job has its own timeout_ms, after which the server returns the partial output.
-DEFAULT_TIMEOUT = 10.0
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-)
+__all__ = [
+    "API_KEY_ENV",
+    "CHANNEL_OPTIONS",
+    "DEFAULT_TARGET",
+    "DEFAULT_TIMEOUT",
+    "TARGET_ENV",
+    "ExpertClient",
+    "auth_metadata",
+    "default_target",
+]
 
 _Response = TypeVar("_Response")
-
-
-def default_target() -> str:
-    """The reception's address: EXPERT_RECEPTION_TARGET, else localhost:50051."""
-    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
-
-
-def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata every call sends: `authorization: Bearer <key>` for `api_key`, else for
-    EXPERT_API_KEY; nothing without either (a stack with EXPERT_AUTH=off needs none)."""
-    key = api_key or os.environ.get(API_KEY_ENV)
-    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 class ExpertClient:
@@ -113,8 +106,6 @@ class ExpertClient:
     ) -> Session:
         """Open a multi-turn session (its settings are the keywords of `SessionFields`), created
         at once; use it as a context manager, which ends it on exit. See `expert_system.session`."""
-        from .session import Session  # it imports this module
-
         return Session(self._channel, self._metadata, settings, timeout)
 
     def _call(self, method: Callable[..., _Response], request, timeout: float | None) -> _Response:

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypedDict, Unpack
 import grpc
 
 from ._proto.expert.v1 import common_pb2, session_pb2, session_pb2_grpc
-from .client import DEFAULT_TIMEOUT
+from .connection import DEFAULT_TIMEOUT
 from .errors import ExpertSystemError, NotFound, error_from_aio_call, error_from_call
 from .request import ChatMessageDict, _chat_message, _set, _set_repeated, build_request
 from .results import (

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from libs.auth.policy import Authenticator
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
+from libs.job_results import failure_code
 from services.reception.capacity import Capacity
 from services.reception.http.auth import authentication
 from services.reception.http.calls import unless_disconnected
@@ -154,12 +154,11 @@ def _failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
     max_num_seqs) as the client sent it."""
     if result.status != common_pb2.JOB_STATUS_FAILED:
         return None
-    code = getattr(grpc.StatusCode, result.error_code, None) if result.error_code else None
+    code = failure_code(result)
     status = HTTP_STATUS.get(code, 500) if code is not None else 500
     param = param_of(result.error_fields[0].field, body) if result.error_fields else None
-    return HttpError(
-        status, result.error or "the job failed", param, code=(result.error_code or "job_failed").lower()
-    )
+    name = code.name.lower() if code is not None else "job_failed"
+    return HttpError(status, result.error or "the job failed", param, code=name)
 
 
 def _usage(result: common_pb2.InferenceResult) -> dict[str, int]:

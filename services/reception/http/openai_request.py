@@ -6,6 +6,7 @@ enforces (with the regex and grammar extensions: services/reception/http/respons
 from __future__ import annotations
 
 from libs.gen.expert.v1 import common_pb2
+from libs.limits import SAMPLING_FIELDS
 from services.reception.http.errors import HttpError, not_supported
 from services.reception.http.openai_schema import (
     ChatCompletionRequest,
@@ -54,18 +55,7 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
         max_tokens = body.max_tokens
     if max_tokens is not None:
         request.max_tokens = max_tokens
-    for name in (
-        "temperature",
-        "top_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "max_experts",
-        "priority",
-    ):
+    for name in (*SAMPLING_FIELDS, "max_experts", "priority"):
         value = getattr(body, name)
         if value is not None:
             setattr(request, name, value)

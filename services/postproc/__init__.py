@@ -1,0 +1,2 @@
+"""The post-processing service (`PostprocService`): output validation by task type, metrics and
+feedback."""

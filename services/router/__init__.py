@@ -1,0 +1,2 @@
+"""The router service (`RouterService`): features, expert selection over Qdrant, parameter tuning,
+the expert registry and the feedback consumer."""

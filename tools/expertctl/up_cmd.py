@@ -1,0 +1,415 @@
+"""`expertctl up`: the whole system on this machine, until Ctrl-C.
+
+Starts a redis-server (unless EXPERT_REDIS_URL names a running Redis) and the five services as
+processes (tools.stack.LocalStack), waits until each reports SERVING, prints how to call it, then
+keeps them running: a service or the redis-server that exits is started again after a backoff (1 s,
+doubling up to 30 s, 1 s again once it has stayed up 60 s), each restart said in one line on stderr.
+Ctrl-C or SIGTERM stops everything, prints how many restarts there were, and exits 0.
+
+The services listen on 127.0.0.1 only, unless EXPERT_BIND_HOST is set; the redis-server always
+does. It keeps an append-only file in REDIS_DIR (written every second: a restart reloads the queue
+and the job records) and holds at most --redis-maxmemory, evicting only keys that expire (job
+records and events), never the queue. Each service writes its JSON logs to LOG_DIR/<service>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from tools.expertctl.errors import UsageError
+
+DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
+DEFAULT_LOG_DIR = Path("data/logs")
+# The services listen here unless EXPERT_BIND_HOST is set: not reachable from other machines.
+LOCAL_BIND_HOST = "127.0.0.1"
+# Unless the user sets a budget: 1 GiB holds about 23,000 tokens of the default model in float32,
+# plenty for a laptop, where the engine's default (20% of available memory) could take gigabytes.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+# Per service; the engine loads the model and may compile the C++ kernels (about 40 s) first.
+START_TIMEOUT_S = 600.0
+POLL_INTERVAL_S = 0.5
+READY_LINE = "The Expert System is running"
+
+_SETTING = re.compile(r"^(EXPERT_[A-Z0-9_]+)=(.*)$", re.DOTALL)
+_MEMORY = re.compile(r"^[0-9]+([kmg]b?|b)?$", re.IGNORECASE)  # what redis-server's --maxmemory takes
+
+
+class _StopRequested(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it; LocalStack.start
+    stops what it started when one passes through."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="run the whole system locally until Ctrl-C", description=__doc__
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help=f"checkpoint directory for the engine (default $EXPERT_MODEL_PATH, else {DEFAULT_MODEL_DIR})",
+    )
+    parser.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR, help="where the services' logs go")
+    parser.add_argument(
+        "--redis-dir",
+        type=Path,
+        help="where the redis-server keeps its append-only file (default: redis beside the log "
+        f"directory, {DEFAULT_LOG_DIR.parent / 'redis'} for the default one)",
+    )
+    parser.add_argument(
+        "--redis-maxmemory",
+        metavar="SIZE",
+        help="the most memory the redis-server holds, e.g. 512mb or 2gb (default 512mb; 0: no cap)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EXPERT_* setting for every service (repeatable); EXPERT_<SERVICE>_PORT and "
+        "EXPERT_<SERVICE>_METRICS_PORT move a service off its default port",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.stack import StackError
+
+    try:
+        return _run(args)
+    except StackError as exc:  # already one line that says what to do; not a bug's traceback
+        _error(str(exc))
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack, StackError
+    from tools.supervisor import Supervisor
+
+    settings = _settings(os.environ, args.env)
+    auth = _auth(settings)
+    ports, metrics_ports = _ports(settings, SERVICES)
+    http_ports = {
+        service: _port(settings, f"EXPERT_{service.upper()}_HTTP_PORT", port, minimum=0)
+        for service, port in DEFAULT_HTTP_PORTS.items()
+    }
+    redis_url = settings.get("EXPERT_REDIS_URL") or None
+    model = args.model or Path(settings.get("EXPERT_MODEL_PATH") or DEFAULT_MODEL_DIR)
+    if not (model / "config.json").is_file():
+        raise UsageError(f"--model: {model} is not a checkpoint directory (`make model` makes the default)")
+    _check_redis_flags(args, redis_url)
+    if redis_url is None and shutil.which("redis-server") is None:
+        raise StackError(
+            "redis-server is not installed: `make run` installs it (apt-get install redis-server), "
+            "or set EXPERT_REDIS_URL to a running Redis"
+        )
+    env = service_settings(settings, args.env, model)
+    _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"], http_ports)
+
+    stack = LocalStack(
+        args.log_dir,
+        env=env,
+        ports=ports,
+        metrics_ports=metrics_ports,
+        http_ports=http_ports,
+        redis_url=redis_url,
+        redis_durable=True,
+        redis_dir=args.redis_dir or args.log_dir.parent / "redis",
+        redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
+    )
+    supervisor = Supervisor(stack, notice=lambda message: _notice(f"expertctl: {message}"))
+    with _StopSignals() as signals:
+        try:
+            what = "the five services" if redis_url else "redis-server and the five services"
+            _notice(f"starting {what}; logs in {args.log_dir}/")
+            stack.start(timeout=START_TIMEOUT_S)  # stops what it started if it fails or is stopped
+            print(
+                how_to_call(
+                    stack.target("reception"),
+                    stack.target("preparation"),
+                    metrics_ports,
+                    args.log_dir,
+                    http=stack.http_url() if http_ports["reception"] else None,
+                    model=model.resolve().name,
+                    expertctl=local_command("expertctl"),
+                    python=local_command("python"),
+                    auth=auth,
+                )
+            )
+            sys.stdout.flush()
+            while True:  # until a stop signal
+                with signals.held():  # a process started by a restart is always recorded to stop
+                    supervisor.check()
+                time.sleep(POLL_INTERVAL_S)
+        except _StopRequested:
+            _notice("stopping…")
+            stack.stop()
+            _notice("stopped")
+            _notice(supervisor.summary())
+            return 0
+        except BaseException:
+            signals.disarm()
+            stack.stop()
+            raise
+
+
+def how_to_call(
+    reception: str,
+    preparation: str,
+    metrics_ports: Mapping[str, int],
+    log_dir: Path,
+    http: str | None = None,
+    model: str = "",
+    expertctl: str = "expertctl",
+    python: str = "python",
+    auth: str = "off",
+) -> str:
+    """The block printed once the stack is up: the CLI, the SDK, grpcurl, the HTTP API (at `http`,
+    serving `model`; None: off), whether API keys are required (`auth`: EXPERT_AUTH), metrics and
+    logs. `expertctl` and `python` are how the user runs them from here (local_command)."""
+    # --target only when a service is not where the clients look by default.
+    to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
+    to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
+    client = "ExpertClient()" if not to_reception else f'ExpertClient("{reception}")'
+    metrics = [
+        f"http://localhost:{port}/metrics ({service})" for service, port in metrics_ports.items() if port
+    ]
+    lines = [
+        f"{READY_LINE}: the API (reception) is at {reception}.",
+        "",
+        f'  {expertctl} infer {to_reception}"What is the capital of France?"',
+        f'  {expertctl} stream {to_reception}"Tell me a story"',
+        f"  {expertctl} engines{to_preparation}",
+        "",
+        "From Python (or any Python after `pip install ./sdk/python`):",
+        f"  {python} -c 'from expert_system import ExpertClient; "
+        f'print({client}.infer(prompt="What is the capital of France?").text)\'',
+        "",
+        "With grpcurl (server reflection is on):",
+        f"  grpcurl -plaintext {reception} list",
+        f'  grpcurl -plaintext -d \'{{"request": {{"prompt": "Hello"}}}}\' {reception} '
+        "expert.v1.InferenceService/Infer",
+        "",
+        *_http_lines(http, model),
+        *_auth_lines(auth, expertctl, to_reception),
+        "Metrics: " + (", ".join(metrics) if metrics else "off"),
+        f"Logs:    {log_dir}/<service>.log",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def _auth_lines(auth: str, expertctl: str, to_reception: str) -> list[str]:
+    if auth != "required":
+        return ["Auth:    off (EXPERT_AUTH=required turns on API keys; see docs/api.md#authentication)"]
+    return [
+        "Auth:    required: make a key with the internal token, then send it (the CLI and the SDK read",
+        "         EXPERT_API_KEY; HTTP clients send Authorization: Bearer <key>):",
+        f"  EXPERT_INTERNAL_TOKEN=... {expertctl} keys create {to_reception}--name me",
+        "  export EXPERT_API_KEY=<the key it printed>",
+    ]
+
+
+def _auth(settings: Mapping[str, str]) -> str:
+    """EXPERT_AUTH as the services will read it: a required auth without its token fails here,
+    before anything starts."""
+    from libs.auth.config import AuthConfig
+    from libs.config import ConfigError
+
+    try:
+        return AuthConfig.from_env(settings).mode
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+
+
+def _http_lines(http: str | None, model: str) -> list[str]:
+    if http is None:
+        return []
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    )
+    return [
+        f"With curl or any OpenAI client (the OpenAI API is at {http}/v1):",
+        f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        "",
+    ]
+
+
+def local_command(name: str) -> str:
+    """How to run the program `name` of this interpreter's environment (its bin directory) from
+    the current directory, as printed for the user to copy: bare when that is what PATH finds
+    (an activated venv), else its path, relative when it lies below here (.venv/bin/expertctl)."""
+    program = Path(os.path.abspath(sys.executable)).parent / name
+    if not program.is_file():
+        return name
+    found = shutil.which(name)
+    if found is not None and os.path.samefile(found, program):
+        return name
+    try:
+        return str(program.relative_to(Path.cwd()))
+    except ValueError:
+        return str(program)
+
+
+def service_settings(settings: Mapping[str, str], flags: list[str], model: Path) -> dict[str, str]:
+    """The settings LocalStack gives every service on top of the environment: the --env flags, the
+    model, and where the user set none, the KV cache budget and the bind address (127.0.0.1)."""
+    env = dict(_from_flags(flags))
+    env["EXPERT_MODEL_PATH"] = str(model.resolve())
+    if "EXPERT_KV_CACHE_BYTES" not in settings:
+        env["EXPERT_KV_CACHE_BYTES"] = str(DEFAULT_KV_CACHE_BYTES)
+    # Blank means unset to the services too (they would take their container default, 0.0.0.0).
+    env["EXPERT_BIND_HOST"] = settings.get("EXPERT_BIND_HOST", "").strip() or LOCAL_BIND_HOST
+    return env
+
+
+def _check_redis_flags(args: argparse.Namespace, redis_url: str | None) -> None:
+    given = [
+        flag
+        for flag, value in (("--redis-dir", args.redis_dir), ("--redis-maxmemory", args.redis_maxmemory))
+        if value
+    ]
+    if redis_url is not None and given:
+        raise UsageError(f"{given[0]}: only for the redis-server up starts, not with EXPERT_REDIS_URL")
+    if args.redis_maxmemory is not None and not _MEMORY.match(args.redis_maxmemory):
+        raise UsageError(
+            f"--redis-maxmemory: expected a size such as 512mb or 2gb, got {args.redis_maxmemory!r}"
+        )
+
+
+def _from_flags(flags: list[str]) -> Iterator[tuple[str, str]]:
+    for flag in flags:
+        match = _SETTING.match(flag)
+        if match is None:
+            raise UsageError(f"--env: expected EXPERT_NAME=VALUE, got {flag!r}")
+        yield match[1], match[2]
+
+
+def _settings(environ: Mapping[str, str], flags: list[str]) -> dict[str, str]:
+    """The EXPERT_* settings in effect: the environment's, overridden by --env."""
+    settings = {key: value for key, value in environ.items() if key.startswith("EXPERT_")}
+    settings.update(_from_flags(flags))
+    return settings
+
+
+def _ports(settings: Mapping[str, str], services: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each service's gRPC and metrics port: EXPERT_<SERVICE>_PORT / _METRICS_PORT, else the default.
+    LocalStack sets these variables itself, so they are read here to reach it."""
+    from tools.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS
+
+    ports, metrics_ports = {}, {}
+    for service in services:
+        name = f"EXPERT_{service.upper()}"
+        # 0 (pick any port) cannot be used for gRPC: the stack must know where to find the service.
+        ports[service] = _port(settings, f"{name}_PORT", DEFAULT_PORTS[service], minimum=1)
+        metrics_ports[service] = _port(
+            settings, f"{name}_METRICS_PORT", DEFAULT_METRICS_PORTS[service], minimum=0
+        )
+    return ports, metrics_ports
+
+
+def _port(settings: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = settings.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not minimum <= int(raw) <= 65535:
+        raise UsageError(f"{name}: expected a port in [{minimum}, 65535], got {raw!r}")
+    return int(raw)
+
+
+def _check_ports_free(
+    ports: Mapping[str, int],
+    metrics_ports: Mapping[str, int],
+    host: str,
+    http_ports: Mapping[str, int] | None = None,
+) -> None:
+    """Fail before starting anything when a port is taken on `host`, where the services will listen
+    (most often: a stack is already running). A listener on every address (0.0.0.0) takes the port
+    on 127.0.0.1 too, and binding here fails on it."""
+    wanted = {f"EXPERT_{s.upper()}_PORT": p for s, p in ports.items()}
+    wanted |= {f"EXPERT_{s.upper()}_METRICS_PORT": p for s, p in metrics_ports.items() if p}
+    wanted |= {f"EXPERT_{s.upper()}_HTTP_PORT": p for s, p in (http_ports or {}).items() if p}
+    for variable, port in wanted.items():
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except socket.gaierror:
+            raise UsageError(f"EXPERT_BIND_HOST: cannot resolve {host!r}") from None
+        with socket.socket(family, kind, proto) as sock:
+            # SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free to listen on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError:
+                raise UsageError(
+                    f"port {port} ({variable}) is in use: is a stack already running? "
+                    f"(--env {variable}=N moves it)"
+                ) from None
+
+
+class _StopSignals:
+    """While entered, the first SIGINT or SIGTERM raises _StopRequested in the main thread (at the
+    end of a `held` block if it comes within one). After that, or once disarmed (a stop is under
+    way for another reason), signals only say that the stop is in progress: a second Ctrl-C must
+    not interrupt the stop and leave processes behind."""
+
+    def __init__(self) -> None:
+        self._armed = True
+        self._holding = False
+        self._held = False
+        self._previous: dict[int, object] = {}
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Within, a stop signal waits until the block ends: starting a process is not cut between
+        the start and the record the stop reads."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._held:
+            self._held = False
+            raise _StopRequested
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self._armed:
+            _notice("stopping, please wait…")
+            return
+        self._armed = False
+        if self._holding:
+            self._held = True
+            return
+        raise _StopRequested
+
+    def __enter__(self) -> _StopSignals:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _notice(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _error(message: str) -> None:
+    print(f"expertctl: error: {message}", file=sys.stderr, flush=True)
