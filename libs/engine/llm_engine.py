@@ -30,8 +30,9 @@ from libs.engine.outputs import EngineStats, RequestOutput
 from libs.engine.request import Request
 from libs.engine.request_builder import Prompt, RequestBuilder
 from libs.engine.runner import ModelRunner
+from libs.engine.sampler import SampledToken
 from libs.engine.sampling_params import OutputKind, SamplingParams
-from libs.engine.scheduler import Scheduler
+from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import Sequence, SequenceStatus
 from libs.engine.sessions import SessionRef, SessionTable, turn_max_tokens
 from libs.engine.tokenizer import Tokenizer
@@ -97,12 +98,7 @@ class LLMEngine:
         )
         ops, reason = select_ops(config.kernels, self.model_config.head_dim, self.device, self.dtype)
         self.kernels = ops.name
-        weights = load_weights(config.model, self.model_config, self.dtype, config.quantization)
-        self.model = DecoderModel(
-            self.model_config, weights, ops, self.device, self.dtype, self.max_model_len
-        )
-        del weights
-        host_memory.trim()
+        self.model = self._load_model(ops)
 
         cache = config.cache
         num_blocks = kv_cache.plan_num_blocks(
@@ -129,22 +125,39 @@ class LLMEngine:
             config.scheduler, self.kv, adapters=self.experts.device_tier, sessions=self.sessions
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self._builder = RequestBuilder(
-            self.tokenizer,
-            self.model_config,
-            self.max_model_len,
-            self.kv.pool.num_usable_blocks * self.kv.block_size,
-            config.scheduler.max_num_seqs,
-            self.experts,
-            random.Random(config.seed),
-            self.grammars,
-        )
+        self._builder = self._request_builder()
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._aborted: list[Request] = []
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
-        self.model_info = ModelInfo(
+        self.model_info = self._model_info()
+        self._log_ready(ops.name, reason, num_blocks, started)
+
+    def _load_model(self, ops: TorchOps) -> DecoderModel:
+        """The checkpoint's weights, laid out for `ops` on the engine's device."""
+        config = self.config
+        weights = load_weights(config.model, self.model_config, self.dtype, config.quantization)
+        model = DecoderModel(self.model_config, weights, ops, self.device, self.dtype, self.max_model_len)
+        del weights
+        host_memory.trim()
+        return model
+
+    def _request_builder(self) -> RequestBuilder:
+        return RequestBuilder(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.kv.pool.num_usable_blocks * self.kv.block_size,
+            self.config.scheduler.max_num_seqs,
+            self.experts,
+            random.Random(self.config.seed),
+            self.grammars,
+        )
+
+    def _model_info(self) -> ModelInfo:
+        config = self.config
+        return ModelInfo(
             name=config.model_name,
             base_model=BaseModelIdentity.from_hf_config(self.model_config.raw),
             num_layers=self.model_config.num_layers,
@@ -153,13 +166,15 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             dtype_bytes=self.dtype_bytes,
             max_model_len=self.max_model_len,
-            block_size=cache.block_size,
+            block_size=config.cache.block_size,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_sessions=config.scheduler.max_sessions,
             kernels=self.kernels,
             weight_formats=self.model.weight_formats,
             sampling_defaults=self.sampling_defaults,
         )
+
+    def _log_ready(self, kernels: str, reason: str, num_blocks: int, started: float) -> None:
         log.info(
             "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; "
             "max_model_len %d; %.1f s",
@@ -167,10 +182,10 @@ class LLMEngine:
             self.device,
             self.dtype,
             ", ".join(f"{count} {kind}" for kind, count in self.model.weight_formats.items()),
-            ops.name,
+            kernels,
             reason,
             num_blocks - 1,
-            cache.block_size,
+            self.config.cache.block_size,
             self.max_model_len,
             time.monotonic() - started,
         )
@@ -352,8 +367,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
+        self._on_scheduled(plan)
+        samples = self.runner.execute(plan)
+        self.scheduler.on_step_done(plan)
+        self._counters["steps"] += 1
+        touched = self._append_samples(samples)
+        return outputs + self._collect_outputs(touched)
+
+    def _on_scheduled(self, plan: SchedulerOutput) -> None:
+        """Counts the prompt tokens the step computes and when each request was first scheduled."""
         now = time.monotonic()
-        touched: dict[str, Request] = {}
         for seq, num_new in plan.scheduled:
             request = self._requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
@@ -362,23 +385,19 @@ class LLMEngine:
                 self._counters["prompt_tokens"] += min(
                     num_new, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
-        samples = self.runner.execute(plan)
-        self.scheduler.on_step_done(plan)
-        self._counters["steps"] += 1
+
+    def _append_samples(self, samples: dict[int, list[SampledToken]]) -> dict[str, Request]:
+        """Appends each sequence's sampled tokens, finishing those that stop; returns the requests
+        that progressed."""
         now = time.monotonic()
+        touched: dict[str, Request] = {}
         for seq_id, sampled in samples.items():
             seq = self._seqs[seq_id]
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
             targets = [seq]
             if len(sampled) > 1:  # the first sample of an n > 1 request: fork the other outputs
-                seq.num_pending_forks = 1
-                for index in range(1, len(sampled)):
-                    child = seq.fork(index)
-                    self.scheduler.add_fork(seq, child)
-                    self._seqs[child.seq_id] = child
-                    request.add_sequence(child)
-                    targets.append(child)
+                targets += self._fork(seq, request, len(sampled))
             for target, sample in zip(targets, sampled, strict=True):
                 target.append_token(sample.token_id)
                 self._counters["generation_tokens"] += 1
@@ -387,6 +406,23 @@ class LLMEngine:
                     self.scheduler.finish(target, status)
                     request.mark_finished(target, status, now)
                     self._seqs.pop(target.seq_id, None)
+        return touched
+
+    def _fork(self, seq: Sequence, request: Request, n: int) -> list[Sequence]:
+        """The other n - 1 outputs of an n > 1 request, forked from its prompt's sequence."""
+        seq.num_pending_forks = 1
+        children = []
+        for index in range(1, n):
+            child = seq.fork(index)
+            self.scheduler.add_fork(seq, child)
+            self._seqs[child.seq_id] = child
+            request.add_sequence(child)
+            children.append(child)
+        return children
+
+    def _collect_outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The touched requests' outputs; a finished request is forgotten and its experts unpinned."""
+        outputs = []
         for request in touched.values():
             out = request.output()
             if out is not None:

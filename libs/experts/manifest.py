@@ -81,6 +81,14 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        self._normalize_lists()
+        self._check_identity()
+        self._check_adapter_fields()
+        self._check_router_fields()
+        if not isinstance(self.author, str) or len(self.author) > MAX_AUTHOR:
+            raise ManifestError("manifest.author", f"must be a string of at most {MAX_AUTHOR} characters")
+
+    def _normalize_lists(self) -> None:
         for name in _TUPLE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, list):
@@ -88,6 +96,9 @@ class Manifest:
                 object.__setattr__(self, name, tuple(value))
             elif not isinstance(value, tuple):
                 raise ManifestError(f"manifest.{name}", f"must be a list of strings, not {value!r}")
+
+    def _check_identity(self) -> None:
+        """The format, name, version, description, adapter type and base model."""
         if not _is_int(self.format_version) or self.format_version != FORMAT_VERSION:
             raise ManifestError(
                 "manifest.format_version", f"{self.format_version!r} is not supported (only {FORMAT_VERSION})"
@@ -105,23 +116,31 @@ class Manifest:
             )
         if not isinstance(self.base_model, BaseModelIdentity):
             raise ManifestError("manifest.base_model", "must be a BaseModelIdentity")
-        self._check_adapter_fields()
-        for name, (max_items, max_chars) in _TEXT_LISTS.items():
-            _check_strings(f"manifest.{name}", getattr(self, name), max_items, max_chars)
-        if not _is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
-            raise ManifestError(
-                "manifest.priority",
-                f"{self.priority!r} is not an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
-            )
-        _check_strings("manifest.incompatible_with", self.incompatible_with, 100, 64)
-        for i, other in enumerate(self.incompatible_with):
-            _check_name(f"manifest.incompatible_with[{i}]", other)
-            if other == self.name:
-                raise ManifestError(f"manifest.incompatible_with[{i}]", "an expert cannot exclude itself")
-        if not isinstance(self.author, str) or len(self.author) > MAX_AUTHOR:
-            raise ManifestError("manifest.author", f"must be a string of at most {MAX_AUTHOR} characters")
 
     def _check_adapter_fields(self) -> None:
+        """The adapter's modules and hyper-parameters: each adapter type has its own."""
+        self._check_modules()
+        self._check_lora_fields()
+        kind = self.adapter_type
+        if kind == "soft_prompt":
+            if not _is_int(self.num_virtual_tokens) or self.num_virtual_tokens < 1:
+                raise ManifestError(
+                    "manifest.num_virtual_tokens",
+                    f"a soft_prompt expert needs an integer >= 1, not {self.num_virtual_tokens!r}",
+                )
+        elif self.num_virtual_tokens is not None:
+            raise ManifestError("manifest.num_virtual_tokens", f"only a soft_prompt expert has one ({kind})")
+        if self.feedforward_modules and kind != "ia3":
+            raise ManifestError("manifest.feedforward_modules", f"only an ia3 expert has them ({kind})")
+        outside = sorted(set(self.feedforward_modules) - set(self.target_modules))
+        if outside:
+            raise ManifestError(
+                "manifest.feedforward_modules", f"{', '.join(map(repr, outside))} not in target_modules"
+            )
+
+    def _check_modules(self) -> None:
+        """Target and feedforward modules are plain names; LoRA and IA3 need targets, a soft prompt
+        has none."""
         kind = self.adapter_type
         _check_strings("manifest.target_modules", self.target_modules, _MAX_MODULES, 100)
         _check_strings("manifest.feedforward_modules", self.feedforward_modules, _MAX_MODULES, 100)
@@ -136,6 +155,10 @@ class Manifest:
             raise ManifestError("manifest.target_modules", f"a {kind} expert needs at least one")
         if kind == "soft_prompt" and self.target_modules:
             raise ManifestError("manifest.target_modules", "a soft prompt has no target modules")
+
+    def _check_lora_fields(self) -> None:
+        """`rank`, `alpha` and `use_rslora`: a LoRA expert's alone."""
+        kind = self.adapter_type
         if kind == "lora":
             if not _is_int(self.rank) or self.rank < 1:
                 raise ManifestError(
@@ -152,21 +175,21 @@ class Manifest:
                     raise ManifestError(f"manifest.{name}", f"only a lora expert has one ({kind})")
         if not isinstance(self.use_rslora, bool) or (self.use_rslora and kind != "lora"):
             raise ManifestError("manifest.use_rslora", "must be a boolean, and true only for a lora expert")
-        if kind == "soft_prompt":
-            if not _is_int(self.num_virtual_tokens) or self.num_virtual_tokens < 1:
-                raise ManifestError(
-                    "manifest.num_virtual_tokens",
-                    f"a soft_prompt expert needs an integer >= 1, not {self.num_virtual_tokens!r}",
-                )
-        elif self.num_virtual_tokens is not None:
-            raise ManifestError("manifest.num_virtual_tokens", f"only a soft_prompt expert has one ({kind})")
-        if self.feedforward_modules and kind != "ia3":
-            raise ManifestError("manifest.feedforward_modules", f"only an ia3 expert has them ({kind})")
-        outside = sorted(set(self.feedforward_modules) - set(self.target_modules))
-        if outside:
+
+    def _check_router_fields(self) -> None:
+        """The router's metadata: the free-text lists, the priority, the incompatibilities."""
+        for name, (max_items, max_chars) in _TEXT_LISTS.items():
+            _check_strings(f"manifest.{name}", getattr(self, name), max_items, max_chars)
+        if not _is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ManifestError(
-                "manifest.feedforward_modules", f"{', '.join(map(repr, outside))} not in target_modules"
+                "manifest.priority",
+                f"{self.priority!r} is not an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
             )
+        _check_strings("manifest.incompatible_with", self.incompatible_with, 100, 64)
+        for i, other in enumerate(self.incompatible_with):
+            _check_name(f"manifest.incompatible_with[{i}]", other)
+            if other == self.name:
+                raise ManifestError(f"manifest.incompatible_with[{i}]", "an expert cannot exclude itself")
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON-ready dict (tuples as lists, the base model as a nested dict)."""

@@ -78,11 +78,7 @@ async def main() -> None:
         engine = AsyncLLMEngine.from_config(config.engine, max_pending=config.stream_buffer)
         await engine.start()
         servicer.engine = engine
-        # Warm up: one real generation through the whole path before declaring SERVING.
-        async for _ in engine.generate(
-            "Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        ):
-            pass
+        await _warm_up(engine)
         membership = Membership(
             engine,
             config.engine_id,
@@ -122,6 +118,12 @@ async def main() -> None:
         # no key store, and preparation calls them with the internal token.
         auth=Authenticator(config.auth, {}),
     )
+
+
+async def _warm_up(engine: AsyncLLMEngine) -> None:
+    """One real generation through the whole path before declaring SERVING."""
+    async for _ in engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)):
+        pass
 
 
 async def _publish_stats(engine: AsyncLLMEngine, metrics: EngineMetrics) -> None:

@@ -28,22 +28,11 @@ class Finalizer:
         self.metrics = metrics
 
     async def finalize(self, request: postproc_pb2.FinalizeRequest) -> common_pb2.InferenceResult:
+        """The job's result: its output validated, its metrics recorded, feedback sent to the router."""
         started = time.perf_counter()
         outcome = request.outcome
-        output_format = to_structured(request.response_format)
-        task_type = request.task_type or "general"
-        # Each choice is validated; the result's own validation is the first choice's, and the job
-        # passes (for the metrics and the routers' feedback) when every choice does.
-        validations = [
-            validate_output(c.text, task_type, output_format, cut_by_max_tokens=_cut(c.finish_reason))
-            for c in outcome.choices
-        ] or [
-            validate_output(
-                outcome.text, task_type, output_format, cut_by_max_tokens=_cut(outcome.finish_reason)
-            )
-        ]
+        validations = _validate(request)
         validation = validations[0]
-        passed = all(v.valid for v in validations)
         total_ms = (
             (time.time() - request.submitted_at.ToDatetime().timestamp()) * 1000
             if request.HasField("submitted_at")
@@ -58,47 +47,15 @@ class Finalizer:
             trace=request.reasoning_trace,
             dropped_experts=request.dropped_experts,
         )
-        status, experts = result.status, list(result.experts_used)
-        usage = outcome.usage
-        decode_s = usage.decode_ms / 1000
-        metrics = common_pb2.InferenceMetrics(
-            job_id=request.job_id,
-            submitted_at=request.submitted_at,
-            router_latency_ms=request.router_latency_ms,
-            expert_load_latency_ms=request.preparation_latency_ms,
-            inference_latency_ms=request.inference_latency_ms,
-            total_latency_ms=total_ms,
-            experts_used=experts,
-            num_experts=len(experts),
-            vram_peak_mb=request.kv_bytes_needed // (1 << 20),
-            input_tokens=usage.prompt_tokens,
-            output_tokens=outcome.completion_tokens,
-            tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
-            success=status == common_pb2.JOB_STATUS_COMPLETED,
-            error=outcome.error,
-            validation_passed=passed,
-            queue_latency_ms=request.queue_latency_ms,
-            ttft_ms=usage.ttft_ms,
-            reception_latency_ms=request.reception_latency_ms,
-        )
-        record = common_pb2.FeedbackRecord(
-            job_id=request.job_id,
-            experts=experts,
-            task_type=task_type,
-            success=metrics.success,
-            validation_passed=passed,
-            validator=validation.validator,
-            latency_ms=total_ms,
-            finished_at=timestamp(time.time()),
-        )
-        await self.publish(FEEDBACK_STREAM, entry_fields(record))
+        metrics = _metrics(request, result, total_ms, passed=all(v.valid for v in validations))
+        await self.publish(FEEDBACK_STREAM, entry_fields(_feedback(request, metrics, validation.validator)))
         metrics.postproc_latency_ms = (time.perf_counter() - started) * 1000
-        self.metrics.observe(metrics, status, validation.validator)
+        self.metrics.observe(metrics, result.status, validation.validator)
         log.info(
             "job finalized",
             job_id=request.job_id,
-            status=common_pb2.JobStatus.Name(status),
-            validation=passed,
+            status=common_pb2.JobStatus.Name(result.status),
+            validation=metrics.validation_passed,
             tokens=outcome.completion_tokens,
             total_ms=round(total_ms, 1),
         )
@@ -107,6 +64,70 @@ class Finalizer:
             choice.validation.CopyFrom(_proto(checked))
         result.metrics.CopyFrom(metrics)
         return result
+
+
+def _validate(request: postproc_pb2.FinalizeRequest) -> list[Validation]:
+    """Each choice validated; the result's own validation is the first choice's, and the job passes
+    (for the metrics and the routers' feedback) when every choice does."""
+    outcome = request.outcome
+    output_format = to_structured(request.response_format)
+    task_type = _task_type(request)
+    return [
+        validate_output(c.text, task_type, output_format, cut_by_max_tokens=_cut(c.finish_reason))
+        for c in outcome.choices
+    ] or [
+        validate_output(outcome.text, task_type, output_format, cut_by_max_tokens=_cut(outcome.finish_reason))
+    ]
+
+
+def _metrics(
+    request: postproc_pb2.FinalizeRequest, result: common_pb2.InferenceResult, total_ms: float, passed: bool
+) -> common_pb2.InferenceMetrics:
+    """The job's metrics, but for postproc's own latency."""
+    outcome = request.outcome
+    experts = list(result.experts_used)
+    usage = outcome.usage
+    decode_s = usage.decode_ms / 1000
+    return common_pb2.InferenceMetrics(
+        job_id=request.job_id,
+        submitted_at=request.submitted_at,
+        router_latency_ms=request.router_latency_ms,
+        expert_load_latency_ms=request.preparation_latency_ms,
+        inference_latency_ms=request.inference_latency_ms,
+        total_latency_ms=total_ms,
+        experts_used=experts,
+        num_experts=len(experts),
+        vram_peak_mb=request.kv_bytes_needed // (1 << 20),
+        input_tokens=usage.prompt_tokens,
+        output_tokens=outcome.completion_tokens,
+        tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
+        success=result.status == common_pb2.JOB_STATUS_COMPLETED,
+        error=outcome.error,
+        validation_passed=passed,
+        queue_latency_ms=request.queue_latency_ms,
+        ttft_ms=usage.ttft_ms,
+        reception_latency_ms=request.reception_latency_ms,
+    )
+
+
+def _feedback(
+    request: postproc_pb2.FinalizeRequest, metrics: common_pb2.InferenceMetrics, validator: str
+) -> common_pb2.FeedbackRecord:
+    """The routers' feedback on the job's experts."""
+    return common_pb2.FeedbackRecord(
+        job_id=request.job_id,
+        experts=metrics.experts_used,
+        task_type=_task_type(request),
+        success=metrics.success,
+        validation_passed=metrics.validation_passed,
+        validator=validator,
+        latency_ms=metrics.total_latency_ms,
+        finished_at=timestamp(time.time()),
+    )
+
+
+def _task_type(request: postproc_pb2.FinalizeRequest) -> str:
+    return request.task_type or "general"
 
 
 def _cut(finish_reason: int) -> bool:

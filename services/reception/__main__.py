@@ -1,4 +1,5 @@
-"""`python -m services.reception`: the public API and the dispatcher."""
+"""`python -m services.reception`: the public API (the gRPC and HTTP fronts over the admission core)
+and the dispatcher, wired from the configuration and served."""
 
 from __future__ import annotations
 
@@ -14,116 +15,141 @@ from libs.logging import configure_logging
 from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
 from services.reception import keys
+from services.reception.admission.core import Admission
+from services.reception.admission.sessions import SessionAdmission
 from services.reception.audit import AuditLog
 from services.reception.capacity import Capacity
 from services.reception.config import ReceptionConfig
-from services.reception.dispatcher import Dispatcher
+from services.reception.dispatch.dispatcher import Dispatcher
+from services.reception.dispatch.pipeline import Pipeline
+from services.reception.dispatch.stages import GrpcStages
+from services.reception.dispatch.turns import Turns
 from services.reception.http import HttpServer, ServedModels, create_app
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers
-from services.reception.pipeline import Pipeline
 from services.reception.queue import JobQueue
 from services.reception.server import ACCESS, ReceptionServicer, add_to_server
 from services.reception.session_server import ACCESS as SESSION_ACCESS
 from services.reception.session_server import SessionServicer
 from services.reception.session_server import add_to_server as add_sessions_to_server
 from services.reception.sessions import SessionStore
-from services.reception.stages import GrpcStages
+
+
+class Reception:
+    """Reception's parts, built once from `config`, and the hooks `serve` calls: admission (with
+    its stores), the dispatcher, and the fronts over admission."""
+
+    def __init__(self, config: ReceptionConfig) -> None:
+        self.config = config
+        self.health = Health()
+        self.redis = connect(config.redis_url)
+        self.peers = Peers(
+            config.router_target,
+            config.preparation_target,
+            config.postproc_target,
+            config.auth.internal_token,
+        )
+        self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
+        # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
+        self.auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, self.key_store)
+        self.queue, self.metrics = JobQueue(self.redis), ReceptionMetrics()
+        self.audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
+        self.jobs = JobStore(
+            self.redis,
+            config.job_ttl_s,
+            config.dispatch.default_timeout_s,
+            on_finished=self.metrics.finished,
+            store_text=config.store_text,
+            audit=self.audit,
+            limiter=limiter,
+        )
+        self.capacity = Capacity(self.peers.preparation)
+        self.admission = Admission(self.jobs, self.queue, self.capacity, self.metrics, limiter=limiter)
+        stages, session_store = GrpcStages(self.peers), SessionStore(self.redis, config.sessions)
+        self.sessions = SessionAdmission(self.admission, session_store, stages.release_session)
+        self.dispatcher = self._dispatcher(stages, session_store)
+        self.http = self._http()
+        self._watch: asyncio.Task | None = None
+
+    def _dispatcher(self, stages: GrpcStages, sessions: SessionStore) -> Dispatcher:
+        config = self.config
+        pipeline = Pipeline(
+            self.jobs,
+            stages,
+            config.engine_retries,
+            lambda: self.capacity.last,
+            stream_interval=config.stream_interval,
+            turns=Turns(sessions),
+        )
+        dispatcher = Dispatcher(
+            self.redis, self.jobs, self.queue, pipeline, self.capacity, config.dispatch, self.metrics
+        )
+        dispatcher.on_finished = self.admission.observe_job
+        return dispatcher
+
+    def _http(self) -> HttpServer | None:
+        """The HTTP front (OpenAI's API, the REST API, the probes) over the same admission as the
+        gRPC API; None when EXPERT_RECEPTION_HTTP_PORT is 0."""
+        config = self.config
+        if not config.http_port:
+            return None
+        served = ServedModels(self.capacity, self.peers.router)
+        app = create_app(self.admission, self.capacity, served, map_redis_error, auth=self.auth)
+        http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
+        http.bind()  # a taken port fails the start at once, like the gRPC port
+        return http
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        return [
+            add_to_server(ReceptionServicer(self.admission), server),
+            add_sessions_to_server(SessionServicer(self.sessions, self.config.session_stream_buffer), server),
+            keys.add_to_server(keys.KeyServicer(self.key_store), server),
+        ]
+
+    async def start(self) -> None:
+        await self.redis.ping()  # jobs live in Redis: not ready without it
+        await self.queue.setup()
+        if self.config.dispatch_enabled:
+            await self.dispatcher.start()
+        if self.http is not None:
+            await self.http.start()
+        await self.health.set_serving(True)
+        self._watch = asyncio.create_task(watch_redis(self.redis, self.health, restore=self.queue.setup))
+
+    async def drain(self) -> None:
+        # Jobs that end within the drain answer their callers; the rest are handed back.
+        self.admission.stop_following()
+        await asyncio.gather(
+            self.dispatcher.drain(self.config.drain_s),
+            self.http.stop() if self.http is not None else asyncio.sleep(0),
+        )
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.http is not None:
+            await self.http.stop()  # after a failed start (the drain stopped it otherwise)
+        await self.dispatcher.stop()
+        await self.peers.close()
+        await self.redis.aclose()
+        self.audit.close()
 
 
 async def main() -> None:
     config = ReceptionConfig.from_env()
     configure_logging("reception", config.server.log_level)
-    health = Health()
-    redis = connect(config.redis_url)
-    peers = Peers(
-        config.router_target, config.preparation_target, config.postproc_target, config.auth.internal_token
-    )
-    key_store, limiter = KeyStore(redis), KeyLimiter(redis)
-    # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
-    auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, key_store)
-    queue, metrics = JobQueue(redis), ReceptionMetrics()
-    audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
-    jobs = JobStore(
-        redis,
-        config.job_ttl_s,
-        config.dispatch.default_timeout_s,
-        on_finished=metrics.finished,
-        store_text=config.store_text,
-        audit=audit,
-        limiter=limiter,
-    )
-    capacity = Capacity(peers.preparation)
-    served = ServedModels(capacity, peers.router)
-    servicer = ReceptionServicer(jobs, queue, capacity, metrics, limiter=limiter)
-    stages, sessions = GrpcStages(peers), SessionStore(redis, config.sessions)
-    session_servicer = SessionServicer(servicer, sessions, stages, config.session_stream_buffer)
-    pipeline = Pipeline(
-        jobs,
-        stages,
-        config.engine_retries,
-        lambda: capacity.last,
-        stream_interval=config.stream_interval,
-        sessions=sessions,
-    )
-    dispatcher = Dispatcher(redis, jobs, queue, pipeline, capacity, config.dispatch, metrics)
-    dispatcher.on_finished = servicer.observe_job
-
-    # The HTTP front (OpenAI's API, the probes) calls the same servicer: one admission path.
-    http = None
-    if config.http_port:
-        app = create_app(servicer, capacity, served, map_redis_error, auth=auth)
-        http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
-        http.bind()  # a taken port fails the start at once, like the gRPC port
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        return [
-            add_to_server(servicer, server),
-            add_sessions_to_server(session_servicer, server),
-            keys.add_to_server(keys.KeyServicer(key_store), server),
-        ]
-
-    watch: asyncio.Task | None = None
-
-    async def on_start() -> None:
-        nonlocal watch
-        await redis.ping()  # jobs live in Redis: not ready without it
-        await queue.setup()
-        if config.dispatch_enabled:
-            await dispatcher.start()
-        if http is not None:
-            await http.start()
-        await health.set_serving(True)
-        watch = asyncio.create_task(watch_redis(redis, health, restore=queue.setup))
-
-    async def drain() -> None:
-        # Jobs that end within the drain answer their callers; the rest are handed back.
-        servicer.stop_following()
-        await asyncio.gather(
-            dispatcher.drain(config.drain_s), http.stop() if http is not None else asyncio.sleep(0)
-        )
-
-    async def on_stop() -> None:
-        if watch is not None:
-            watch.cancel()
-        if http is not None:
-            await http.stop()  # after a failed start (the drain stopped it otherwise)
-        await dispatcher.stop()
-        await peers.close()
-        await redis.aclose()
-        audit.close()
-
+    reception = Reception(config)
     await serve(
         "reception",
         config.server,
-        register,
-        health=health,
-        on_start=on_start,
-        drain=drain,
+        reception.register,
+        health=reception.health,
+        on_start=reception.start,
+        drain=reception.drain,
         error_mapper=map_redis_error,
-        auth=auth,
-        on_stop=on_stop,
+        auth=reception.auth,
+        on_stop=reception.stop,
         grace=config.drain_s + 1.0,  # the callers of the jobs that end in the drain get their answer
     )
 

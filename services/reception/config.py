@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
-from services.reception.dispatcher import DispatchSettings
-from services.reception.pipeline import DEFAULT_STREAM_INTERVAL
+from services.reception.dispatch.dispatcher import DispatchSettings
+from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
 from services.reception.sessions import SessionLimits
 
 DEFAULT_PORT = 50051

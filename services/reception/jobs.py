@@ -3,8 +3,8 @@
 - `expert:job:{id}`: a hash with the request, status, priority, timestamps, attempts, result, error;
 - `expert:job:{id}:text`: the output so far of the first choice (appended chunk by chunk);
 - `expert:job:{id}:events`: a stream of status changes, choice deltas (ChoiceDelta: a choice's new
-  text and its logprobs), restarts and the final result,
-  which reception instances read to answer InferStream, whoever dispatches the job;
+  text and its logprobs), restarts and the final result, which `follow` reads as typed events
+  (job_events.py) for InferStream and the other streams, whoever dispatches the job;
 - `expert:job:{id}:result`: a stream holding only the final result, which Infer waits on (one
   wake-up per job instead of one per token).
 All four expire after the job TTL; with EXPERT_STORE_REQUEST_TEXT=false, the record keeps only the
@@ -31,6 +31,7 @@ from libs.gen.expert.v1 import common_pb2
 from libs.logging import get_logger
 from libs.timestamps import timestamp
 from services.reception.audit import AuditLog
+from services.reception.job_events import JobEvent, decode_event
 
 log = get_logger(__name__)
 
@@ -466,10 +467,8 @@ class JobStore:
             FOLLOWER_GRACE_S,
         ]
 
-    async def follow(
-        self, job_id: str, *, result_only: bool = False
-    ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
-        """The job's events as (kind, fields), from the first, as they are written: status changes,
+    async def follow(self, job_id: str, *, result_only: bool = False) -> AsyncIterator[JobEvent]:
+        """The job's events (job_events.py), from the first, as they are written: status changes,
         choice deltas, restarts and the result. With `result_only`, only the result, read from its
         own stream (one wake-up per job instead of one per token). Raises JobExpired when the
         record is gone."""
@@ -481,7 +480,9 @@ class JobStore:
             for _, entries in batches:
                 for entry_id, fields in entries:
                     last = entry_id
-                    yield fields[b"kind"], fields
+                    event = decode_event(fields)
+                    if event is not None:
+                        yield event
 
     async def sweep_overdue(
         self, abandon_after_s: float, now: float | None = None, limit: int = 100

@@ -4,8 +4,9 @@ first turn fixed, the engine it is pinned to, and the turn running now. The reco
 EXPERT_SESSION_IDLE_SECONDS without use; every change refreshes that.
 
 The record is the session's one owner. An engine keeps a session's KV only as a cache of its
-tokens: a turn sends the whole token history with its new messages, so an engine that lost the KV
-(evicted, restarted, or a new engine after a failure) recomputes it and answers the same.
+tokens: a turn sends the whole token history with its new messages (dispatch/turns.py), so an
+engine that lost the KV (evicted, restarted, or a new engine after a failure) recomputes it and
+answers the same.
 
 Changes are optimistic transactions (WATCH / MULTI): an AppendInput racing the end of a turn never
 loses either.
@@ -23,9 +24,8 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from libs.errors import failed_precondition, not_found
-from libs.gen.expert.v1 import common_pb2, engine_pb2, session_pb2, session_state_pb2
+from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.limits import SAMPLING_FIELDS
-from libs.response_format import from_request
 from libs.timestamps import timestamp
 
 PREFIX = "expert:session:"
@@ -207,20 +207,7 @@ class SessionStore:
                 except WatchError:
                     continue
 
-    # -- what the pipeline and the API need of a record ----------------------------------------
-
-    def engine_turn(self, record: session_state_pb2.SessionRecord) -> engine_pb2.SessionTurn:
-        """The SessionTurn the engine answers: the history, and the turn's messages (the whole
-        conversation for a first turn)."""
-        history = list(record.token_ids)
-        messages = [*([] if history else record.messages), *record.turn_input]
-        return engine_pb2.SessionTurn(
-            session_id=record.session_id,
-            history=history,
-            messages=messages,
-            max_tokens=self.limits.max_tokens,
-            idle_seconds=self.limits.idle_seconds,
-        )
+    # -- what the API shows of a record --------------------------------------------------------
 
     def view(self, record: session_state_pb2.SessionRecord, ended: bool = False) -> session_pb2.Session:
         now = time.time()
@@ -271,7 +258,7 @@ def turn_request(
         messages = [record.messages[-1]] if record.messages else []
     request.messages.extend(messages)
     for sampling in (settings.sampling, turn.sampling):
-        _copy_sampling(sampling, "max_new_tokens", request, "max_tokens")
+        copy_sampling(sampling, "max_new_tokens", request, "max_tokens")
     if turn.HasField("response_format"):
         request.response_format.CopyFrom(turn.response_format)
     if turn.HasField("timeout_ms"):
@@ -279,30 +266,7 @@ def turn_request(
     return request
 
 
-def turn_plan(
-    record: session_state_pb2.SessionRecord, request: common_pb2.InferenceRequest
-) -> common_pb2.ExpertPlan:
-    """A later turn's plan: the experts and sampling the first turn fixed (the KV the engine keeps
-    is valid under these experts only), with this turn's explicit sampling."""
-    plan = common_pb2.ExpertPlan()
-    plan.CopyFrom(record.plan)
-    params = plan.generation_params
-    _copy_sampling(request, "max_tokens", params, "max_tokens")
-    params.ClearField("response_format")
-    output_format = from_request(request)
-    if output_format is not None:
-        params.response_format.CopyFrom(output_format)
-    plan.ClearField("model_input")
-    experts = ", ".join(f"{e.name}@{e.version}" for e in plan.experts) or "none (the base model)"
-    plan.reasoning_trace = (
-        f"session turn {record.turns + 1}: the experts its first turn chose stay ({experts}); "
-        "the engine continues the conversation's kept KV"
-    )
-    plan.router_latency_ms = 0.0
-    return plan
-
-
-def _copy_sampling(source, source_max: str, target, target_max: str) -> None:
+def copy_sampling(source, source_max: str, target, target_max: str) -> None:
     """The sampling fields `source` sets explicitly, onto `target` (its stop strings replace the
     target's); `source_max` and `target_max` name the token limit on each side."""
     for name in SAMPLING_FIELDS:

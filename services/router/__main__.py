@@ -67,13 +67,7 @@ async def main() -> None:
 
     async def on_start() -> None:
         nonlocal learning
-        # Loads the language model, runs the encoder once and encodes the floors' background corpus
-        # before the first job.
-        language_model()
-        await servicer.planner.plan(_warm_up_request())
-        index.encoder.encode(["Warm up the router."])
-        if index.floor.fixed is None:
-            await asyncio.to_thread(lambda: index.background.vectors)
+        await _warm_up(servicer.planner, index)
         await feedback_redis.ping()  # feedback comes from Redis: not ready without it
         learning = asyncio.create_task(learner.run())
         await health.set_serving(True)
@@ -101,6 +95,16 @@ async def main() -> None:
         error_mapper=map_redis_error,
         auth=Authenticator(config.auth, ACCESS, KeyStore(feedback_redis)),
     )
+
+
+async def _warm_up(planner: Planner, index: ExpertIndex) -> None:
+    """Loads the language model, runs the encoder once and encodes the floors' background corpus
+    before the first job."""
+    language_model()
+    await planner.plan(_warm_up_request())
+    index.encoder.encode(["Warm up the router."])
+    if index.floor.fixed is None:
+        await asyncio.to_thread(lambda: index.background.vectors)
 
 
 def _warm_up_request():

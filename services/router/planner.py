@@ -16,7 +16,7 @@ from libs.response_format import from_request
 from services.router.features import Features, extract_features, for_format
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
-from services.router.selection import Selection, select_experts
+from services.router.selection import Candidate, Selection, select_experts
 from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
 
 
@@ -66,20 +66,9 @@ class Planner:
         `max_model_len`, `model_defaults` and `base_model_hash` describe the request's model, as
         preparation reports it; only experts that fit `base_model_hash` are selected ("": any)."""
         started = time.perf_counter()
-        text_for_features = request.prompt or (request.messages[-1].content if request.messages else "")
-        body = request.body if request.HasField("body") else None
         output_format = from_request(request)
         format_kind = output_format.WhichOneof("format") if output_format is not None else None
-        if self._can_select(request):
-            # CPU work (the language model in numpy, the encoder in torch) and the index's Qdrant and Redis
-            # reads: off the event loop, in one executor call, since splitting the CPU work only makes
-            # its parts contend for the GIL.
-            prompt_features, selection = await asyncio.get_running_loop().run_in_executor(
-                None, self._analyse_and_select, request, text_for_features, body, base_model_hash, format_kind
-            )
-        else:
-            prompt_features = extract_features(text_for_features, body)
-            selection = self._select(request, for_format(prompt_features, format_kind), None, base_model_hash)
+        prompt_features, selection = await self._features_and_selection(request, base_model_hash, format_kind)
         features = for_format(prompt_features, format_kind)
         params, tuning_trace = tune_parameters(
             features, request, max_model_len, model_defaults, self.max_tokens_ceiling
@@ -87,56 +76,39 @@ class Planner:
         if output_format is not None:
             params.response_format.CopyFrom(output_format)
         model_in, text = model_input(request)
-        task = f"task {features.task_type}"
-        if format_kind is not None:
-            task += f" (the request's {format_kind} format; the prompt reads as {prompt_features.task_type})"
-        trace = [
-            f"features: language {features.language}, has_json {features.has_json}, "
-            f"has_code {features.has_code}, {task}",
-            *(
-                selection.trace
-                if selection
-                else ["experts: none registered; the base model answers (fallback)"]
-            ),
-            *tuning_trace,
-            *_format_trace(request, format_kind),
-            "input: "
-            + ("raw completion" if request.raw else "chat template, as the last user turn")
-            + (", template rendered" if request.HasField("template") else "")
-            + (", body appended" if request.HasField("body") and not request.HasField("template") else ""),
-        ]
+        trace = _reasoning_trace(request, features, prompt_features, format_kind, selection, tuning_trace)
         chosen = selection.chosen if selection else []
-        forced = set(request.force_experts)
         plan = common_pb2.ExpertPlan(
-            experts=[
-                common_pb2.PlannedExpert(
-                    name=c.expert.name,
-                    version=c.expert.version,
-                    adapter_type=c.expert.adapter_type,
-                    weight=1.0,
-                    score=c.score,
-                    vram_bytes=c.expert.weight_bytes,
-                    content_hash=c.expert.content_hash,
-                    forced=c.expert.name in forced,
-                )
-                for c in chosen
-            ],
+            experts=_planned_experts(chosen, set(request.force_experts)),
             composition_order=[c.expert.name for c in chosen],
             generation_params=params,
             model_input=model_in,
             prompt_modified=text,
             reasoning_trace="\n".join(trace),
-            features=common_pb2.Features(
-                language=features.language,
-                has_json=features.has_json,
-                has_code=features.has_code,
-                task_type=features.task_type,
-            ),
+            features=_features_proto(features),
             fallback=not chosen,
             prompt_bytes=input_bytes(model_in),
         )
         plan.router_latency_ms = (time.perf_counter() - started) * 1000
         return plan, selection
+
+    async def _features_and_selection(
+        self, request: common_pb2.InferenceRequest, base_model_hash: str, format_kind: str | None
+    ) -> tuple[Features, Selection | None]:
+        """The prompt's own features (of the prompt, else the last message), and the selection."""
+        text = request.prompt or (request.messages[-1].content if request.messages else "")
+        body = request.body if request.HasField("body") else None
+        if not self._can_select(request):
+            prompt_features = extract_features(text, body)
+            return prompt_features, self._select(
+                request, for_format(prompt_features, format_kind), None, base_model_hash
+            )
+        # CPU work (the language model in numpy, the encoder in torch) and the index's Qdrant and Redis
+        # reads: off the event loop, in one executor call, since splitting the CPU work only makes
+        # its parts contend for the GIL.
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._analyse_and_select, request, text, body, base_model_hash, format_kind
+        )
 
     def _can_select(self, request: common_pb2.InferenceRequest) -> bool:
         return self.index is not None and (bool(request.force_experts) or self.index.count() > 0)
@@ -178,3 +150,65 @@ class Planner:
             exclude=list(request.exclude_experts),
             base_model_hash=base_model_hash,
         )
+
+
+def _reasoning_trace(
+    request: common_pb2.InferenceRequest,
+    features: Features,
+    prompt_features: Features,
+    format_kind: str | None,
+    selection: Selection | None,
+    tuning_trace: list[str],
+) -> list[str]:
+    """The plan's reasoning, step by step: features, experts, parameters, format, input."""
+    return [
+        _features_trace(features, prompt_features, format_kind),
+        *(selection.trace if selection else ["experts: none registered; the base model answers (fallback)"]),
+        *tuning_trace,
+        *_format_trace(request, format_kind),
+        _input_trace(request),
+    ]
+
+
+def _features_trace(features: Features, prompt_features: Features, format_kind: str | None) -> str:
+    task = f"task {features.task_type}"
+    if format_kind is not None:
+        task += f" (the request's {format_kind} format; the prompt reads as {prompt_features.task_type})"
+    return (
+        f"features: language {features.language}, has_json {features.has_json}, "
+        f"has_code {features.has_code}, {task}"
+    )
+
+
+def _input_trace(request: common_pb2.InferenceRequest) -> str:
+    return (
+        "input: "
+        + ("raw completion" if request.raw else "chat template, as the last user turn")
+        + (", template rendered" if request.HasField("template") else "")
+        + (", body appended" if request.HasField("body") and not request.HasField("template") else "")
+    )
+
+
+def _planned_experts(chosen: list[Candidate], forced: set[str]) -> list[common_pb2.PlannedExpert]:
+    return [
+        common_pb2.PlannedExpert(
+            name=c.expert.name,
+            version=c.expert.version,
+            adapter_type=c.expert.adapter_type,
+            weight=1.0,
+            score=c.score,
+            vram_bytes=c.expert.weight_bytes,
+            content_hash=c.expert.content_hash,
+            forced=c.expert.name in forced,
+        )
+        for c in chosen
+    ]
+
+
+def _features_proto(features: Features) -> common_pb2.Features:
+    return common_pb2.Features(
+        language=features.language,
+        has_json=features.has_json,
+        has_code=features.has_code,
+        task_type=features.task_type,
+    )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from libs.errors import invalid_arguments
 from libs.limits import MAX_EXPERTS
 from services.router.features import Features
-from services.router.index import ExpertIndex, IndexedExpert, Match
+from services.router.index import ExpertIndex, IndexedExpert, Match, RoutingTags
 from services.router.matching import PromptQuery
 
 RETRIEVE_K = 30
@@ -101,12 +101,73 @@ def select_experts(
     exclude: list[str] | tuple[str, ...] = (),
     base_model_hash: str = "",
 ) -> Selection:
-    selection = Selection()
-    reasons: dict[str, list[str]] = {}
-    experts: dict[str, IndexedExpert] = {}
-    similarities: dict[str, float] = {}
-
+    """The experts for a request, in composition order, with every candidate considered and the
+    trace of each step (the module's docstring lists them)."""
     limit = min(max_experts, MAX_EXPERTS)
+    forced_experts = _check_forced(index, force, exclude, limit, base_model_hash)
+    selection = Selection()
+    task_types, capabilities = heuristic_tags(features)
+    snapshot = index.routing_tags()
+    pool = _Pool()
+    _add_heuristic_candidates(pool, index, snapshot, task_types, capabilities)  # step 1
+    about_topic = _add_retrieved_candidates(pool, index, snapshot, query)  # step 2
+    pool.add_forced(force, forced_experts)
+    selection.trace += pool.drop_other_base_models(base_model_hash)
+    # The heuristic and forced candidates that retrieval did not reach: their similarity all the same.
+    pool.similarities.update(snapshot.similarity(query, pool.without_similarity(), index.matching))
+    selection.considered = _score_candidates(pool)  # step 3
+    selection.trace += _considered_trace(selection.considered, about_topic, task_types, capabilities, index)
+    chosen, passed_over = _choose(  # steps 4 and 5
+        selection.considered, force, exclude, limit, index.matching.companion_ratio
+    )
+    selection.trace += passed_over
+    selection.chosen = _composition_order(chosen)  # step 6
+    selection.trace.append(_composition_trace(selection.chosen))
+    return selection
+
+
+@dataclass
+class _Pool:
+    """The candidates gathered so far: each expert by name, its similarity where retrieval measured
+    one, and why it was considered."""
+
+    experts: dict[str, IndexedExpert] = field(default_factory=dict)
+    similarities: dict[str, float] = field(default_factory=dict)
+    reasons: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, expert: IndexedExpert, reasons: list[str]) -> None:
+        self.experts[expert.name] = expert
+        self.reasons.setdefault(expert.name, []).extend(reasons)
+
+    def add_forced(
+        self, force: list[str] | tuple[str, ...], forced_experts: dict[str, IndexedExpert]
+    ) -> None:
+        for name in force:
+            self.experts.setdefault(name, forced_experts[name])
+            self.reasons.setdefault(name, []).append("forced")
+
+    def drop_other_base_models(self, base_model_hash: str) -> list[str]:
+        """Drops the experts of another base model (their weights do not fit this request's model);
+        returns the trace."""
+        dropped = [name for name, expert in self.experts.items() if not expert.fits(base_model_hash)]
+        for name in dropped:
+            del self.experts[name]
+            self.similarities.pop(name, None)
+        return [f"{name}: trained for another base model, not a candidate" for name in dropped]
+
+    def without_similarity(self) -> list[str]:
+        return [name for name in self.experts if name not in self.similarities]
+
+
+def _check_forced(
+    index: ExpertIndex,
+    force: list[str] | tuple[str, ...],
+    exclude: list[str] | tuple[str, ...],
+    limit: int,
+    base_model_hash: str,
+) -> dict[str, IndexedExpert]:
+    """Step 5's refusals that need no candidate, before any work: each forced expert by name, or
+    every problem named by its field."""
     forced_experts = {name: index.find(name) for name in force}
     problems = [
         (f"request.force_experts[{i}]", f"unknown expert {name!r} (not registered)")
@@ -132,98 +193,145 @@ def select_experts(
         )
     if problems:
         raise invalid_arguments(problems)
+    return forced_experts
 
-    task_types, capabilities = heuristic_tags(features)
-    snapshot = index.routing_tags()
+
+def _add_heuristic_candidates(
+    pool: _Pool,
+    index: ExpertIndex,
+    snapshot: RoutingTags,
+    task_types: list[str],
+    capabilities: list[str],
+) -> None:
+    """Step 1: the experts whose manifest lists a task type or capability the features call for."""
     for expert in index.experts(sorted(snapshot.tagged(task_types, capabilities))):
-        experts[expert.name] = expert
         tags = [f"task {t}" for t in task_types if t in expert.task_types]
         tags += [f"capability {c}" for c in capabilities if c in expert.capabilities]
-        reasons.setdefault(expert.name, []).extend(tags)
+        pool.add(expert, tags)
+
+
+def _add_retrieved_candidates(
+    pool: _Pool, index: ExpertIndex, snapshot: RoutingTags, query: PromptQuery
+) -> list[Match]:
+    """Step 2: the experts nearest the prompt that reach their floor; returns the matches not taken
+    because the prompt is only about their topic."""
     about_topic = []
     for match in index.search(query, snapshot, k=RETRIEVE_K):
-        name = match.expert.name
         if match.about_topic:
             about_topic.append(match)
             continue
-        experts[name] = match.expert
-        similarities[name] = match.similarity
-        reasons.setdefault(name, []).append(_retrieval_reason(query, match))
-    for name in force:
-        experts.setdefault(name, forced_experts[name])
-        reasons.setdefault(name, []).append("forced")
-    # Experts of another base model: their weights do not fit this request's model.
-    for name in [name for name, expert in experts.items() if not expert.fits(base_model_hash)]:
-        del experts[name]
-        similarities.pop(name, None)
-        selection.trace.append(f"{name}: trained for another base model, not a candidate")
-    unknown_similarity = [name for name in experts if name not in similarities]
-    similarities.update(snapshot.similarity(query, unknown_similarity, index.matching))
+        pool.add(match.expert, [_retrieval_reason(query, match)])
+        pool.similarities[match.expert.name] = match.similarity
+    return about_topic
 
-    for name, expert in experts.items():
-        similarity = similarities.get(name, 0.0)
-        candidate = Candidate(
-            expert, similarity, score(similarity, expert.success_rate, vram_mb(expert)), tuple(reasons[name])
+
+def _score_candidates(pool: _Pool) -> list[Candidate]:
+    """Step 3: every candidate with its score, best first."""
+    considered = []
+    for name, expert in pool.experts.items():
+        similarity = pool.similarities.get(name, 0.0)
+        considered.append(
+            Candidate(
+                expert,
+                similarity,
+                score(similarity, expert.success_rate, vram_mb(expert)),
+                tuple(pool.reasons[name]),
+            )
         )
-        selection.considered.append(candidate)
-    selection.considered.sort(key=lambda c: (-c.score, c.expert.name))
-    selection.trace.append(
-        f"features ask for task types {task_types or ['-']} and capabilities {capabilities or ['-']}; "
-        f"{len(selection.considered)} candidate(s) "
-        f"(retrieval k={RETRIEVE_K}, {index.floor.describe()}, {index.matching.describe()})"
-    )
-    selection.trace.extend(
-        f"{m.expert.name}: not taken by retrieval, the prompt is about its topic rather than a task for "
-        f"it (nearest topic probe {m.topic.probe:.3f} >= similarity {m.similarity:.3f} and nearest "
-        f"own text {m.topic.own_text:.3f})"
-        for m in about_topic
-    )
-    selection.trace.extend(f"candidate {c.explain()}" for c in selection.considered)
+    considered.sort(key=lambda c: (-c.score, c.expert.name))
+    return considered
 
-    # Forced experts in the request's order (a clash names the later one), the others best first.
-    by_name = {c.expert.name: c for c in selection.considered}
+
+def _choose(
+    considered: list[Candidate],
+    force: list[str] | tuple[str, ...],
+    exclude: list[str] | tuple[str, ...],
+    limit: int,
+    ratio: float,
+) -> tuple[list[Candidate], list[str]]:
+    """Steps 4 and 5: the chosen candidates, and the trace of those passed over. Forced experts come
+    in the request's order (a clash names the later one), the others best first."""
+    by_name = {c.expert.name: c for c in considered}
     forced = [by_name[name] for name in dict.fromkeys(force)]
-    others = [c for c in selection.considered if c.expert.name not in force]
+    others = [c for c in considered if c.expert.name not in force]
     chosen: list[Candidate] = []
-    ratio = index.matching.companion_ratio
+    passed_over: list[str] = []
     for candidate in forced + others:
-        name = candidate.expert.name
-        if name in exclude:
-            selection.trace.append(f"{name}: excluded by the request")
-            continue
-        clash = next((c.expert.name for c in chosen if _incompatible(c.expert, candidate.expert)), None)
-        if clash is not None and name in force:
-            raise invalid_arguments(
-                [
-                    (
-                        f"request.force_experts[{list(force).index(name)}]",
-                        f"{name!r} is incompatible with {clash!r}",
-                    )
-                ]
-            )
-        if clash is not None:
-            selection.trace.append(f"{name}: incompatible with {clash}, which was chosen first")
-            continue
-        if len(chosen) >= limit:
-            selection.trace.append(f"{name}: beyond max_experts {limit}")
-            continue
-        leader = next((c for c in chosen if c.expert.name not in force), None)
-        if leader is not None and name not in force and candidate.similarity < ratio * leader.similarity:
-            selection.trace.append(
-                f"{name}: similarity {candidate.similarity:.3f} under {ratio:g} x the leader "
-                f"{leader.expert.name}'s {leader.similarity:.3f}; not composed with it"
-            )
-            continue
-        chosen.append(candidate)
-    selection.chosen = sorted(chosen, key=_composition_key)
-    if selection.chosen:
-        selection.trace.append(
-            "composition order (soft prompts first, then by priority): "
-            + ", ".join(c.expert.name for c in selection.chosen)
+        reason = _pass_over_reason(candidate, chosen, force, exclude, limit, ratio)
+        if reason is None:
+            chosen.append(candidate)
+        else:
+            passed_over.append(reason)
+    return chosen, passed_over
+
+
+def _pass_over_reason(
+    candidate: Candidate,
+    chosen: list[Candidate],
+    force: list[str] | tuple[str, ...],
+    exclude: list[str] | tuple[str, ...],
+    limit: int,
+    ratio: float,
+) -> str | None:
+    """Why `candidate` is not chosen after `chosen` (None: it is). A forced expert incompatible with
+    one chosen before it is refused."""
+    name = candidate.expert.name
+    if name in exclude:
+        return f"{name}: excluded by the request"
+    clash = next((c.expert.name for c in chosen if _incompatible(c.expert, candidate.expert)), None)
+    if clash is not None and name in force:
+        raise invalid_arguments(
+            [
+                (
+                    f"request.force_experts[{list(force).index(name)}]",
+                    f"{name!r} is incompatible with {clash!r}",
+                )
+            ]
         )
-    else:
-        selection.trace.append("no suitable expert: the base model answers (fallback)")
-    return selection
+    if clash is not None:
+        return f"{name}: incompatible with {clash}, which was chosen first"
+    if len(chosen) >= limit:
+        return f"{name}: beyond max_experts {limit}"
+    leader = next((c for c in chosen if c.expert.name not in force), None)
+    if leader is not None and name not in force and candidate.similarity < ratio * leader.similarity:
+        return (
+            f"{name}: similarity {candidate.similarity:.3f} under {ratio:g} x the leader "
+            f"{leader.expert.name}'s {leader.similarity:.3f}; not composed with it"
+        )
+    return None
+
+
+def _considered_trace(
+    considered: list[Candidate],
+    about_topic: list[Match],
+    task_types: list[str],
+    capabilities: list[str],
+    index: ExpertIndex,
+) -> list[str]:
+    """What the features asked for, the matches retrieval left to their topic, and every candidate."""
+    return [
+        f"features ask for task types {task_types or ['-']} and capabilities {capabilities or ['-']}; "
+        f"{len(considered)} candidate(s) "
+        f"(retrieval k={RETRIEVE_K}, {index.floor.describe()}, {index.matching.describe()})",
+        *(_about_topic_reason(m) for m in about_topic),
+        *(f"candidate {c.explain()}" for c in considered),
+    ]
+
+
+def _composition_trace(chosen: list[Candidate]) -> str:
+    if not chosen:
+        return "no suitable expert: the base model answers (fallback)"
+    return "composition order (soft prompts first, then by priority): " + ", ".join(
+        c.expert.name for c in chosen
+    )
+
+
+def _about_topic_reason(match: Match) -> str:
+    return (
+        f"{match.expert.name}: not taken by retrieval, the prompt is about its topic rather than a task "
+        f"for it (nearest topic probe {match.topic.probe:.3f} >= similarity {match.similarity:.3f} and "
+        f"nearest own text {match.topic.own_text:.3f})"
+    )
 
 
 def _retrieval_reason(query: PromptQuery, match: Match) -> str:
@@ -243,6 +351,11 @@ def _retrieval_reason(query: PromptQuery, match: Match) -> str:
 
 def _incompatible(a: IndexedExpert, b: IndexedExpert) -> bool:
     return b.name in a.incompatible_with or a.name in b.incompatible_with
+
+
+def _composition_order(chosen: list[Candidate]) -> list[Candidate]:
+    """Step 6: soft prompts first, then the other adapters, each by priority (highest first), then name."""
+    return sorted(chosen, key=_composition_key)
 
 
 def _composition_key(candidate: Candidate) -> tuple:

@@ -174,7 +174,7 @@ def test_what_is_not_supported_yet_is_refused_naming_the_param(client, model, ex
 
 
 def test_an_expert_in_the_model_name_that_is_not_registered_is_not_found(client, model):
-    # `<base>:<expert>` forces the expert (tests/e2e/test_openai_experts.py); none is registered here.
+    # `<base>:<expert>` forces the expert (tests/e2e/test_models_and_experts.py); none is registered here.
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model=f"{model}:json-parser", messages=MESSAGES)
     assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_found"
@@ -220,7 +220,7 @@ def test_a_client_that_leaves_mid_stream_cancels_the_job(stack, model, long_prom
 
 
 def test_a_grpc_stream_that_hangs_up_still_cancels_its_job(stack, long_prompt):
-    """InferStream and the HTTP stream share the servicer's `infer_stream`: gRPC keeps its behavior."""
+    """InferStream and the HTTP stream share the admission core's `stream`: gRPC keeps its behavior."""
     import grpc
 
     from libs.gen.expert.v1 import common_pb2, inference_pb2, inference_pb2_grpc

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.audit import AuditLog
+from services.reception.job_events import Delta, Finished, JobEvent, StatusChanged
 from services.reception.jobs import JobExpired, JobStore, events_key, job_key
 
 
@@ -130,18 +131,23 @@ def test_following_a_job_yields_its_events_in_order_or_only_its_result(clean_red
         await jobs.append_delta("j", common_pb2.ChoiceDelta(text="is"))
         await jobs.finish("j", common_pb2.InferenceResult(job_id="j", status=common_pb2.JOB_STATUS_COMPLETED))
 
-        async def until_result(**options) -> list[bytes]:
-            kinds = []
-            async for kind, _fields in jobs.follow("j", **options):
-                kinds.append(kind)
-                if kind == b"result":
-                    return kinds
+        async def until_result(**options) -> list[JobEvent]:
+            events = []
+            async for event in jobs.follow("j", **options):
+                events.append(event)
+                if isinstance(event, Finished):
+                    return events
             raise AssertionError("no result")
 
         every = await until_result()
-        assert [k for k in every if k != b"status"] == [b"delta", b"delta", b"result"]
-        assert every.count(b"status") >= 2  # running, then completed
-        assert await until_result(result_only=True) == [b"result"]
+        assert [e for e in every if not isinstance(e, StatusChanged)] == [
+            Delta(common_pb2.ChoiceDelta(text="Par")),
+            Delta(common_pb2.ChoiceDelta(text="is")),
+            Finished(common_pb2.InferenceResult(job_id="j", status=common_pb2.JOB_STATUS_COMPLETED)),
+        ]
+        statuses = [e.status for e in every if isinstance(e, StatusChanged)]
+        assert statuses[-2:] == [common_pb2.JOB_STATUS_RUNNING, common_pb2.JOB_STATUS_COMPLETED]
+        assert [type(e) for e in await until_result(result_only=True)] == [Finished]
 
     _run(clean_redis_url, scenario)
 
@@ -195,9 +201,9 @@ def test_with_texts_not_stored_a_finished_job_keeps_only_their_hashes(clean_redi
         )
         assert await jobs.finish("j", result)
         # a follower reading now still gets the result with its text
-        async for kind, fields in jobs.follow("j", result_only=True):
-            assert kind == b"result"
-            assert common_pb2.InferenceResult.FromString(fields[b"result"]).text == "secret output"
+        async for event in jobs.follow("j", result_only=True):
+            assert isinstance(event, Finished)
+            assert event.result.text == "secret output"
             break
         record = await jobs.get("j")
         assert (record.request.prompt, record.request.body, list(record.request.messages)) == ("", "", [])

@@ -21,10 +21,11 @@ from services.postproc.metrics import PostprocMetrics
 from services.postproc.server import PostprocServicer
 from services.preparation.fleet import Fleet
 from services.preparation.server import PreparationServicer
+from services.reception.dispatch.pipeline import Pipeline
+from services.reception.dispatch.run import JobRun
+from services.reception.dispatch.stages import GrpcStages
 from services.reception.jobs import JobStore
 from services.reception.peers import Peers
-from services.reception.pipeline import JobRun, Pipeline
-from services.reception.stages import GrpcStages
 from services.router.metrics import RouterMetrics
 from services.router.planner import Planner
 from services.router.server import RouterServicer

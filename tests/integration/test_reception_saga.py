@@ -1,4 +1,4 @@
-"""The job saga (`services/reception/pipeline.py`) against stages in memory: no gRPC server, a real
+"""The job saga (`services/reception/dispatch/pipeline.py`) against stages in memory: no gRPC server, a real
 Redis for the job records. Whatever ends a job (a stage down or refusing, an engine dying, a cancel
 or a timeout at any stage, the dispatcher shutting down), every successful placement is released
 exactly once, and a job never placed is never released."""
@@ -16,10 +16,11 @@ from libs.errors import CLIENT_ERRORS
 from libs.gen.expert.v1 import common_pb2, engine_pb2, preparation_pb2
 from libs.job_results import failure_code
 from services.reception.capacity import Capacity
-from services.reception.dispatcher import Dispatcher, DispatchSettings
+from services.reception.dispatch.dispatcher import Dispatcher, DispatchSettings
+from services.reception.dispatch.pipeline import Pipeline
+from services.reception.dispatch.run import JobRun
 from services.reception.jobs import JobStore, job_key
 from services.reception.metrics import ReceptionMetrics
-from services.reception.pipeline import JobRun, Pipeline
 from services.reception.queue import DEAD_LETTER, GROUP, JobQueue, stream
 from tests.helpers.in_process import shared_metrics
 

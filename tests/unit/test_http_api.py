@@ -1,5 +1,5 @@
-"""Reception's HTTP front in process, over a fake servicer: the mapping of OpenAI's fields onto an
-InferenceRequest, and of every error onto OpenAI's error body (tests/e2e/test_openai_api.py runs
+"""Reception's HTTP front in process, over a fake admission core: the mapping of OpenAI's fields onto
+an InferenceRequest, and of every error onto OpenAI's error body (tests/e2e/test_openai_api.py runs
 it against a real stack)."""
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from fastapi.testclient import TestClient
 
 from libs.errors import ServiceError, invalid_arguments
 from libs.gen.expert.v1 import common_pb2, preparation_pb2
+from services.reception.admission.core import Submitted
 from services.reception.http import create_app
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.reception.job_events import Delta, Finished, Restarted, StatusChanged
 
 
-class FakeServicer:
+class FakeAdmission:
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self.result = common_pb2.InferenceResult(
@@ -26,12 +28,30 @@ class FakeServicer:
             metrics=common_pb2.InferenceMetrics(input_tokens=7, output_tokens=2),
         )
         self.requests: list[common_pb2.InferenceRequest] = []
+        self.restart = False
 
     async def infer(self, request):
         self.requests.append(request)
         if self.error is not None:
             raise self.error
         return self.result
+
+    async def stream(self, request):
+        """The job's events: each choice's text in two deltas (one token each), then the result;
+        `restart` inserts a restart after the first delta."""
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        yield Submitted(
+            common_pb2.JobSubmission(job_id=self.result.job_id, status=common_pb2.JOB_STATUS_QUEUED)
+        )
+        yield StatusChanged(common_pb2.JOB_STATUS_RUNNING)
+        for choice in self.result.choices or [common_pb2.Choice(text=self.result.text)]:
+            for i, token in enumerate(choice.logprobs or [common_pb2.TokenLogprob(token=choice.text)]):
+                yield Delta(common_pb2.ChoiceDelta(index=choice.index, text=token.token, logprobs=[token]))
+                if self.restart and i == 0:
+                    yield Restarted(2)
+        yield Finished(self.result)
 
 
 class FakeCapacity:
@@ -48,8 +68,8 @@ class FakeModels:
 
 @pytest.fixture
 def parts():
-    servicer, capacity = FakeServicer(), FakeCapacity()
-    return servicer, capacity, TestClient(create_app(servicer, capacity, FakeModels()))
+    admission, capacity = FakeAdmission(), FakeCapacity()
+    return admission, capacity, TestClient(create_app(admission, capacity, FakeModels()))
 
 
 CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
@@ -74,16 +94,16 @@ def test_a_chat_answer_has_usage_and_a_timeout_finishes_with_length(parts):
     ],
 )
 def test_service_errors_become_openai_errors(parts, code, status):
-    servicer, _, http = parts
-    servicer.error = ServiceError(code, "no")
+    admission, _, http = parts
+    admission.error = ServiceError(code, "no")
     response = http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_an_unexpected_failure_is_a_500_in_openais_shape(parts):
-    servicer, _, http = parts
-    servicer.error = RuntimeError("boom")
+    admission, _, http = parts
+    admission.error = RuntimeError("boom")
     response = http.post("/v1/completions", json={"model": "base", "prompt": "x"})
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
 
@@ -103,8 +123,8 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape(parts):
     ],
 )
 def test_a_violation_names_the_field_as_the_client_sent_it(parts, field, body, param):
-    servicer, _, http = parts
-    servicer.error = invalid_arguments([(field, "bad")])
+    admission, _, http = parts
+    admission.error = invalid_arguments([(field, "bad")])
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     error = http.post(path, json=body).json()["error"]
     assert error["param"] == param and error["message"] == f"{param}: bad"
@@ -171,12 +191,12 @@ def test_models_lists_each_registered_expert_after_the_base_model(parts):
 
 
 def test_an_expert_in_the_model_name_is_forced_first_and_merged_with_force_experts(parts):
-    servicer, _, http = parts
+    admission, _, http = parts
     body = {**CHAT, "model": "base:json", "force_experts": ["sql", "json"]}
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200 and response.json()["model"] == "base:json"
-    assert list(servicer.requests[-1].force_experts) == ["json", "sql"]
-    assert servicer.requests[-1].model == "base"  # the base model serves it, the expert forced
+    assert list(admission.requests[-1].force_experts) == ["json", "sql"]
+    assert admission.requests[-1].model == "base"  # the base model serves it, the expert forced
 
 
 @pytest.mark.parametrize(
@@ -195,8 +215,8 @@ def test_an_expert_in_the_model_name_is_forced_first_and_merged_with_force_exper
     ],
 )
 def test_a_refused_expert_from_the_model_name_names_model(parts, field, detail, status, param, code):
-    servicer, _, http = parts
-    servicer.error = invalid_arguments([(field, detail)])
+    admission, _, http = parts
+    admission.error = invalid_arguments([(field, detail)])
     body = {**CHAT, "model": "base:nope", "force_experts": ["sql"]}
     response = http.post("/v1/chat/completions", json=body)
     error = response.json()["error"]
@@ -208,8 +228,8 @@ def test_a_refused_expert_from_the_model_name_names_model(parts, field, detail, 
 def test_a_key_over_its_limit_is_429_with_retry_after_in_whole_seconds(parts):
     from libs.errors import resource_exhausted
 
-    servicer, _, client = parts
-    servicer.error = resource_exhausted("API key k is over its limit of 5 requests per minute", 11.2)
+    admission, _, client = parts
+    admission.error = resource_exhausted("API key k is over its limit of 5 requests per minute", 11.2)
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 429 and response.headers["Retry-After"] == "12"
     assert response.json()["error"]["type"] == "rate_limit_error"
@@ -224,7 +244,7 @@ def test_an_unreachable_key_store_is_503_not_a_traceback_and_the_probes_need_no_
     auth = Authenticator(
         AuthConfig("required", "0123456789abcdef0123"), {}, KeyStore(connect("redis://127.0.0.1:1/0"))
     )
-    client = TestClient(create_app(FakeServicer(), FakeCapacity(), FakeModels(), map_redis_error, auth=auth))
+    client = TestClient(create_app(FakeAdmission(), FakeCapacity(), FakeModels(), map_redis_error, auth=auth))
     assert client.get("/livez").status_code == 200
     missing = client.get("/v1/models")
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"

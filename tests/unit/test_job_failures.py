@@ -11,8 +11,8 @@ import pytest
 from libs.errors import CLIENT_ERRORS, ServiceError, is_client_error
 from libs.gen.expert.v1 import common_pb2
 from libs.job_results import failure_code, set_failure
-from services.reception.server import _raise_client_error
-from services.reception.session_server import _raise_refusal
+from services.reception.admission.core import raise_client_error
+from services.reception.admission.sessions import raise_turn_failure
 
 FAILURE_CODES = [code for code in grpc.StatusCode if code is not grpc.StatusCode.OK]
 
@@ -58,15 +58,15 @@ def test_the_client_errors_are_the_codes_that_blame_the_request():
 def test_infer_answers_a_job_failed_with_a_client_error_with_that_error_and_returns_the_others(code):
     if is_client_error(code):
         with pytest.raises(ServiceError) as refused:
-            _raise_client_error(failed(code))
+            raise_client_error(failed(code))
         assert (refused.value.code, refused.value.message) == (code, "refused")
     else:
-        _raise_client_error(failed(code))  # a result, with its status and error
+        raise_client_error(failed(code))  # a result, with its status and error
 
 
 def test_infer_answers_a_stages_field_violations_as_invalid_argument():
     with pytest.raises(ServiceError) as refused:
-        _raise_client_error(
+        raise_client_error(
             failed(grpc.StatusCode.INVALID_ARGUMENT, [("request.force_experts[0]", "unknown")])
         )
     assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
@@ -76,9 +76,9 @@ def test_infer_answers_a_stages_field_violations_as_invalid_argument():
 @pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
 def test_a_session_turn_that_failed_ends_its_call_with_the_recorded_code(code):
     with pytest.raises(ServiceError) as refused:
-        _raise_refusal(failed(code))
+        raise_turn_failure(failed(code))
     assert refused.value.code is code
 
 
 def test_a_session_turn_that_did_not_fail_ends_its_call_normally():
-    _raise_refusal(common_pb2.InferenceResult(status=common_pb2.JOB_STATUS_COMPLETED))
+    raise_turn_failure(common_pb2.InferenceResult(status=common_pb2.JOB_STATUS_COMPLETED))

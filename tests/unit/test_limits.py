@@ -26,10 +26,10 @@ from libs.limits import (
     SAMPLING_FIELDS,
     sampling_problems,
 )
+from services.reception.admission.validation import validate
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import CompletionRequest
 from services.reception.sessions import turn_request
-from services.reception.validation import validate
 from services.router.features import Features
 from services.router.matching import PromptQuery
 from services.router.selection import select_experts

@@ -1,5 +1,5 @@
 """OpenAI's `n`, logprobs and `response_format` in reception's HTTP front, in process over a fake
-servicer: the mapping onto the InferenceRequest, and the choices and logprobs of the answer parsed
+admission core: the mapping onto the InferenceRequest, and the choices and logprobs of the answer parsed
 by the `openai` package's own types (tests/e2e/test_openai_choices.py runs them on a real stack)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 from openai.types import Completion
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.http import create_app
 from services.reception.http.errors import HttpError
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
-from tests.unit.test_http_api import CHAT, FakeCapacity, FakeModels, FakeServicer
+from tests.unit.test_http_api import CHAT, FakeAdmission, FakeCapacity, FakeModels
 
 
 def _token(text: str, logprob: float, *alternatives: tuple[str, float]) -> common_pb2.TokenLogprob:
@@ -38,9 +38,9 @@ TOKENS = [
 
 @pytest.fixture
 def parts():
-    servicer = FakeServicer()
-    servicer.result.finish_reason = common_pb2.FINISH_REASON_STOP
-    servicer.result.choices.extend(
+    admission = FakeAdmission()
+    admission.result.finish_reason = common_pb2.FINISH_REASON_STOP
+    admission.result.choices.extend(
         [
             common_pb2.Choice(
                 index=0, text="Paris", finish_reason=common_pb2.FINISH_REASON_STOP, logprobs=TOKENS
@@ -56,7 +56,7 @@ def parts():
             ),
         ]
     )
-    return servicer, TestClient(create_app(servicer, FakeCapacity(), FakeModels()))
+    return admission, TestClient(create_app(admission, FakeCapacity(), FakeModels()))
 
 
 def test_n_logprobs_and_response_format_map_onto_the_request():
@@ -168,7 +168,7 @@ def test_bad_logprobs_or_response_format_name_the_param(fields, param):
 
 
 def test_the_chat_answer_has_every_choice_with_logprobs_in_openais_types(parts):
-    servicer, http = parts
+    admission, http = parts
     body = http.post(
         "/v1/chat/completions", json={**CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}
     ).json()
@@ -186,7 +186,7 @@ def test_the_chat_answer_has_every_choice_with_logprobs_in_openais_types(parts):
         "validator": "json_schema",
         "error": "not JSON",
     }
-    assert servicer.requests[-1].n == 2 and servicer.requests[-1].logprobs == 2
+    assert admission.requests[-1].n == 2 and admission.requests[-1].logprobs == 2
     without = http.post("/v1/chat/completions", json=CHAT).json()
     assert all(c["logprobs"] is None for c in without["choices"])
 
@@ -198,3 +198,49 @@ def test_the_completion_answer_has_openais_parallel_logprob_lists(parts):
     assert logprobs.tokens == ["Pa", "ris"] and logprobs.token_logprobs == [-0.5, -0.25]
     assert logprobs.top_logprobs == [{"Pa": -0.5, "Lo": -1.5}, {"ris": -0.25, "ndon": -2.0}]
     assert logprobs.text_offset == [0, 2]
+
+
+def _events(response) -> list[dict | str]:
+    """The server-sent events of a streamed answer: each `data:` as JSON, `[DONE]` as it is."""
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def test_a_streamed_chat_sends_each_choices_role_text_finish_and_the_usage_in_openais_types(parts):
+    admission, http = parts
+    body = {**CHAT, "n": 2, "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
+    events = _events(http.post("/v1/chat/completions", json=body))
+    assert events[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events[:-1]]
+    assert {c.id for c in chunks} == {"chatcmpl-j1"}
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [
+        (0, "assistant"),
+        (1, "assistant"),
+    ]
+    texts = [(c.choices[0].index, c.choices[0].delta.content) for c in chunks[2:6]]
+    assert texts == [(0, "Pa"), (0, "ris"), (1, "Pa"), (1, "ris")]
+    assert chunks[2].choices[0].logprobs.content[0].token == "Pa"
+    finished = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks[6:8]]
+    assert finished == [(0, "stop"), (1, "length")]
+    assert events[7]["expert_system"]["validation"][1]["valid"] is False
+    assert chunks[8].choices == [] and chunks[8].usage.total_tokens == 9
+    assert admission.requests[-1].n == 2
+
+
+def test_a_streamed_completion_counts_each_choices_text_offset(parts):
+    _, http = parts
+    body = {"model": "base", "prompt": "p", "n": 2, "logprobs": 1, "stream": True}
+    events = _events(http.post("/v1/completions", json=body))
+    offsets = [(e["choices"][0]["index"], e["choices"][0]["logprobs"]["text_offset"]) for e in events[:4]]
+    assert offsets == [(0, [0]), (0, [2]), (1, [0]), (1, [2])]
+    finished = [(e["choices"][0]["index"], e["choices"][0]["finish_reason"]) for e in events[4:6]]
+    assert finished == [(0, "stop"), (1, "length")] and events[6:] == ["[DONE]"]
+    assert {e["id"] for e in events[:-1]} == {"cmpl-j1"} and events[0]["object"] == "text_completion"
+
+
+def test_a_stream_whose_job_restarts_after_text_was_sent_ends_with_an_error_event(parts):
+    admission, http = parts
+    admission.restart = True
+    events = _events(http.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}))
+    assert events[-1]["error"]["code"] is None and events[-1]["error"]["type"] == "service_unavailable_error"
+    assert "[DONE]" not in events

@@ -1,6 +1,7 @@
 """Reception's rules that other places used to copy, each now written once: which job statuses are
-final (services.reception.jobs.FINAL, which CancelJob follows) and how long a release may take
-(services.reception.stages.RELEASE_TIMEOUT_S, for a job's slot and for a session's KV alike)."""
+final (services.reception.jobs.FINAL, which the admission core's cancel_job follows for CancelJob
+and every front) and how long a release may take (services.reception.dispatch.stages.RELEASE_TIMEOUT_S,
+for a job's slot and for a session's KV alike)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from libs.gen.expert.v1 import common_pb2, engine_pb2, preparation_pb2
+from services.reception.admission.core import Admission
+from services.reception.dispatch.stages import RELEASE_TIMEOUT_S, GrpcStages
 from services.reception.jobs import FINAL
-from services.reception.server import ReceptionServicer
-from services.reception.stages import RELEASE_TIMEOUT_S, GrpcStages
 
 LIVE = [s for s in common_pb2.JobStatus.values() if s and s not in FINAL]
 
@@ -44,8 +45,8 @@ class Jobs:
 
 def cancel(status: int) -> Jobs:
     jobs = Jobs(status)
-    servicer = ReceptionServicer(jobs, queue=None, capacity=None, metrics=None)
-    asyncio.run(servicer.cancel_job("job-1"))
+    admission = Admission(jobs, queue=None, capacity=None, metrics=None)
+    asyncio.run(admission.cancel_job("job-1"))
     return jobs
 
 

@@ -10,7 +10,7 @@ import pytest
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
 from libs.structured_output import MAX_FORMAT_BYTES
-from services.reception.validation import (
+from services.reception.admission.validation import (
     MAX_BODY_CHARS,
     MAX_EXCLUDED_EXPERTS,
     MAX_INPUT_CHARS,

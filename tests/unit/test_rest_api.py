@@ -1,4 +1,4 @@
-"""The REST API (`/v1/infer`, `/v1/jobs`) in process, over a fake servicer: the JSON <-> proto
+"""The REST API (`/v1/infer`, `/v1/jobs`) in process, over a fake admission core: the JSON <-> proto
 mapping and the errors (tests/e2e/test_rest_api.py runs it against a real stack)."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from libs.errors import ServiceError, invalid_argument, invalid_arguments, not_found
-from libs.gen.expert.v1 import common_pb2, inference_pb2, preparation_pb2
+from libs.gen.expert.v1 import common_pb2, preparation_pb2
 from libs.timestamps import timestamp
+from services.reception.admission.core import Submitted
 from services.reception.http import create_app
 from services.reception.http.rest import to_json, to_request
 from services.reception.http.rest_schema import JobBody
+from services.reception.job_events import Delta, Finished, StatusChanged
 
 RESULT = common_pb2.InferenceResult(
     job_id="j1",
@@ -28,7 +30,7 @@ RESULT = common_pb2.InferenceResult(
 )
 
 
-class FakeServicer:
+class FakeAdmission:
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self.requests: list[common_pb2.InferenceRequest] = []
@@ -43,16 +45,14 @@ class FakeServicer:
         self._check()
         return RESULT
 
-    async def infer_stream(self, request):
+    async def stream(self, request):
         self.requests.append(request)
         self._check()
-        yield inference_pb2.InferStreamResponse(
-            submitted=common_pb2.JobSubmission(job_id="j1", status=common_pb2.JOB_STATUS_QUEUED)
-        )
-        yield inference_pb2.InferStreamResponse(status=common_pb2.JOB_STATUS_RUNNING)
-        yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="Par"))
-        yield inference_pb2.InferStreamResponse(delta=common_pb2.ChoiceDelta(text="is"))
-        yield inference_pb2.InferStreamResponse(result=RESULT)
+        yield Submitted(common_pb2.JobSubmission(job_id="j1", status=common_pb2.JOB_STATUS_QUEUED))
+        yield StatusChanged(common_pb2.JOB_STATUS_RUNNING)
+        yield Delta(common_pb2.ChoiceDelta(text="Par"))
+        yield Delta(common_pb2.ChoiceDelta(text="is"))
+        yield Finished(RESULT)
 
     async def submit(self, request):
         self.requests.append(request)
@@ -84,8 +84,8 @@ class FakeModels:
 
 @pytest.fixture
 def parts():
-    servicer = FakeServicer()
-    return servicer, TestClient(create_app(servicer, FakeCapacity(), FakeModels()))
+    admission = FakeAdmission()
+    return admission, TestClient(create_app(admission, FakeCapacity(), FakeModels()))
 
 
 def test_every_field_maps_onto_the_request_under_its_proto_name():
@@ -143,11 +143,11 @@ def test_every_field_maps_onto_the_request_under_its_proto_name():
 def test_response_format_takes_openais_shape_with_the_regex_and_grammar_types(
     parts, response_format, expected
 ):
-    servicer, http = parts
+    admission, http = parts
     assert (
         http.post("/v1/infer", json={"prompt": "hi", "response_format": response_format}).status_code == 200
     )
-    request = servicer.requests[-1]
+    request = admission.requests[-1]
     if expected is None:
         assert not request.HasField("response_format")
     else:
@@ -155,15 +155,17 @@ def test_response_format_takes_openais_shape_with_the_regex_and_grammar_types(
 
 
 def test_a_refused_format_names_its_part_as_sent(parts):
-    servicer, http = parts
-    servicer.error = invalid_arguments([("request.response_format.regex", "must not be empty")])
+    admission, http = parts
+    admission.error = invalid_arguments([("request.response_format.regex", "must not be empty")])
     body = {"prompt": "hi", "response_format": {"type": "regex", "regex": ""}}
     error = http.post("/v1/jobs", json=body).json()["error"]
     assert (error["param"], error["message"]) == (
         "response_format.regex",
         "response_format.regex: must not be empty",
     )
-    servicer.error = invalid_arguments([("request.json_schema", "set either json_schema or response_format")])
+    admission.error = invalid_arguments(
+        [("request.json_schema", "set either json_schema or response_format")]
+    )
     assert http.post("/v1/jobs", json={"prompt": "hi"}).json()["error"]["param"] == "json_schema"
 
 
@@ -180,10 +182,10 @@ def test_results_use_short_enums_numbers_and_timestamps():
 
 
 def test_infer_returns_the_result(parts):
-    servicer, http = parts
+    admission, http = parts
     response = http.post("/v1/infer", json={"prompt": "hi", "max_tokens": 4})
     assert response.status_code == 200 and response.json() == to_json(RESULT)
-    assert servicer.requests[0].max_tokens == 4
+    assert admission.requests[0].max_tokens == 4
 
 
 def test_stream_sends_each_event(parts):
@@ -199,13 +201,13 @@ def test_stream_sends_each_event(parts):
 
 
 def test_jobs_submit_get_and_cancel(parts):
-    servicer, http = parts
+    admission, http = parts
     response = http.post("/v1/jobs", json={"prompt": "hi"})
     assert response.status_code == 202 and response.headers["location"] == "/v1/jobs/j1"
     assert response.json()["status"] == "queued" and response.json()["estimated_wait_ms"] == 1500
     assert http.get("/v1/jobs/j1").json()["text"] == "Pa"
     assert http.delete("/v1/jobs/j1").json()["status"] == "cancelled"
-    assert servicer.asked == [("get", "j1"), ("cancel", "j1")]
+    assert admission.asked == [("get", "j1"), ("cancel", "j1")]
 
 
 @pytest.mark.parametrize(
@@ -218,8 +220,8 @@ def test_jobs_submit_get_and_cancel(parts):
     ],
 )
 def test_service_errors_keep_the_proto_field_names(parts, error, status, param):
-    servicer, http = parts
-    servicer.error = error
+    admission, http = parts
+    admission.error = error
     for response in (
         http.post("/v1/infer", json={"prompt": "hi"}),
         http.post("/v1/infer", json={"prompt": "hi", "stream": True}),

@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tools.expertctl.errors import UsageError
 from tools.expertctl.metadata_options import add_metadata_options, metadata_from, split_list
 from tools.expertctl.model_cmd import DEFAULT_MODEL_DIR
+
+if TYPE_CHECKING:
+    from tools.training.expert import PackageSpec
+    from tools.training.trainer import TrainSettings
 
 _PACKAGE_OPTIONS = ("name", "version", "description", "key")
 
@@ -42,7 +47,15 @@ def add_train(actions: argparse._SubParsersAction) -> None:
     train.add_argument("--type", choices=ADAPTER_TYPES, default=d.adapter_type, help="the adapter (lora)")
     train.add_argument("--force", action="store_true", help="replace --out and --package if they exist")
     train.add_argument("--json", action="store_true", help="print the summary as JSON")
-    shape = train.add_argument_group("adapter")
+    _add_adapter_options(train.add_argument_group("adapter"), d)
+    _add_training_options(train.add_argument_group("training"), d)
+    _add_package_options(
+        train.add_argument_group("package (all of --name, --version, --description and --key)")
+    )
+    train.set_defaults(handler=_train)
+
+
+def _add_adapter_options(shape: argparse._ArgumentGroup, d: TrainSettings) -> None:
     shape.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank ({d.rank})")
     shape.add_argument("--alpha", type=float, default=d.alpha, help=f"LoRA alpha ({d.alpha:g})")
     shape.add_argument("--dropout", type=float, default=d.dropout, help=f"LoRA dropout ({d.dropout:g})")
@@ -58,7 +71,9 @@ def add_train(actions: argparse._SubParsersAction) -> None:
         default=d.num_virtual_tokens,
         help=f"soft prompt length ({d.num_virtual_tokens})",
     )
-    run = train.add_argument_group("training")
+
+
+def _add_training_options(run: argparse._ArgumentGroup, d: TrainSettings) -> None:
     run.add_argument("--epochs", type=int, default=d.epochs, help=f"at most this many epochs ({d.epochs})")
     run.add_argument("--lr", type=float, help="learning rate (LoRA 1e-3, IA3 1e-2, prompt tuning 3e-2)")
     run.add_argument(
@@ -78,7 +93,9 @@ def add_train(actions: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--max-length", type=int, help="longest sample in tokens (the model's context)")
     run.add_argument("--device", help="cpu, cuda or cuda:N (CUDA when present)")
-    pack = train.add_argument_group("package (all of --name, --version, --description and --key)")
+
+
+def _add_package_options(pack: argparse._ArgumentGroup) -> None:
     pack.add_argument("--name", help="the expert's name")
     pack.add_argument("--version", help="a SemVer 2.0 version")
     pack.add_argument("--description", help="what the expert is good at")
@@ -92,45 +109,22 @@ def add_train(actions: argparse._SubParsersAction) -> None:
         metavar="N",
         help="training prompts listed in the manifest (32, at most 50)",
     )
-    train.set_defaults(handler=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
     from libs.experts.errors import ManifestError
-    from libs.experts.package import PACKAGE_SUFFIX
-    from libs.experts.packing import check_metadata
-    from libs.experts.signing import SigningError, load_private_key
+    from libs.experts.signing import SigningError
     from tools.training.console import print_summary, progress_bar
     from tools.training.data import DataError, read_jsonl
-    from tools.training.expert import PackageSpec, PackError, train_expert
-    from tools.training.run import MAX_EXAMPLES, PreparedRun
+    from tools.training.expert import PackError, train_expert
+    from tools.training.run import PreparedRun
     from tools.training.trainer import SettingsError
 
     # Everything is checked before the model loads: settings, paths, package metadata, the data.
-    if not (args.base / "config.json").is_file():
-        raise UsageError(f"--base: {args.base} is not a checkpoint directory (no config.json)")
-    if args.out.exists() and not args.force:
-        raise UsageError(f"--out: {args.out} already exists (--force replaces it)")
-    packing = [o for o in _PACKAGE_OPTIONS if getattr(args, o) is not None]
-    if (packing or args.package) and len(packing) < len(_PACKAGE_OPTIONS):
-        missing = [f"--{o}" for o in _PACKAGE_OPTIONS if getattr(args, o) is None]
-        given = ", ".join("--" + o for o in packing) or "--package"
-        raise UsageError(f"{', '.join(missing)}: needed to write a package (with {given})")
-    if not 0 <= args.examples <= MAX_EXAMPLES:
-        raise UsageError(f"--examples: must be in [0, {MAX_EXAMPLES}]")
+    packing = _check_options(args)
     try:
         settings = settings_from(args)
-        package = None
-        if packing:
-            package_path = args.package or args.out.parent / f"{args.name}-{args.version}{PACKAGE_SUFFIX}"
-            if package_path.suffix != PACKAGE_SUFFIX:
-                raise UsageError(f"--package: {package_path} does not end with {PACKAGE_SUFFIX}")
-            if package_path.exists() and not args.force:
-                raise UsageError(f"--package: {package_path} already exists (--force replaces it)")
-            key = load_private_key(args.key)
-            metadata = metadata_from(args)
-            check_metadata(metadata, args.base)
-            package = PackageSpec(metadata, key, package_path, args.examples)
+        package = _package_spec(args) if packing else None
         prepared = PreparedRun(args.base, read_jsonl(args.data), settings)
     except (SettingsError, DataError, ManifestError, SigningError) as exc:
         raise UsageError(str(exc)) from None
@@ -144,6 +138,42 @@ def _train(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> bool:
+    """The paths and the package options checked; whether a package is to be written."""
+    from tools.training.run import MAX_EXAMPLES
+
+    if not (args.base / "config.json").is_file():
+        raise UsageError(f"--base: {args.base} is not a checkpoint directory (no config.json)")
+    if args.out.exists() and not args.force:
+        raise UsageError(f"--out: {args.out} already exists (--force replaces it)")
+    packing = [o for o in _PACKAGE_OPTIONS if getattr(args, o) is not None]
+    if (packing or args.package) and len(packing) < len(_PACKAGE_OPTIONS):
+        missing = [f"--{o}" for o in _PACKAGE_OPTIONS if getattr(args, o) is None]
+        given = ", ".join("--" + o for o in packing) or "--package"
+        raise UsageError(f"{', '.join(missing)}: needed to write a package (with {given})")
+    if not 0 <= args.examples <= MAX_EXAMPLES:
+        raise UsageError(f"--examples: must be in [0, {MAX_EXAMPLES}]")
+    return bool(packing)
+
+
+def _package_spec(args: argparse.Namespace) -> PackageSpec:
+    """The package to write: its path, signing key and checked metadata."""
+    from libs.experts.package import PACKAGE_SUFFIX
+    from libs.experts.packing import check_metadata
+    from libs.experts.signing import load_private_key
+    from tools.training.expert import PackageSpec
+
+    package_path = args.package or args.out.parent / f"{args.name}-{args.version}{PACKAGE_SUFFIX}"
+    if package_path.suffix != PACKAGE_SUFFIX:
+        raise UsageError(f"--package: {package_path} does not end with {PACKAGE_SUFFIX}")
+    if package_path.exists() and not args.force:
+        raise UsageError(f"--package: {package_path} already exists (--force replaces it)")
+    key = load_private_key(args.key)
+    metadata = metadata_from(args)
+    check_metadata(metadata, args.base)
+    return PackageSpec(metadata, key, package_path, args.examples)
 
 
 def settings_from(args: argparse.Namespace):

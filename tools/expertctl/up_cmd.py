@@ -26,8 +26,12 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tools.expertctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from tools.stack import LocalStack
 
 DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
 DEFAULT_LOG_DIR = Path("data/logs")
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack, StackError
+    from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack
     from tools.supervisor import Supervisor
 
     settings = _settings(os.environ, args.env)
@@ -106,14 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     redis_url = settings.get("EXPERT_REDIS_URL") or None
     model = args.model or Path(settings.get("EXPERT_MODEL_PATH") or DEFAULT_MODEL_DIR)
-    if not (model / "config.json").is_file():
-        raise UsageError(f"--model: {model} is not a checkpoint directory (`make model` makes the default)")
-    _check_redis_flags(args, redis_url)
-    if redis_url is None and shutil.which("redis-server") is None:
-        raise StackError(
-            "redis-server is not installed: `make run` installs it (apt-get install redis-server), "
-            "or set EXPERT_REDIS_URL to a running Redis"
-        )
+    _check_before_start(args, model, redis_url)
     env = service_settings(settings, args.env, model)
     _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"], http_ports)
 
@@ -134,19 +131,7 @@ def _run(args: argparse.Namespace) -> int:
             what = "the five services" if redis_url else "redis-server and the five services"
             _notice(f"starting {what}; logs in {args.log_dir}/")
             stack.start(timeout=START_TIMEOUT_S)  # stops what it started if it fails or is stopped
-            print(
-                how_to_call(
-                    stack.target("reception"),
-                    stack.target("preparation"),
-                    metrics_ports,
-                    args.log_dir,
-                    http=stack.http_url() if http_ports["reception"] else None,
-                    model=model.resolve().name,
-                    expertctl=local_command("expertctl"),
-                    python=local_command("python"),
-                    auth=auth,
-                )
-            )
+            print(_ready_block(stack, args.log_dir, metrics_ports, http_ports["reception"], model, auth))
             sys.stdout.flush()
             while True:  # until a stop signal
                 with signals.held():  # a process started by a restart is always recorded to stop
@@ -162,6 +147,43 @@ def _run(args: argparse.Namespace) -> int:
             signals.disarm()
             stack.stop()
             raise
+
+
+def _ready_block(
+    stack: LocalStack,
+    log_dir: Path,
+    metrics_ports: Mapping[str, int],
+    http_port: int,
+    model: Path,
+    auth: str,
+) -> str:
+    """`how_to_call` for the stack just started."""
+    return how_to_call(
+        stack.target("reception"),
+        stack.target("preparation"),
+        metrics_ports,
+        log_dir,
+        http=stack.http_url() if http_port else None,
+        model=model.resolve().name,
+        expertctl=local_command("expertctl"),
+        python=local_command("python"),
+        auth=auth,
+    )
+
+
+def _check_before_start(args: argparse.Namespace, model: Path, redis_url: str | None) -> None:
+    """The model is a checkpoint, the Redis flags fit, and a redis-server is there to start when no
+    EXPERT_REDIS_URL names one."""
+    from tools.stack import StackError
+
+    if not (model / "config.json").is_file():
+        raise UsageError(f"--model: {model} is not a checkpoint directory (`make model` makes the default)")
+    _check_redis_flags(args, redis_url)
+    if redis_url is None and shutil.which("redis-server") is None:
+        raise StackError(
+            "redis-server is not installed: `make run` installs it (apt-get install redis-server), "
+            "or set EXPERT_REDIS_URL to a running Redis"
+        )
 
 
 def how_to_call(

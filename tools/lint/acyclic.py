@@ -83,16 +83,20 @@ def strongly_connected_components(graph: ImportGraph, members: set[str]) -> list
             if work:
                 parent = work[-1][0]
                 low[parent] = min(low[parent], low[module])
-            if low[module] == index[module]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == module:
-                        break
-                components.append(component)
+            if low[module] == index[module]:  # the root of a component: the stack down to it
+                components.append(_pop_component(stack, on_stack, module))
     return components
+
+
+def _pop_component(stack: list[str], on_stack: set[str], root: str) -> list[str]:
+    """Tarjan's component of `root`: the stack's modules down to it, popped."""
+    component = []
+    while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == root:
+            return component
 
 
 def shortest_loop(graph: ImportGraph, start: str, component: set[str]) -> list[tuple[str, str, int]]:

@@ -87,22 +87,7 @@ def _messages(record: object, where: str) -> tuple[dict[str, str], ...]:
 def _conversation(messages: object, where: str) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages: must be a non-empty list")
-    checked = []
-    for i, message in enumerate(messages):
-        field = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{where}: {field}: must be an object with role and content")
-        extra = sorted(set(message) - {"role", "content"})
-        if extra:
-            raise DataError(f"{where}: {field}.{extra[0]}: unknown field (expected role and content)")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise DataError(f"{where}: {field}.role: must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: {field}.content: missing or not a string")
-        if role == "assistant" and not content.strip():
-            raise DataError(f"{where}: {field}.content: an assistant turn must not be empty")
-        checked.append({"role": role, "content": content})
+    checked = [_message(message, f"messages[{i}]", where) for i, message in enumerate(messages)]
     if checked[0]["role"] == "assistant":
         raise DataError(f"{where}: messages[0].role: a conversation cannot open with the assistant")
     if checked[-1]["role"] != "assistant":
@@ -110,3 +95,20 @@ def _conversation(messages: object, where: str) -> tuple[dict[str, str], ...]:
     if not any(m["role"] == "user" for m in checked):
         raise DataError(f"{where}: messages: no user turn")
     return tuple(checked)
+
+
+def _message(message: object, field: str, where: str) -> dict[str, str]:
+    """One message of a conversation: a role and its text (an assistant turn not empty)."""
+    if not isinstance(message, dict):
+        raise DataError(f"{where}: {field}: must be an object with role and content")
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        raise DataError(f"{where}: {field}.{extra[0]}: unknown field (expected role and content)")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise DataError(f"{where}: {field}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+    if not isinstance(content, str):
+        raise DataError(f"{where}: {field}.content: missing or not a string")
+    if role == "assistant" and not content.strip():
+        raise DataError(f"{where}: {field}.content: an assistant turn must not be empty")
+    return {"role": role, "content": content}

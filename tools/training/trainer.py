@@ -168,6 +168,22 @@ def resolve_device(name: str | None) -> torch.device:
 Progress = Callable[[int, int, float, float], None]  # (step, steps, loss, tokens/s)
 
 
+@dataclass
+class _Optimizer:
+    """AdamW over the adapter's parameters, its learning-rate schedule, and gradient clipping."""
+
+    params: list[torch.nn.Parameter]
+    adamw: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.adamw.step()
+        self.scheduler.step()
+
+
 class Trainer:
     """Trains one adapter on `train`, evaluating on `held_out` after each epoch."""
 
@@ -192,9 +208,9 @@ class Trainer:
         torch.manual_seed(s.seed)
         model = self._model()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+        adamw = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
         steps_per_epoch = math.ceil(len(train) / s.batch_size)
-        scheduler = _warmup_then_linear(optimizer, steps_per_epoch * s.epochs)
+        optimizer = _Optimizer(params, adamw, _warmup_then_linear(adamw, steps_per_epoch * s.epochs))
         report = TrainReport(
             adapter_dir=str(out_dir),
             adapter_type=s.adapter_type,
@@ -209,31 +225,11 @@ class Trainer:
         for epoch in range(1, s.epochs + 1):
             epoch_started = time.perf_counter()
             callback = progress(epoch, s.epochs) if progress else None
-            model.train()
-            total_loss = total_tokens = total_learned = 0
             batches = _batches(train, s.batch_size, rng)
-            for step, batch in enumerate(batches, start=1):
-                loss, learned = self._loss(model, batch)
-                optimizer.zero_grad(set_to_none=True)
-                (loss / learned).backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                scheduler.step()
-                total_loss += loss.item()
-                total_learned += learned
-                total_tokens += sum(len(e.input_ids) for e in batch)
-                if callback:
-                    elapsed = time.perf_counter() - epoch_started
-                    callback(step, len(batches), total_loss / total_learned, total_tokens / elapsed)
+            train_loss, tokens = self._train_epoch(model, optimizer, batches, callback, epoch_started)
             eval_loss = self.evaluate(model, held_out) if held_out else None
             report.epochs.append(
-                EpochReport(
-                    epoch,
-                    total_loss / total_learned,
-                    eval_loss,
-                    time.perf_counter() - epoch_started,
-                    total_tokens,
-                )
+                EpochReport(epoch, train_loss, eval_loss, time.perf_counter() - epoch_started, tokens)
             )
             # Without a held-out split the last epoch is the best one known.
             score = eval_loss if eval_loss is not None else -epoch
@@ -249,6 +245,28 @@ class Trainer:
         _save(model, out_dir)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _train_epoch(
+        self,
+        model,
+        optimizer: _Optimizer,
+        batches: list[list[Encoded]],
+        callback: Progress | None,
+        started: float,
+    ) -> tuple[float, int]:
+        """One pass over `batches`; returns the mean loss per learned token and the tokens seen."""
+        model.train()
+        total_loss = total_tokens = total_learned = 0
+        for step, batch in enumerate(batches, start=1):
+            loss, learned = self._loss(model, batch)
+            optimizer.step(loss / learned)
+            total_loss += loss.item()
+            total_learned += learned
+            total_tokens += sum(len(e.input_ids) for e in batch)
+            if callback:
+                elapsed = time.perf_counter() - started
+                callback(step, len(batches), total_loss / total_learned, total_tokens / elapsed)
+        return total_loss / total_learned, total_tokens
 
     @torch.no_grad()
     def evaluate(self, model, samples: list[Encoded]) -> float:

@@ -146,26 +146,8 @@ class ExpertManager:
             raise InvalidRequestError(
                 "experts", f"at most {MAX_EXPERTS} experts per request, got {len(spec)}"
             )
-        uses: list[ExpertUse] = []
-        for i, item in enumerate(spec):
-            name, weight = _entry(i, item)
-            name, _, version = name.partition("@")
-            try:
-                expert = self.registry.get(name, version or None)
-            except ExpertNotFoundError as exc:
-                raise ExpertNotFoundError(f"experts[{i}].name: {exc}") from None
-            if any(u.expert.name == expert.name for u in uses):
-                raise InvalidRequestError(f"experts[{i}].name", f"expert {name!r} is listed twice")
-            uses.append(ExpertUse(expert, weight))
-        for i, a in enumerate(uses):
-            for b in uses[i + 1 :]:
-                if (
-                    b.expert.name in a.expert.manifest.incompatible_with
-                    or a.expert.name in b.expert.manifest.incompatible_with
-                ):
-                    raise InvalidRequestError(
-                        "experts", f"{a.expert.name!r} is incompatible with {b.expert.name!r}"
-                    )
+        uses = self._find(spec)
+        _check_compatible(uses)
         footprint = sum(self.device_tier.footprint(u.expert) for u in uses)
         if footprint > self.device_tier.budget_bytes:
             raise InvalidRequestError(
@@ -182,6 +164,21 @@ class ExpertManager:
             if u.expert.weights.soft_prompt is not None
         )
         return ResolvedExperts(tuple(uses), key.digest(), virtual)
+
+    def _find(self, spec: Sequence) -> list[ExpertUse]:
+        """Each entry's expert (its current version unless `name@version`), each listed once."""
+        uses: list[ExpertUse] = []
+        for i, item in enumerate(spec):
+            name, weight = _entry(i, item)
+            name, _, version = name.partition("@")
+            try:
+                expert = self.registry.get(name, version or None)
+            except ExpertNotFoundError as exc:
+                raise ExpertNotFoundError(f"experts[{i}].name: {exc}") from None
+            if any(u.expert.name == expert.name for u in uses):
+                raise InvalidRequestError(f"experts[{i}].name", f"expert {name!r} is listed twice")
+            uses.append(ExpertUse(expert, weight))
+        return uses
 
     def pin(self, uses: Sequence[ExpertUse]) -> None:
         """Hold a request's experts in the host tier until `unpin` (raises if one was dropped meanwhile)."""
@@ -208,6 +205,19 @@ class ExpertManager:
             device_hits_total=device.counters.hits,
             device_evictions_total=device.counters.evictions,
         )
+
+
+def _check_compatible(uses: list[ExpertUse]) -> None:
+    """Refuses two experts either of which lists the other as incompatible."""
+    for i, a in enumerate(uses):
+        for b in uses[i + 1 :]:
+            if (
+                b.expert.name in a.expert.manifest.incompatible_with
+                or a.expert.name in b.expert.manifest.incompatible_with
+            ):
+                raise InvalidRequestError(
+                    "experts", f"{a.expert.name!r} is incompatible with {b.expert.name!r}"
+                )
 
 
 def _entry(i: int, item: object) -> tuple[str, float]:

@@ -93,24 +93,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Validate an HF config dict and keep what the engine uses."""
-        architectures = raw.get("architectures") or []
-        if not architectures:
-            raise CheckpointError(f"{source}: field 'architectures' is missing")
-        architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-            raise CheckpointError(
-                f"{source}: architecture {architecture!r} is not supported (supported: {supported})"
-            )
+        architecture = _architecture(raw, source)
         family, fixed_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
-
-        def required(name: str) -> Any:
-            if raw.get(name) is None:
-                raise CheckpointError(f"{source}: field {name!r} is missing")
-            return raw[name]
-
-        hidden = int(required("hidden_size"))
-        num_heads = int(required("num_attention_heads"))
+        hidden = int(_required(raw, "hidden_size", source))
+        num_heads = int(_required(raw, "num_attention_heads", source))
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         if num_heads % num_kv_heads:
@@ -118,35 +104,21 @@ class ModelConfig:
                 f"{source}: num_attention_heads {num_heads} is not a multiple of "
                 f"num_key_value_heads {num_kv_heads}"
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
-            )
-        if raw.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: use_sliding_window is not supported")
+        _check_supported_features(raw, source)
         attention_bias = bool(raw.get("attention_bias", False))
         if family == "llama":
             qkv_bias, o_bias = attention_bias, attention_bias
         else:
             qkv_bias, o_bias = fixed_qkv_bias or attention_bias, False
-        stored_quantized = False
-        if raw.get("quantization_config") is not None:
-            method = (raw["quantization_config"] or {}).get("quant_method")
-            if method != STORED_QUANT_METHOD:
-                raise CheckpointError(
-                    f"{source}: quantization_config.quant_method {method!r} is not supported "
-                    f"(only {STORED_QUANT_METHOD!r}, which `expertctl model import-gguf "
-                    "--keep-quantized` writes)"
-                )
-            stored_quantized = True
+        stored_quantized = _stored_quantized(raw, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
             architecture=architecture,
-            vocab_size=int(required("vocab_size")),
+            vocab_size=int(_required(raw, "vocab_size", source)),
             hidden_size=hidden,
-            intermediate_size=int(required("intermediate_size")),
-            num_layers=int(required("num_hidden_layers")),
+            intermediate_size=int(_required(raw, "intermediate_size", source)),
+            num_layers=int(_required(raw, "num_hidden_layers", source)),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -163,3 +135,45 @@ class ModelConfig:
             stored_quantized=stored_quantized,
             raw=raw,
         )
+
+
+def _required(raw: dict[str, Any], name: str, source: str) -> Any:
+    if raw.get(name) is None:
+        raise CheckpointError(f"{source}: field {name!r} is missing")
+    return raw[name]
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    """The checkpoint's architecture, one of SUPPORTED_ARCHITECTURES."""
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise CheckpointError(f"{source}: field 'architectures' is missing")
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise CheckpointError(
+            f"{source}: architecture {architecture!r} is not supported (supported: {supported})"
+        )
+    return architecture
+
+
+def _check_supported_features(raw: dict[str, Any], source: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: use_sliding_window is not supported")
+
+
+def _stored_quantized(raw: dict[str, Any], source: str) -> bool:
+    """Whether the linear weights are stored in the engine's own quantized formats (the only
+    quantization_config accepted)."""
+    if raw.get("quantization_config") is None:
+        return False
+    method = (raw["quantization_config"] or {}).get("quant_method")
+    if method != STORED_QUANT_METHOD:
+        raise CheckpointError(
+            f"{source}: quantization_config.quant_method {method!r} is not supported "
+            f"(only {STORED_QUANT_METHOD!r}, which `expertctl model import-gguf "
+            "--keep-quantized` writes)"
+        )
+    return True

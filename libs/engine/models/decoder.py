@@ -40,6 +40,55 @@ class DecoderLayer:
     down: LinearWeight
 
 
+class _WeightReader:
+    """Takes the checkpoint's weights out of `weights`, each once, onto the device in the model's
+    dtype; projections fused (one QKV, one gate/up) and laid out by the operator set."""
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        ops: TorchOps,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.weights = weights
+        self.ops = ops
+        self.device = device
+        self.dtype = dtype
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.weights.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.take(name) if name in self.weights else None
+
+    def linear(self, names: list[str], bias: bool) -> LinearWeight:
+        parts = [self.weights.pop(n + ".weight") for n in names]
+        b = torch.cat([self.take(n + ".bias") for n in names]) if bias else None
+        if quant.same_format(parts):
+            return self.ops.prepare_quantized(quant.concat_rows(parts), b, self.device)
+        # Float parts, or parts of different formats (a GGUF may mix types within one layer):
+        # fused in float, from their exact dequantized values.
+        floats = [quant.dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
+        return self.ops.prepare_linear(
+            torch.cat([p.to(device=self.device, dtype=self.dtype) for p in floats]), b
+        )
+
+    def layer(self, config: ModelConfig, n: int) -> DecoderLayer:
+        p = f"model.layers.{n}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        return DecoderLayer(
+            input_norm=self.take(p + "input_layernorm.weight"),
+            qkv=self.linear([attn + "q_proj", attn + "k_proj", attn + "v_proj"], config.qkv_bias),
+            q_norm=self.maybe(attn + "q_norm.weight"),
+            k_norm=self.maybe(attn + "k_norm.weight"),
+            o=self.linear([attn + "o_proj"], config.o_bias),
+            post_norm=self.take(p + "post_attention_layernorm.weight"),
+            gate_up=self.linear([mlp + "gate_proj", mlp + "up_proj"], config.mlp_bias),
+            down=self.linear([mlp + "down_proj"], config.mlp_bias),
+        )
+
+
 class DecoderModel:
     """Weights plus the forward pass; holds no per-request state."""
 
@@ -58,49 +107,18 @@ class DecoderModel:
         self.dtype = dtype
         self.heads = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim)
         self.scale = config.head_dim**-0.5
-
-        def take(name: str) -> torch.Tensor:
-            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
-
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in weights else None
-
-        def linear(names: list[str], bias: bool) -> LinearWeight:
-            parts = [weights.pop(n + ".weight") for n in names]
-            b = torch.cat([take(n + ".bias") for n in names]) if bias else None
-            if quant.same_format(parts):
-                return ops.prepare_quantized(quant.concat_rows(parts), b, device)
-            # Float parts, or parts of different formats (a GGUF may mix types within one layer):
-            # fused in float, from their exact dequantized values.
-            floats = [quant.dequantize(p) if isinstance(p, QuantizedWeight) else p for p in parts]
-            return ops.prepare_linear(torch.cat([p.to(device=device, dtype=dtype) for p in floats]), b)
-
-        self.layers: list[DecoderLayer] = []
-        for n in range(config.num_layers):
-            p = f"model.layers.{n}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            self.layers.append(
-                DecoderLayer(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear([attn + "q_proj", attn + "k_proj", attn + "v_proj"], config.qkv_bias),
-                    q_norm=maybe(attn + "q_norm.weight"),
-                    k_norm=maybe(attn + "k_norm.weight"),
-                    o=linear([attn + "o_proj"], config.o_bias),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear([mlp + "gate_proj", mlp + "up_proj"], config.mlp_bias),
-                    down=linear([mlp + "down_proj"], config.mlp_bias),
-                )
-            )
-        self.norm = take("model.norm.weight")
+        reader = _WeightReader(weights, ops, device, dtype)
+        self.layers = [reader.layer(config, n) for n in range(config.num_layers)]
+        self.norm = reader.take("model.norm.weight")
         # A tied embedding table is the LM head: its rows are looked up in the head's prepared
         # weight (packed, or quantized; a quantized table is always tied, loader.quantizable_names)
         # rather than kept twice, which for the default model in float32 is 113 MB.
         self.embed_tokens: torch.Tensor | None = None
         if config.tie_word_embeddings:
-            self.lm_head = linear(["model.embed_tokens"], False)
+            self.lm_head = reader.linear(["model.embed_tokens"], False)
         else:
-            self.embed_tokens = take("model.embed_tokens.weight")
-            self.lm_head = linear(["lm_head"], False)
+            self.embed_tokens = reader.take("model.embed_tokens.weight")
+            self.lm_head = reader.linear(["lm_head"], False)
         # cos | sin per position, float32 like transformers computes them
         self.cos_sin = cos_sin_table(config.rope, config.head_dim, max_positions).to(device)
         # The layers for an operator set that runs them in one call (None: the loop in forward).

@@ -104,48 +104,63 @@ def load_weights(
             f"quantization {quantization!r} cannot apply to them (leave it unset)"
         )
     located = _tensor_files(directory)
+    # Stored quantized: the weights whose codes are in the checkpoint.
+    kept = {
+        name
+        for name in quantized
+        if config.stored_quantized and name.removesuffix("weight") + "qweight" in located
+    }
+    by_file = _by_file(directory, shapes, kept, located)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                if name in kept:
+                    weights[name] = _stored_quantized(f, file, name, shapes[name], located)
+                else:
+                    weights[name] = _float_weight(
+                        f, file, name, shapes[name], dtype, quantization if name in quantized else None
+                    )
+    return weights
 
-    def kept(name: str) -> bool:  # stored quantized: its codes are in the checkpoint
-        return (
-            config.stored_quantized
-            and name in quantized
-            and name.removesuffix("weight") + "qweight" in located
-        )
 
-    def stored_names(name: str) -> list[str]:
-        if kept(name):
-            return [name.removesuffix("weight") + part for part in ("qweight", "scales")]
-        return [name]
+def _stored_names(name: str, kept: set[str]) -> list[str]:
+    """The tensors that hold the weight `name` in the checkpoint: its codes and scales when `kept`
+    (stored quantized), else itself."""
+    if name in kept:
+        return [name.removesuffix("weight") + part for part in ("qweight", "scales")]
+    return [name]
 
-    missing = [stored for name in shapes for stored in stored_names(name) if stored not in located]
+
+def _by_file(
+    directory: Path, shapes: dict[str, tuple[int, ...]], kept: set[str], located: dict[str, Path]
+) -> dict[Path, list[str]]:
+    """The weights to read, grouped by the file that holds them; refused when one is missing."""
+    missing = [stored for name in shapes for stored in _stored_names(name, kept) if stored not in located]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing{more}")
     by_file: dict[Path, list[str]] = {}
     for name in shapes:
-        by_file.setdefault(located[stored_names(name)[0]], []).append(name)
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                if kept(name):
-                    weights[name] = _stored_quantized(f, file, name, shapes[name], located)
-                    continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != shapes[name]:
-                    raise CheckpointError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {shapes[name]}"
-                    )
-                if quantization is not None and name in quantized:
-                    weights[name] = _quantize_at_load(
-                        tensor, quantization, lm_head=not name.endswith("_proj.weight")
-                    )
-                else:
-                    # A copy: safetensors maps the file, and a tensor still viewing the mapping
-                    # would keep every page the load touched resident.
-                    weights[name] = tensor.to(dtype, copy=True)
-    return weights
+        by_file.setdefault(located[_stored_names(name, kept)[0]], []).append(name)
+    return by_file
+
+
+def _float_weight(
+    f: object, file: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype, quantization: str | None
+) -> torch.Tensor | QuantizedWeight:
+    """The stored float weight `name`, checked against `shape`: as `dtype`, or quantized at load
+    when `quantization` is given."""
+    tensor = f.get_tensor(name)  # type: ignore[attr-defined]
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {shape}"
+        )
+    if quantization is not None:
+        return _quantize_at_load(tensor, quantization, lm_head=not name.endswith("_proj.weight"))
+    # A copy: safetensors maps the file, and a tensor still viewing the mapping would keep every
+    # page the load touched resident.
+    return tensor.to(dtype, copy=True)
 
 
 def _quantize_at_load(weight: torch.Tensor, quantization: str, lm_head: bool) -> QuantizedWeight:

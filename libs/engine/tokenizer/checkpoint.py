@@ -90,26 +90,9 @@ def _load_special_tokens(
     config: dict[str, Any], backend: _Backend, where: str
 ) -> tuple[dict[str, str], list[str]]:
     """Register the config's special tokens in `backend` the way transformers does; return their names."""
-    decoder = config.get("added_tokens_decoder") or {}
-    if not isinstance(decoder, Mapping):
-        raise TokenizerError(f"{where}: added_tokens_decoder: expected an object of id -> token")
-    for key in decoder:
-        if not str(key).isdigit():
-            raise TokenizerError(f"{where}: added_tokens_decoder.{key}: expected an integer token id as key")
-    config_added = [
-        _added_token(decoder[key], f"{where}: added_tokens_decoder.{key}", special=None)
-        for key in sorted(decoder, key=int)
-    ]
+    config_added = _config_added_tokens(config, where)
     by_content = {token.content: token for token in config_added}
-
-    named_keys = [key for key in NAMED_SPECIAL_TOKENS if config.get(key) is not None]
-    named_keys += [
-        key
-        for key, value in config.items()
-        if key.endswith("_token") and key not in NAMED_SPECIAL_TOKENS and _is_token_value(value)
-    ]
-    named = {key: _added_token(config[key], f"{where}: {key}") for key in named_keys}
-    named = {key: by_content.get(token.content, token) for key, token in named.items()}
+    named = _named_tokens(config, by_content, where)
     extras_raw = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
     if isinstance(extras_raw, Mapping):
         named.update(
@@ -119,11 +102,46 @@ def _load_special_tokens(
     if not isinstance(extras_raw, list):
         raise TokenizerError(f"{where}: extra_special_tokens: expected a list of tokens")
     extras = [_added_token(v, f"{where}: extra_special_tokens[{i}]") for i, v in enumerate(extras_raw)]
+    _register_tokens(backend, config_added, named, extras)
+    return {key: token.content for key, token in named.items()}, [token.content for token in extras]
 
+
+def _config_added_tokens(config: dict[str, Any], where: str) -> list[AddedToken]:
+    """The tokens of the config's `added_tokens_decoder`, in id order, with their own flags."""
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, Mapping):
+        raise TokenizerError(f"{where}: added_tokens_decoder: expected an object of id -> token")
+    for key in decoder:
+        if not str(key).isdigit():
+            raise TokenizerError(f"{where}: added_tokens_decoder.{key}: expected an integer token id as key")
+    return [
+        _added_token(decoder[key], f"{where}: added_tokens_decoder.{key}", special=None)
+        for key in sorted(decoder, key=int)
+    ]
+
+
+def _named_tokens(
+    config: dict[str, Any], by_content: dict[str, AddedToken], where: str
+) -> dict[str, AddedToken]:
+    """The named special tokens (`bos_token`, … and any other `*_token`), as the added token of the
+    same content when the decoder has one."""
+    named_keys = [key for key in NAMED_SPECIAL_TOKENS if config.get(key) is not None]
+    named_keys += [
+        key
+        for key, value in config.items()
+        if key.endswith("_token") and key not in NAMED_SPECIAL_TOKENS and _is_token_value(value)
+    ]
+    named = {key: _added_token(config[key], f"{where}: {key}") for key in named_keys}
+    return {key: by_content.get(token.content, token) for key, token in named.items()}
+
+
+def _register_tokens(
+    backend: _Backend, config_added: list[AddedToken], named: dict[str, AddedToken], extras: list[AddedToken]
+) -> None:
     # transformers re-adds every config token (so the config's lstrip/rstrip flags win), then the
     # special tokens the vocabulary lacks; any named token is forced special.
     known = {token.content for token in backend.get_added_tokens_decoder().values()}
-    known.update(by_content)
+    known.update(token.content for token in config_added)
     to_add = list(config_added)
     for token in [*named.values(), *extras]:
         if token.content not in known and all(token.content != t.content for t in to_add):
@@ -134,7 +152,6 @@ def _load_special_tokens(
             token.special = True
     if to_add:
         backend.add_tokens(to_add)
-    return {key: token.content for key, token in named.items()}, [token.content for token in extras]
 
 
 def _load_chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, str]:

@@ -87,23 +87,27 @@ def build_request(caller: str, prompt: str, fields: Mapping[str, Any]) -> common
     request = common_pb2.InferenceRequest()
     _set(request, "prompt", prompt)
     for name, value in fields.items():
-        if value is None:
-            continue
-        if name == "messages":
-            request.messages.extend(_chat_message(i, m) for i, m in enumerate(value))
-        elif name in _REPEATED_STRINGS:
-            # A lone string is one item, not a sequence of characters.
-            items = [value] if isinstance(value, str) else list(value)
-            _set_repeated(request, name, items)
-        elif name == "json_schema" and isinstance(value, Mapping):
-            request.json_schema = json.dumps(value)
-        elif name == "response_format":
-            _response_format(request, value)
-        elif name in ("regex", "grammar"):
-            _set(request.response_format, name, value)
-        else:
-            _set(request, name, value)
+        if value is not None:
+            _set_field(request, name, value)
     return request
+
+
+def _set_field(request: common_pb2.InferenceRequest, name: str, value: Any) -> None:
+    """One keyword's value into the request, in the field's own shape."""
+    if name == "messages":
+        request.messages.extend(_chat_message(i, m) for i, m in enumerate(value))
+    elif name in _REPEATED_STRINGS:
+        # A lone string is one item, not a sequence of characters.
+        items = [value] if isinstance(value, str) else list(value)
+        _set_repeated(request, name, items)
+    elif name == "json_schema" and isinstance(value, Mapping):
+        request.json_schema = json.dumps(value)
+    elif name == "response_format":
+        _response_format(request, value)
+    elif name in ("regex", "grammar"):
+        _set(request.response_format, name, value)
+    else:
+        _set(request, name, value)
 
 
 def _response_format(request: common_pb2.InferenceRequest, value: Any) -> None:

@@ -1,5 +1,6 @@
 """A non-streamed call that ends when its client hangs up: Starlette tells a handler nothing of a
-disconnect until it reads the request again, so the call races the next `http.disconnect`."""
+disconnect until it reads the request again, so the call races the next `http.disconnect`.
+`infer` is that call for the OpenAI routes and REST alike."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from libs.gen.expert.v1 import common_pb2
+from services.reception.admission.core import Admission
+from services.reception.http.errors import ToHttpError, error_response
 
 T = TypeVar("T")
 
 
 async def unless_disconnected(request: Request, call: Awaitable[T]) -> T | None:
     """`call`'s result, or None when the client hung up first: the call is then cancelled, which
-    cancels its job (ReceptionServicer.infer). The call's own exception is raised."""
+    cancels its job (Admission.infer). The call's own exception is raised."""
     work = asyncio.ensure_future(call)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -27,6 +33,24 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T | None:
             with contextlib.suppress(BaseException):
                 await work
     return None if work.cancelled() else work.result()
+
+
+async def infer(
+    admission: Admission,
+    request: Request,
+    inference: common_pb2.InferenceRequest,
+    body: object,
+    to_http_error: ToHttpError,
+) -> common_pb2.InferenceResult | JSONResponse:
+    """The job's result, or the response to send instead: the refusal as the route's error body,
+    or nothing for a client that hung up (its job is cancelled)."""
+    try:
+        result = await unless_disconnected(request, admission.infer(inference))
+    except Exception as exc:
+        return error_response(to_http_error(exc, body))
+    if result is None:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    return result
 
 
 async def _disconnected(request: Request) -> None:

@@ -63,6 +63,10 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# How a route turns an exception into its error body, given the request's body (None before it parsed).
+ToHttpError = Callable[[BaseException, object], "HttpError"]
+
+
 def not_supported(param: str, what: str) -> HttpError:
     return HttpError(400, f"{what} is not supported yet", param, "unsupported_parameter")
 

@@ -40,21 +40,38 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
     _refuse_unsupported(body)
     # `<base>:<expert>`: the base model serves it, with the expert forced (see forced_experts).
     request = common_pb2.InferenceRequest(model=body.base_model)
-    if isinstance(body, ChatCompletionRequest):
-        for i, message in enumerate(body.messages):
-            request.messages.append(
-                common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i))
-            )
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    else:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise not_supported("prompt", "a list of several prompts (batched completions)")
-        request.prompt = prompts[0]
-        request.raw = True
-        max_tokens = body.max_tokens
+    max_tokens = (
+        _chat_input(request, body) if isinstance(body, ChatCompletionRequest) else _prompt(request, body)
+    )
     if max_tokens is not None:
         request.max_tokens = max_tokens
+    _sampling(request, body)
+    request.force_experts.extend(body.forced_experts())  # `<base>:<expert>`'s expert first
+    request.exclude_experts.extend(body.exclude_experts or [])
+    if body.user is not None:
+        request.user_id = body.user
+    return request
+
+
+def _chat_input(request: common_pb2.InferenceRequest, body: ChatCompletionRequest) -> int | None:
+    """A chat's messages onto the request; its token limit (max_completion_tokens first)."""
+    for i, message in enumerate(body.messages):
+        request.messages.append(common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i)))
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def _prompt(request: common_pb2.InferenceRequest, body: CompletionRequest) -> int | None:
+    """A completion's one prompt onto the request, raw (no chat template); its token limit."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if len(prompts) != 1:
+        raise not_supported("prompt", "a list of several prompts (batched completions)")
+    request.prompt = prompts[0]
+    request.raw = True
+    return body.max_tokens
+
+
+def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest | CompletionRequest) -> None:
+    """The sampling fields, `n`, the logprobs, the output format and the stop strings."""
     for name in (*SAMPLING_FIELDS, "max_experts", "priority"):
         value = getattr(body, name)
         if value is not None:
@@ -72,11 +89,6 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
         request.top_k = 0
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
-    request.force_experts.extend(body.forced_experts())  # `<base>:<expert>`'s expert first
-    request.exclude_experts.extend(body.exclude_experts or [])
-    if body.user is not None:
-        request.user_id = body.user
-    return request
 
 
 def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:

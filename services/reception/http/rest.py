@@ -1,14 +1,14 @@
 """The Expert System's own REST API (docs/api.md#the-rest-api): `/v1/infer` and `/v1/jobs` over the
-gRPC servicer's own methods (`infer`, `infer_stream`, `submit`, `get_job`, `cancel_job`), with the
-proto messages as JSON under their proto field names; enums are their short lower-case names
-(`completed`, `stop`), timestamps RFC 3339 strings and 64-bit integers numbers."""
+admission core's calls (`infer`, `stream`, `submit`, `get_job`, `cancel_job`), with the proto
+messages (InferStream's, for a stream) as JSON under their proto field names; enums are their short
+lower-case names (`completed`, `stop`), timestamps RFC 3339 strings and 64-bit integers numbers."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,11 +18,13 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from libs.gen.expert.v1 import common_pb2
-from services.reception.http.calls import unless_disconnected
-from services.reception.http.errors import HttpError, error_response
+from services.reception.admission.core import Admission, Submitted
+from services.reception.http.calls import infer
+from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.response_format import parse_response_format
 from services.reception.http.rest_schema import InferBody, JobBody
-from services.reception.server import ReceptionServicer
+from services.reception.job_events import JobEvent
+from services.reception.server import stream_response
 
 _INT64 = {
     FieldDescriptor.TYPE_INT64,
@@ -82,42 +84,16 @@ def _tidy(data: dict[str, Any], descriptor: Descriptor) -> None:
         data[field.name] = values if repeated else values[0]
 
 
-def add_rest_routes(
-    app: FastAPI,
-    servicer: ReceptionServicer,
-    as_http_error: Callable[[BaseException, object], HttpError],
-) -> None:
+def add_rest_routes(app: FastAPI, admission: Admission, as_http_error: ToHttpError) -> None:
     @app.post("/v1/infer")
     async def infer(request: Request, body: InferBody):
-        inference = to_request(body)
-        if body.stream:
-            return await _stream(inference, body)
-        try:
-            result = await unless_disconnected(request, servicer.infer(inference))
-        except Exception as exc:
-            return error_response(as_http_error(exc, body))
-        if result is None:  # the client hung up, and its job is cancelled
-            return JSONResponse({}, status_code=499)  # nobody reads it
-        return to_json(result)
-
-    async def _stream(inference: common_pb2.InferenceRequest, body: InferBody):
-        messages = servicer.infer_stream(inference)
-        try:
-            first = await anext(messages)  # admission: its refusal is the HTTP answer
-        except Exception as exc:
-            await messages.aclose()
-            return error_response(as_http_error(exc, body))
-        return StreamingResponse(
-            _events(first, messages, body, as_http_error),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        return await _infer(admission, request, body, as_http_error)
 
     @app.post("/v1/jobs", status_code=202)
     async def submit(body: JobBody):
         inference = to_request(body)
         try:
-            submission = await servicer.submit(inference)
+            submission = await admission.submit(inference)
         except Exception as exc:
             return error_response(as_http_error(exc, body))
         return JSONResponse(
@@ -129,30 +105,62 @@ def add_rest_routes(
     @app.get("/v1/jobs/{job_id}")
     async def get_job(job_id: str):
         try:
-            return to_json(await servicer.get_job(job_id))
+            return to_json(await admission.get_job(job_id))
         except Exception as exc:
             return error_response(as_http_error(exc, None))
 
     @app.delete("/v1/jobs/{job_id}")
     async def cancel_job(job_id: str):
         try:
-            return to_json(await servicer.cancel_job(job_id))
+            return to_json(await admission.cancel_job(job_id))
         except Exception as exc:
             return error_response(as_http_error(exc, None))
+
+
+async def _infer(admission: Admission, request: Request, body: InferBody, as_http_error: ToHttpError):
+    inference = to_request(body)
+    if body.stream:
+        return await _stream(admission, inference, body, as_http_error)
+    result = await infer(admission, request, inference, body, as_http_error)
+    return result if isinstance(result, JSONResponse) else to_json(result)
+
+
+async def _stream(
+    admission: Admission, inference: common_pb2.InferenceRequest, body: InferBody, as_http_error: ToHttpError
+) -> StreamingResponse | JSONResponse:
+    events = admission.stream(inference)
+    try:
+        first = await anext(events)  # admission: its refusal is the HTTP answer
+    except Exception as exc:
+        await events.aclose()
+        return error_response(as_http_error(exc, body))
+    return StreamingResponse(
+        _events(first, events, body, as_http_error),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 def _sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _events(first, messages, body: InferBody, as_http_error) -> AsyncIterator[str]:
-    """InferStream's messages as server-sent events: `event: <kind>` and `data: {"<kind>": …}`,
-    ending after the result. A refusal after the start is one `error` event. Closed early (the
-    client went away), `messages` is closed, which cancels the job."""
-    async with contextlib.aclosing(messages):
-        yield _sse("submitted", to_json(first))
+def _message(event: Submitted | JobEvent) -> str:
+    """An event as InferStream's message in JSON: `event: <kind>` and `data: {"<kind>": …}`."""
+    message = stream_response(event)
+    return _sse(message.WhichOneof("event"), to_json(message))
+
+
+async def _events(
+    first: Submitted, events: AsyncIterator[JobEvent], body: InferBody, as_http_error: ToHttpError
+) -> AsyncIterator[str]:
+    """InferStream's messages as server-sent events, ending after the result. A refusal after the
+    start is one `error` event. Closed early (the client went away), `events` is closed, which
+    cancels the job."""
+    async with contextlib.aclosing(events):
+        yield _message(first)
         try:
-            async for message in messages:
-                yield _sse(message.WhichOneof("event"), to_json(message))
+            async for event in events:
+                yield _message(event)
         except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
             yield _sse("error", as_http_error(exc, body).body())

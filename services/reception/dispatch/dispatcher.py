@@ -26,9 +26,10 @@ from libs.gen.expert.v1 import common_pb2
 from libs.logging import bind_context, get_logger
 from libs.redis_streams import Entry, dead_letter, missing_group, read_next, reclaim
 from services.reception.capacity import Capacity
+from services.reception.dispatch.pipeline import Pipeline
+from services.reception.dispatch.run import JobRun
 from services.reception.jobs import CANCEL_CHANNEL, JobStore
 from services.reception.metrics import ReceptionMetrics
-from services.reception.pipeline import JobRun, Pipeline
 from services.reception.queue import DEAD_LETTER, GROUP, STREAMS, JobQueue
 
 log = get_logger(__name__)
@@ -36,6 +37,14 @@ log = get_logger(__name__)
 # While the fleet has no free slot, how long the taker waits before asking preparation again.
 FULL_WAIT_MIN_S = 0.05
 FULL_WAIT_MAX_S = 0.4
+
+
+@dataclass
+class _Handling:
+    """Where the handling of one queue entry stands, for its cleanup."""
+
+    counted: bool = True  # still counted in `_unplaced`
+    final: bool = False  # the job reached a final state: its entry is acknowledged
 
 
 @dataclass(frozen=True)
@@ -177,57 +186,63 @@ class Dispatcher:
         if not reserved:
             self._unplaced += 1
         self._active += 1
-        counted, final = True, False
+        handling = _Handling()
         try:
             with bind_context(job_id=job_id):
-                # Listen for its cancellation before reading the record, so none is missed.
-                cancel = self._cancels[job_id] = asyncio.Event()
-                record = (
-                    await self.jobs.begin(job_id, common_pb2.JOB_STATUS_PLANNING, delivery=True)
-                    if job_id
-                    else None
-                )
-                if record is None or record.final:
-                    final = True
-                    return  # expired, or finished (a cancellation) before it was picked
-                # Deliveries, not attempts: a job that failed over between engines within one
-                # delivery has more attempts, but its dispatchers did not die.
-                if record.deliveries > self.settings.max_deliveries:
-                    await self._give_up(entry, record.deliveries - 1)
-                    final = True
-                    return
-                if record.cancel_requested:
-                    cancel.set()
-                run = JobRun(record, default_timeout_s=self.settings.default_timeout_s, cancel=cancel)
-                task = asyncio.create_task(self.pipeline.run(run))
-                try:
-                    placed = asyncio.ensure_future(run.placed.wait())
-                    await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
-                    placed.cancel()
-                    self._unplaced -= 1
-                    counted = False
-                    self.capacity.invalidate()
-                    await task
-                except asyncio.CancelledError:
-                    # A stop: the saga unwinds (releasing its slot) before the entry is left.
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise
-                final = True
-                seconds = time.time() - record.submitted_at
-                if self.on_finished is not None:
-                    self.on_finished(seconds)
+                await self._run_entry(entry, job_id, handling)
         finally:
             self._active -= 1
-            if counted:
+            if handling.counted:
                 self._unplaced -= 1
             self._cancels.pop(job_id, None)
             keeper.cancel()
             self.capacity.invalidate()
             self._job_ended.set()
-            if final:
+            if handling.final:
                 await self.queue.done(entry.stream, entry.id)
+
+    async def _run_entry(self, entry: Entry, job_id: str, handling: _Handling) -> None:
+        """Start the entry's job (unless it is gone, final, or delivered too often) and run it."""
+        # Listen for its cancellation before reading the record, so none is missed.
+        cancel = self._cancels[job_id] = asyncio.Event()
+        record = (
+            await self.jobs.begin(job_id, common_pb2.JOB_STATUS_PLANNING, delivery=True) if job_id else None
+        )
+        if record is None or record.final:
+            handling.final = True
+            return  # expired, or finished (a cancellation) before it was picked
+        # Deliveries, not attempts: a job that failed over between engines within one delivery
+        # has more attempts, but its dispatchers did not die.
+        if record.deliveries > self.settings.max_deliveries:
+            await self._give_up(entry, record.deliveries - 1)
+            handling.final = True
+            return
+        if record.cancel_requested:
+            cancel.set()
+        await self._run(
+            JobRun(record, default_timeout_s=self.settings.default_timeout_s, cancel=cancel), handling
+        )
+        handling.final = True
+        if self.on_finished is not None:
+            self.on_finished(time.time() - record.submitted_at)
+
+    async def _run(self, run: JobRun, handling: _Handling) -> None:
+        """Run the job through the pipeline; it stops counting as unplaced once placed."""
+        task = asyncio.create_task(self.pipeline.run(run))
+        try:
+            placed = asyncio.ensure_future(run.placed.wait())
+            await asyncio.wait({task, placed}, return_when=asyncio.FIRST_COMPLETED)
+            placed.cancel()
+            self._unplaced -= 1
+            handling.counted = False
+            self.capacity.invalidate()
+            await task
+        except asyncio.CancelledError:
+            # A stop: the saga unwinds (releasing its slot) before the entry is left.
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
 
     async def _keep_alive(self, entry: Entry) -> None:
         period = self.settings.reclaim_idle_ms / 3000

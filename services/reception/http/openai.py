@@ -1,0 +1,108 @@
+"""OpenAI's chat and completions endpoints, an adapter over the admission core: the body becomes an
+InferenceRequest (openai_request.py), admitted and followed by `Admission.infer` / `.stream`, and
+the result or the job's events become OpenAI's response or server-sent chunks
+(openai_response.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from libs.gen.expert.v1 import common_pb2
+from services.reception.admission.core import Admission, Submitted
+from services.reception.http.calls import infer
+from services.reception.http.errors import HttpError, ToHttpError, error_response
+from services.reception.http.openai_request import to_request
+from services.reception.http.openai_response import Chunks, event, failure, response
+from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.reception.job_events import Delta, Finished, JobEvent, Restarted
+
+
+def add_openai_routes(app: FastAPI, admission: Admission, to_http_error: ToHttpError) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await _complete(admission, request, body, True, to_http_error)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await _complete(admission, request, body, False, to_http_error)
+
+
+async def _complete(
+    admission: Admission,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    to_http_error: ToHttpError,
+):
+    inference = to_request(body)
+    logprobs = inference.HasField("logprobs")
+    if body.stream:
+        return await _stream(admission, inference, body, chat, to_http_error)
+    result = await infer(admission, request, inference, body, to_http_error)
+    if isinstance(result, JSONResponse):
+        return result
+    failed = failure(result, body)
+    if failed is not None:
+        return error_response(failed)
+    return response(result, body, chat, logprobs)
+
+
+async def _stream(
+    admission: Admission,
+    inference: common_pb2.InferenceRequest,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    to_http_error: ToHttpError,
+) -> StreamingResponse | JSONResponse:
+    events = admission.stream(inference)
+    try:
+        submitted: Submitted = await anext(events)  # admission: its refusal is the HTTP answer
+    except Exception as exc:
+        await events.aclose()
+        return error_response(to_http_error(exc, body))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    chunks = Chunks(submitted.submission.job_id, body, chat, include_usage, inference.n or 1)
+    return StreamingResponse(
+        _sse(events, chunks, body, to_http_error),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+async def _sse(
+    events: AsyncIterator[JobEvent], chunks: Chunks, body, to_http_error: ToHttpError
+) -> AsyncIterator[str]:
+    """The job's events as OpenAI's server-sent chunks, then each choice's finish chunk and
+    `data: [DONE]`; a failure is one error event. Closed early (the client went away), `events` is
+    closed, which cancels the job."""
+    async with contextlib.aclosing(events):
+        for opening in chunks.opening():
+            yield opening
+        sent = False
+        try:
+            async for job_event in events:
+                match job_event:
+                    case Delta(delta) if delta.text or delta.logprobs:
+                        sent = True
+                        yield chunks.delta(delta)
+                    case Restarted() if sent:
+                        # The job started over on another engine: the text sent cannot be taken back.
+                        yield _error(
+                            HttpError(503, "the job restarted after part of its output was streamed")
+                        )
+                        return
+                    case Finished(result):
+                        failed = failure(result, body)
+                        for line in [_error(failed)] if failed is not None else chunks.ending(result):
+                            yield line
+                        return
+        except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
+            yield _error(to_http_error(exc, body))
+
+
+def _error(error: HttpError) -> str:
+    return event(error.body())

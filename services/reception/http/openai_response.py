@@ -1,0 +1,168 @@
+"""A job's result in OpenAI's shapes: the chat or completions response, the chunks of a streamed one
+(server-sent events), and the error of a job that failed."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from libs.gen.expert.v1 import common_pb2
+from libs.job_results import failure_code
+from services.reception.http.errors import HTTP_STATUS, HttpError, param_of
+from services.reception.http.openai_logprobs import chat_logprobs, completion_logprobs
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TIMEOUT: "length",  # cut short by timeout_ms: a limit, like max_tokens
+    common_pb2.FINISH_REASON_ABORT: "abort",  # cancelled (CancelJob) while it ran
+}
+
+
+def failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
+    """The error for a job that ended without an answer (a refusal was raised before); a later
+    stage's refusal names the first field it found wrong (e.g. the engine's `n` above its
+    max_num_seqs) as the client sent it."""
+    if result.status != common_pb2.JOB_STATUS_FAILED:
+        return None
+    code = failure_code(result)
+    status = HTTP_STATUS.get(code, 500) if code is not None else 500
+    param = param_of(result.error_fields[0].field, body) if result.error_fields else None
+    name = code.name.lower() if code is not None else "job_failed"
+    return HttpError(status, result.error or "the job failed", param, code=name)
+
+
+def usage(result: common_pb2.InferenceResult) -> dict[str, int]:
+    prompt = result.metrics.input_tokens
+    completion = result.metrics.output_tokens or result.tokens_generated
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason_name(reason: int) -> str:
+    return _FINISH_REASONS.get(reason, "stop")
+
+
+def result_choices(result: common_pb2.InferenceResult) -> list[common_pb2.Choice]:
+    """The result's choices (a result recorded without them, e.g. swept at its deadline: its text)."""
+    if result.choices:
+        return list(result.choices)
+    only = common_pb2.Choice(text=result.text, finish_reason=result.finish_reason)
+    only.validation.CopyFrom(result.validation)
+    return [only]
+
+
+def extra(result: common_pb2.InferenceResult) -> dict[str, Any]:
+    """What the Expert System adds to OpenAI's response: the job, the experts it applied and each
+    choice's validation (response_format's schema is checked after generation, not enforced)."""
+    return {
+        "job_id": result.job_id,
+        "experts": list(result.experts_used),
+        "validation": [
+            {
+                "index": c.index,
+                "valid": c.validation.valid,
+                "validator": c.validation.validator,
+                "error": c.validation.error,
+            }
+            for c in result_choices(result)
+        ],
+    }
+
+
+def _kind(chat: bool, streamed: bool) -> tuple[str, str]:
+    """The response's `object` and its id's prefix."""
+    if chat:
+        return ("chat.completion.chunk" if streamed else "chat.completion"), "chatcmpl-"
+    return "text_completion", "cmpl-"
+
+
+def response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: bool) -> dict[str, Any]:
+    """The answer to a non-streamed chat or completions request."""
+    created = int(result.metrics.submitted_at.seconds) or int(time.time())
+    choices = []
+    for c in result_choices(result):
+        choice: dict[str, Any] = {"index": c.index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = chat_logprobs(c.logprobs) if logprobs else None
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = completion_logprobs(c.logprobs) if logprobs else None
+        choice["finish_reason"] = finish_reason_name(c.finish_reason)
+        choices.append(choice)
+    kind, prefix = _kind(chat, streamed=False)
+    return {
+        "id": prefix + result.job_id,
+        "object": kind,
+        "created": created,
+        "model": body.model,
+        "choices": choices,
+        "usage": usage(result),
+        "expert_system": extra(result),
+    }
+
+
+def event(data: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Chunks:
+    """The server-sent chunks of one streamed chat or completions answer (one choice per chunk,
+    named by its index), for the job `job_id`; `n` choices."""
+
+    def __init__(self, job_id: str, body, chat: bool, include_usage: bool, n: int) -> None:
+        self.body, self.chat, self.include_usage = body, chat, include_usage
+        self.created = int(time.time())
+        self.kind, prefix = _kind(chat, streamed=True)
+        self.id = prefix + job_id
+        self.offsets = dict.fromkeys(range(n), 0)  # completions' text_offset: each choice's text so far
+
+    def opening(self) -> Iterator[str]:
+        """Chat's first chunk of each choice, which names the role (completions have none)."""
+        if self.chat:
+            for index in self.offsets:
+                yield event(self._chunk(index, "", role=True))
+
+    def delta(self, delta: common_pb2.ChoiceDelta) -> str:
+        """A choice's new text and logprobs."""
+        data = self._chunk(delta.index, delta.text, logprobs=list(delta.logprobs))
+        advance = sum(len(t.token) for t in delta.logprobs)
+        self.offsets[delta.index] = self.offsets.get(delta.index, 0) + advance
+        return event(data)
+
+    def ending(self, result: common_pb2.InferenceResult) -> Iterator[str]:
+        """Each choice's finish chunk, the usage chunk if asked for, and `data: [DONE]`."""
+        for c in result_choices(result):
+            finished = self._chunk(c.index, None if self.chat else "", finish_reason_name(c.finish_reason))
+            yield event({**finished, "expert_system": extra(result)})
+        if self.include_usage:
+            yield event(self._head() | {"choices": [], "usage": usage(result)})
+        yield "data: [DONE]\n\n"
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.body.model}
+
+    def _chunk(
+        self,
+        index: int,
+        delta: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: list[common_pb2.TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        if self.chat:
+            content: dict[str, Any] = {"role": "assistant"} if role else {}
+            if delta is not None:
+                content["content"] = delta
+            shown = chat_logprobs(logprobs) if logprobs else None
+            choice = {"index": index, "delta": content, "logprobs": shown, "finish_reason": finish_reason}
+        else:
+            shown = completion_logprobs(logprobs, self.offsets.get(index, 0)) if logprobs else None
+            choice = {"index": index, "text": delta or "", "logprobs": shown, "finish_reason": finish_reason}
+        data = self._head() | {"choices": [choice]}
+        if self.include_usage:
+            data["usage"] = None
+        return data
