@@ -1,6 +1,7 @@
 """The server bootstrap every service's `__main__.py` uses: a grpc.aio server with the shared
 interceptors, a health service that tells the truth, reflection, the metrics endpoint, and a
-graceful stop on SIGTERM or SIGINT.
+graceful stop on SIGTERM or SIGINT, bounded: `grace` plus STOP_MARGIN_S after the signal, the
+process exits whatever still runs.
 
 A typical `__main__.py`:
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, NoReturn
 
@@ -42,6 +45,9 @@ from libs.metrics import start_metrics_server
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
+# After a stop signal, the process ends within its grace period plus this, whatever still runs: a
+# service that outlives its launcher (tools.child_process) must not hold its port for minutes.
+STOP_MARGIN_S = 5.0
 MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     # Without this a second process could bind the same port and silently share the traffic.
@@ -144,7 +150,7 @@ async def serve(
         raise StartupError(f"cannot serve metrics on port {config.metrics_port}: {error.strerror}") from None
 
     stop = stop or asyncio.Event()
-    remove_handlers = _install_signal_handlers(stop)
+    remove_handlers = _install_signal_handlers(stop, grace + STOP_MARGIN_S)
     await server.start()
     _log.info("server started", port=port, metrics_port=config.metrics_port, services=names)
     try:
@@ -179,12 +185,14 @@ async def _run_until_stopped(starting: Awaitable[None], stop: asyncio.Event) -> 
         start_task.result()
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+def _install_signal_handlers(stop: asyncio.Event, limit_s: float) -> Callable[[], None]:
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
     def on_signal(sig: signal.Signals) -> None:
         _log.info("signal received", signal=sig.name)
+        if not stop.is_set():
+            _exit_after(limit_s)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -200,6 +208,22 @@ def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
             loop.remove_signal_handler(sig)
 
     return remove
+
+
+def _exit_after(limit_s: float) -> None:
+    """Ends the process `limit_s` seconds from now unless it has exited by then. Stopping may wait
+    on what no cancellation reaches: a thread loading a model or compiling kernels, a peer that
+    does not answer. The stacks of every thread go to the log first, to show what held it."""
+
+    def hard_exit() -> None:
+        _log.error("stop took too long; exiting now", limit_seconds=limit_s)
+        sys.stdout.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(limit_s, hard_exit)
+    timer.daemon = True  # never what keeps the process alive
+    timer.start()
 
 
 def run(main: Coroutine[Any, Any, None], *, service: str = "expert") -> NoReturn:

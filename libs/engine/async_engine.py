@@ -144,6 +144,11 @@ class AsyncLLMEngine:
         self._thread.start()
         try:
             await started
+        except asyncio.CancelledError:
+            # Stopped while building (loading the model, compiling the kernels: up to minutes):
+            # nobody waits for the build. The daemon thread ends by itself once it is done.
+            self._stopping = True
+            raise
         except BaseException:
             await self._loop.run_in_executor(None, self._thread.join)
             self._thread = None

@@ -2,12 +2,15 @@
 (`python -m tests.helpers.grpc_echo_server`): RouterService.Plan echoes the prompt, and the job
 "slow" first sleeps for as many seconds as its prompt says. Configured like every service:
 EXPERT_ECHOTEST_PORT, EXPERT_ECHOTEST_METRICS_PORT, EXPERT_BIND_HOST, EXPERT_LOG_LEVEL; and for
-the tests of start-up, ECHOTEST_WARM_UP_SECONDS (a slow warm-up) and ECHOTEST_FAIL_WARM_UP=1."""
+the tests of start-up, ECHOTEST_WARM_UP_SECONDS (a slow warm-up) and ECHOTEST_FAIL_WARM_UP=1; for
+those of stopping, ECHOTEST_STOP_HANG_SECONDS (on_stop blocks the whole process that long, as a
+join on a thread that does not end would)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
 
@@ -48,6 +51,7 @@ async def main() -> None:
 
     async def on_stop() -> None:
         _log.info("on_stop ran")
+        time.sleep(float(os.environ.get("ECHOTEST_STOP_HANG_SECONDS", "0")))
 
     await serve(SERVICE, config, register, health=health, on_start=on_start, on_stop=on_stop, grace=5.0)
 

@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 
 from libs.gen.expert.v1 import router_pb2_grpc
 from libs.grpc_client import insecure_channel
+from libs.grpc_server import STOP_MARGIN_S
 from tests.helpers.grpc_health import wait_for_serving
 from tests.helpers.grpc_services import REPO, json_lines, plan_request
 from tests.helpers.ports import free_port
@@ -133,6 +135,32 @@ def test_sigterm_during_a_long_warm_up_stops_at_once():
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
         assert '"server stopped"' in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
+
+
+def test_a_stop_that_hangs_ends_the_process_after_its_grace_period():
+    """The echo server's grace is 5 s: 5 + STOP_MARGIN_S after SIGTERM the process exits, its
+    threads' stacks in the log, though its on_stop would block for a minute."""
+    env = {**_echo_server_env(free_port()), "ECHOTEST_STOP_HANG_SECONDS": "60"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.grpc_echo_server"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in process.stdout:
+            if '"server started"' in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert process.wait(timeout=30) == 1
+        assert 5.0 + STOP_MARGIN_S - 1 < time.monotonic() - started < 5.0 + STOP_MARGIN_S + 10
+        assert '"stop took too long; exiting now"' in process.stdout.read()
+        assert "in hard_exit" in process.stderr.read()  # every thread's stack, the hanging one's too
     finally:
         if process.poll() is None:
             process.kill()

@@ -8,9 +8,12 @@ portable build: all three compute the same values, at different speeds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -75,20 +78,34 @@ def load(verbose: bool = False) -> bool:
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             sources = [str(_CSRC / name) for name in _SOURCES]
-            load_extension(
-                name=f"expert_kernels_{_isa()}",
-                sources=sources,
-                extra_cflags=_flags(),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=verbose,
-            )
+            with _builders_lock(directory):
+                load_extension(
+                    name=f"expert_kernels_{_isa()}",
+                    sources=sources,
+                    extra_cflags=_flags(),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
             _loaded = hasattr(torch.ops.expert_kernels, "linear")
         except Exception as exc:  # compiler missing, unsupported platform, build failure
             _error = f"{type(exc).__name__}: {exc}"
             _loaded = False
         return _loaded
+
+
+@contextlib.contextmanager
+def _builders_lock(directory: Path) -> Iterator[None]:
+    """One build at a time in `directory`, under a lock that dies with its holder. torch's own lock
+    (the file `lock`, created and deleted around a build) stays behind when a building process is
+    killed (a service stopped mid-build), and every later build would wait for it forever. Every
+    build here first takes this flock, which the kernel releases when its holder dies: holding it,
+    a `lock` file can only be such a leftover, and goes."""
+    with open(directory / "builders.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 def load_error() -> str | None:
