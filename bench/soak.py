@@ -20,8 +20,8 @@ The exit status is 0 when no job is left non-final and the KV (blocks and reserv
 to 0, else 1.
 
     python bench/soak.py --minutes 10 --rate 2 --max-tokens 16 64 --seed 0 --json
-    python bench/soak.py --target localhost:50051 --preparation localhost:50053 \\
-        --redis-url redis://localhost:6379/0   # an already running stack (RSS: n/a)
+    python bench/soak.py --target 127.0.0.1:50051 --preparation 127.0.0.1:50053 \\
+        --redis-url redis://127.0.0.1:6379/0   # an already running stack (RSS: n/a)
 """
 
 from __future__ import annotations

@@ -160,6 +160,20 @@ class ServerConfig:
         return f"{bracket_host(self.bind_host)}:{self.port}"
 
 
+# Where a client on this machine reaches a local server. Never `localhost`: gRPC's resolver (and
+# many /etc/hosts) give it ::1 as well as 127.0.0.1, and a process of any user that listens on
+# [::1] at a service's port would receive the calls meant for a service bound to 127.0.0.1.
+LOOPBACK_HOST = "127.0.0.1"
+_WILDCARDS = {"0.0.0.0": LOOPBACK_HOST, "::": "[::1]", "[::]": "[::1]"}
+
+
+def local_host(bind_host: str) -> str:
+    """The host a client on this machine dials for a server bound to `bind_host`, ready to go
+    before `:port`: the loopback address of the wildcard's family (0.0.0.0 → 127.0.0.1, :: → [::1]),
+    else the bound address itself."""
+    return _WILDCARDS.get(bind_host, bracket_host(bind_host))
+
+
 def bracket_host(host: str) -> str:
     """`host` as it goes before `:port`: IPv6 addresses need brackets, everything else is unchanged."""
     if ":" in host and not host.startswith("["):

@@ -5,11 +5,18 @@ dependency order and are ready when their grpc.health.v1 check says SERVING; eac
 logs to a file under `log_dir`. Stopping sends SIGTERM (the services stop gracefully) and SIGKILL
 to what is still running after a grace period.
 
-The redis-server it starts listens on 127.0.0.1 only, with a memory cap (`redis_maxmemory`) and the
-volatile-ttl policy: only keys with a TTL (job records, job event streams) can be evicted, never
-the queue streams, their consumer groups or the dead-letter stream, which have none. It keeps
-nothing on disk unless `redis_durable`, which turns on the append-only file (fsync every second)
-in `redis_dir`, so that a restarted Redis reloads the queue and the job records.
+The services listen on 127.0.0.1 (EXPERT_BIND_HOST moves them), and every target names that very
+address, never `localhost`, which may resolve to ::1 too, where another user's process could listen.
+Each process is tied to the one that started the stack (tools.child_process): if it dies, SIGKILL
+included, they stop too.
+
+The redis-server it starts listens on 127.0.0.1 only, asks for a password generated for the stack
+(tools.local_redis; the services get it in EXPERT_REDIS_URL), keeps its directory readable by the
+owner only, and has a memory cap (`redis_maxmemory`) and the volatile-ttl policy: only keys with
+a TTL (job records, job event streams) can be evicted, never the queue streams, their consumer
+groups or the dead-letter stream, which have none. It keeps nothing on disk unless
+`redis_durable`, which turns on the append-only file (fsync every second) in `redis_dir`, so that
+a restarted Redis reloads the queue and the job records.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from urllib.parse import urlparse
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from libs.config import LOOPBACK_HOST, local_host
+from tools import local_redis
+from tools.child_process import spawn
 
 # Start order: the engine registers with preparation; reception calls all the others.
 SERVICES = ("router", "preparation", "postproc", "engine", "reception")
@@ -115,6 +126,7 @@ class LocalStack:
     redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY  # as redis-server's --maxmemory takes it
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _redis: subprocess.Popen | None = None
+    _redis_password: str | None = field(default=None, repr=False)  # of the redis-server it starts
     # How each process in `processes` was started (service, env overrides), to start it again.
     _launches: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict, repr=False)
 
@@ -132,18 +144,26 @@ class LocalStack:
             **kwargs,
         )
 
+    @property
+    def bind_host(self) -> str:
+        """Where the services listen: EXPERT_BIND_HOST from `env` or the environment, else 127.0.0.1."""
+        return ({**os.environ, **self.env}.get("EXPERT_BIND_HOST") or "").strip() or LOOPBACK_HOST
+
     def target(self, service: str) -> str:
-        return f"localhost:{self.ports[service]}"
+        """Where the services and the clients on this machine call `service`: the very address it
+        listens on (127.0.0.1 by default), never a name that may resolve elsewhere."""
+        return f"{local_host(self.bind_host)}:{self.ports[service]}"
 
     def http_url(self, service: str = "reception") -> str:
         """The base URL of a service's HTTP server (reception's OpenAI API: http_url() + "/v1")."""
         port = self.http_ports.get(service, 0)
         if not port:
             raise StackError(f"{service} serves no HTTP in this stack")
-        return f"http://localhost:{port}"
+        return f"http://{local_host(self.bind_host)}:{port}"
 
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
+        env["EXPERT_BIND_HOST"] = self.bind_host
         for service in SERVICES:
             name = service.upper()
             env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
@@ -184,17 +204,19 @@ class LocalStack:
                 raise StackError(
                     f"redis-server exited with status {self._redis.returncode}; see {self.log_path(REDIS)}"
                 )
-            if _redis_answers(port):
+            if local_redis.answers(self.redis_url):
                 return
             time.sleep(0.05)
         raise StackError(f"redis-server did not answer on port {port}; see {self.log_path(REDIS)}")
 
     def _redis_command(self, program: str, port: int) -> list[str]:
-        """The redis-server command line: 127.0.0.1 only, the memory cap, and the append-only file
-        (fsync every second) when durable; RDB snapshots are off either way."""
+        """The redis-server command line: the rest of its settings from stdin (`-`: the password),
+        127.0.0.1 only, the memory cap, and the append-only file (fsync every second) when durable;
+        RDB snapshots are off either way."""
         persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.redis_durable else []
         return [
             program,
+            "-",
             *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(self._redis_dir())),
             *("--maxmemory", self.redis_maxmemory, "--maxmemory-policy", "volatile-ttl"),
             *("--save", ""),
@@ -210,18 +232,18 @@ class LocalStack:
             raise StackError(
                 "redis-server is not installed (apt-get install redis-server), or set EXPERT_REDIS_URL"
             )
-        self._redis_dir().mkdir(parents=True, exist_ok=True)
+        directory = local_redis.private_dir(self._redis_dir())
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path(REDIS), "ab") as log:  # the process has its own copy
-            # In a session of its own, like the services: a terminal's Ctrl-C reaches only the
-            # process that started the stack, which stops the services first and Redis last.
-            self._redis = subprocess.Popen(
-                self._redis_command(program, port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        if self._redis_password is None:  # one per stack: a restarted redis-server keeps it
+            self._redis_password = local_redis.new_password()
+        local_redis.keep_password(directory, self._redis_password)
+        self._redis = spawn(
+            self._redis_command(program, port),
+            self.log_path(REDIS),
+            stdin_text=local_redis.config_text(self._redis_password),
+            umask=local_redis.REDIS_UMASK,
+        )
+        self.redis_url = local_redis.url(port, self._redis_password)
         return port
 
     def start_service(
@@ -230,14 +252,11 @@ class LocalStack:
         """Start `service` as the process `name` (default: the service's own name)."""
         name = name or service
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path(name), "ab") as log:  # the process has its own copy
-            process = subprocess.Popen(
-                [sys.executable, "-m", f"services.{service}"],
-                env={**self.service_env(), **(env or {})},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        process = spawn(
+            [sys.executable, "-m", f"services.{service}"],
+            self.log_path(name),
+            env={**self.service_env(), **(env or {})},
+        )
         self.processes[name] = process
         self._launches[name] = (service, dict(env or {}))
         return process
@@ -270,7 +289,7 @@ class LocalStack:
     def ready(self, name: str) -> bool:
         """Whether the process `name` answers: PONG from Redis, SERVING from a service."""
         if name == REDIS:
-            return self.redis_url is not None and _redis_answers(urlparse(self.redis_url).port)
+            return self.redis_url is not None and local_redis.answers(self.redis_url)
         return health_status(self.target(name), timeout=0.25) == health_pb2.HealthCheckResponse.SERVING
 
     def start_engine(
@@ -354,13 +373,3 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _redis_answers(port: int) -> bool:
-    """PONG from the Redis on 127.0.0.1:`port` (one still loading its data answers LOADING)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False

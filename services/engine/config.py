@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from libs.auth.config import AuthConfig
-from libs.config import EnvReader, ServerConfig
+from libs.config import EnvReader, ServerConfig, local_host
 from libs.engine.config import EngineConfig
 
 DEFAULT_PORT = 50054
@@ -35,8 +35,10 @@ class EngineServiceConfig:
             auth=AuthConfig.from_env(env),
             engine=EngineConfig.from_env(env),
             engine_id=reader.text("EXPERT_ENGINE_ID", f"{socket.gethostname()}-{server.port}"),
-            advertise_address=reader.text("EXPERT_ENGINE_ADVERTISE_ADDRESS", f"localhost:{server.port}"),
-            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),
+            advertise_address=reader.text(
+                "EXPERT_ENGINE_ADVERTISE_ADDRESS", f"{local_host(server.bind_host)}:{server.port}"
+            ),
+            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "127.0.0.1:50053"),
             heartbeat_interval_s=reader.number("EXPERT_ENGINE_HEARTBEAT_SECONDS", 2.0, minimum=0.1),
             stream_buffer=reader.integer("EXPERT_ENGINE_STREAM_BUFFER", 64, minimum=1),
             max_expert_bytes=reader.integer("EXPERT_ENGINE_MAX_EXPERT_BYTES", 2 << 30, minimum=1),

@@ -24,5 +24,5 @@ class PostprocConfig:
         return cls(
             server=ServerConfig.from_env("postproc", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
             auth=AuthConfig.from_env(env),
-            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://127.0.0.1:6379/0"),
         )

@@ -47,10 +47,10 @@ class ReceptionConfig:
             http_port=reader.integer(
                 "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
             ),
-            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
-            router_target=reader.address("EXPERT_ROUTER_TARGET", "localhost:50052"),
-            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "localhost:50053"),
-            postproc_target=reader.address("EXPERT_POSTPROC_TARGET", "localhost:50055"),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            router_target=reader.address("EXPERT_ROUTER_TARGET", "127.0.0.1:50052"),
+            preparation_target=reader.address("EXPERT_PREPARATION_TARGET", "127.0.0.1:50053"),
+            postproc_target=reader.address("EXPERT_POSTPROC_TARGET", "127.0.0.1:50055"),
             dispatch_enabled=reader.boolean("EXPERT_DISPATCH_ENABLED", True),
             dispatch=DispatchSettings(
                 max_jobs=reader.integer("EXPERT_DISPATCH_MAX_JOBS", 1024, minimum=1),

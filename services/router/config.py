@@ -41,7 +41,7 @@ class RouterConfig:
             prior_success_rate=reader.number(
                 "EXPERT_ROUTER_PRIOR_SUCCESS_RATE", 0.5, minimum=0.0, maximum=1.0
             ),
-            redis_url=reader.text("EXPERT_REDIS_URL", "redis://localhost:6379/0"),
+            redis_url=reader.text("EXPERT_REDIS_URL", "redis://127.0.0.1:6379/0"),
             feedback_alpha=reader.number("EXPERT_ROUTER_FEEDBACK_ALPHA", 0.1, minimum=0.001, maximum=1.0),
             encoder_threads=reader.integer("EXPERT_ROUTER_ENCODER_THREADS", 1, minimum=1, maximum=256),
             floor=FloorRule(

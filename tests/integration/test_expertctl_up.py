@@ -221,7 +221,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     settings["EXPERT_RECEPTION_METRICS_PORT"] = str(metrics_port)
     log_dir = tmp_path / "logs"
     process, stdout, stderr = _start_up(up, tiny_llama, log_dir, settings)
-    reception = f"localhost:{ports['reception']}"
+    reception = f"127.0.0.1:{ports['reception']}"
     assert f"{READY_LINE}: the API (reception) is at {reception}." in "".join(stdout.seen)
     for service in SERVICES:
         assert (log_dir / f"{service}.log").stat().st_size > 0, service  # JSON logs, one file each
@@ -246,7 +246,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert len(commands) == 3, stdout.seen
     http_port = int(settings["EXPERT_RECEPTION_HTTP_PORT"])
     curls = [line.strip() for line in stdout.seen if line.startswith("  curl ")]
-    assert len(curls) == 1 and f"http://localhost:{http_port}/v1/chat/completions" in curls[0], stdout.seen
+    assert len(curls) == 1 and f"http://127.0.0.1:{http_port}/v1/chat/completions" in curls[0], stdout.seen
     for command in commands + curls:
         done = subprocess.run(
             command, shell=True, env=_environment(), capture_output=True, text=True, timeout=120
@@ -259,7 +259,11 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     for port in [*ports.values(), metrics_port, http_port, redis_port]:
         assert _listening_on(port) == {"127.0.0.1"}, port
     # Redis keeps an append-only file beside the logs, and may only evict keys that expire.
-    with redis.Redis(port=redis_port, decode_responses=True) as client:
+    # It asks for the password kept beside its append-only file, for the owner only.
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=redis_port).ping()
+    password = _redis_password(tmp_path / "redis")
+    with redis.Redis(port=redis_port, password=password, decode_responses=True) as client:
         config = client.config_get("*")
     assert (config["appendonly"], config["appendfsync"]) == ("yes", "everysec")
     assert (config["maxmemory"], config["maxmemory-policy"]) == (str(512 << 20), "volatile-ttl")
@@ -275,13 +279,17 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert "restarts: none" in notices
     assert [pid for pid in children if _running(pid)] == []
     for service, port in ports.items():
-        assert health_status(f"localhost:{port}", timeout=0.5) is None, f"{service} still answers"
+        assert health_status(f"127.0.0.1:{port}", timeout=0.5) is None, f"{service} still answers"
     # The services stopped before Redis, and none logged an error on the way out.
     for service in SERVICES:
         lines = (log_dir / f"{service}.log").read_text().splitlines()
         errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
         assert errors == [], f"{service}: {errors[:3]}"
     assert "Received SIGTERM scheduling shutdown" in (log_dir / "redis.log").read_text()
+
+
+def _redis_password(directory: Path) -> str:
+    return (directory / "password").read_text().strip()
 
 
 def _wait_for_line(path: Path, text: str, timeout: float = 10.0) -> bool:
@@ -302,7 +310,7 @@ def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path
     ports, settings = _up_settings(tmp_path)
     log_dir = tmp_path / "logs"
     process, _, stderr = _start_up(up, tiny_llama, log_dir, settings)
-    engine = f"localhost:{ports['engine']}"
+    engine = f"127.0.0.1:{ports['engine']}"
     others = {name: _child(process.pid, f"services.{name}") for name in SERVICES if name != "engine"}
     killed = _child(process.pid, "services.engine")
 
@@ -312,7 +320,7 @@ def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path
     assert _wait_until(lambda: health_status(engine) == health_pb2.HealthCheckResponse.SERVING, 60)
     assert stderr.wait_for("expertctl: engine is ready again", 15), stderr.rest()
     assert _child(process.pid, "services.engine") != killed
-    with ExpertClient(f"localhost:{ports['reception']}") as client:
+    with ExpertClient(f"127.0.0.1:{ports['reception']}") as client:
         result = client.infer(prompt="Hello", max_tokens=8, temperature=0.0, timeout=60)
     assert result.status == "completed", result
     assert process.poll() is None  # the stack stayed up
@@ -320,7 +328,7 @@ def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path
 
     redis_server = _child(process.pid, "redis-server")
     redis_port = int(_command_line(redis_server).split(":")[-1])
-    with redis.Redis(port=redis_port) as client:
+    with redis.Redis(port=redis_port, password=_redis_password(tmp_path / "redis")) as client:
         # the job's record is in the append-only file (written; fsync'd within a second)
         assert _wait_until(lambda: client.info("persistence")["aof_buffer_length"] == 0, 5)
         os.kill(redis_server, signal.SIGKILL)
@@ -334,6 +342,29 @@ def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path
     notices = stderr.rest()
     assert "stopped" in notices and "restarts: engine 1, redis 1" in notices, notices
     assert notices.count("exited with status") == 2, notices  # nothing else was restarted
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_up_killed_with_sigkill_takes_its_services_and_redis_with_it(up, tiny_llama, tmp_path):
+    """Nothing outlives `up`, whatever kills it: its children stop (they are sent SIGTERM by the
+    kernel, tools.child_process) and every port is free for the next start."""
+    ports, settings = _up_settings(tmp_path)
+    process, _, _ = _start_up(up, tiny_llama, tmp_path / "logs", settings)
+    children = _children(process.pid)
+    assert len(children) == len(SERVICES) + 1, children  # redis-server and the five services
+
+    process.kill()  # SIGKILL: no handler runs, nothing is stopped by `up` itself
+    process.wait()
+    killed = time.monotonic()
+    assert _wait_until(lambda: not any(_running(pid) for pid in children), 30), [
+        _command_line(pid) for pid in children if _running(pid)
+    ]
+    print(f"all children gone {time.monotonic() - killed:.1f} s after the SIGKILL")
+    http = {"reception": int(settings["EXPERT_RECEPTION_HTTP_PORT"])}
+    _check_ports_free(ports, {}, "127.0.0.1", http)  # what the next `up` checks first
+    for service, port in ports.items():
+        assert health_status(f"127.0.0.1:{port}", timeout=0.5) is None, f"{service} still answers"
 
 
 def test_a_restart_waits_twice_as_long_after_each_quick_exit_and_1_s_after_a_long_run():

@@ -1,12 +1,17 @@
 """The redis-server that LocalStack starts (as `expertctl up` does): with `redis_durable`, a queued
 job (its record, its queue entry and the dispatchers' consumer group) is still there after Redis is
 killed and started again; without it, nothing is. Under its memory cap, Redis evicts only keys that
-expire (job records), never the queue."""
+expire (job records), never the queue. It asks for a password, and its files are the owner's only."""
 
 from __future__ import annotations
 
 import asyncio
+import stat
+from pathlib import Path
+from urllib.parse import urlparse
 
+import pytest
+import redis
 from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2
@@ -100,3 +105,51 @@ def test_under_its_memory_cap_redis_evicts_job_records_but_never_the_queue(tmp_p
     finally:
         stack.stop()
     assert evicted > 0 and keys < 400, (keys, evicted)
+
+
+def test_the_stacks_redis_refuses_a_client_without_its_password(tmp_path):
+    """Another local user could otherwise read every prompt, or write an admin key. The password
+    is not on redis-server's command line (any user can read that); a restarted one keeps it."""
+    stack = LocalStack.on_free_ports(tmp_path, redis_durable=True)
+    stack.start_redis()
+    try:
+        url = urlparse(stack.redis_url)
+        assert (url.hostname, len(url.password)) == ("127.0.0.1", 64)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=url.port).set("expert:apikey:forged", "admin")
+        command_line = Path(f"/proc/{stack.supervised()['redis'].pid}/cmdline").read_bytes()
+        assert url.password.encode() not in command_line
+        stack.restart_redis()
+        assert redis.Redis.from_url(stack.redis_url).ping()
+        assert urlparse(stack.redis_url).password == url.password
+    finally:
+        stack.stop()
+
+
+def test_the_redis_directory_is_the_owners_only_even_one_left_open_before(tmp_path):
+    directory = tmp_path / "redis"
+    (directory / "appendonlydir").mkdir(parents=True, mode=0o755)
+    old = directory / "appendonlydir" / "appendonly.aof.1.incr.aof"
+    old.write_bytes(b"")
+    old.chmod(0o644)  # what an earlier version left
+    stack = LocalStack.on_free_ports(tmp_path, redis_durable=True)
+    stack.start_redis()
+    try:
+        _run(stack.redis_url, _queue_a_job)
+        written = _run(stack.redis_url, _aof_flushed)
+    finally:
+        stack.stop()
+    assert written
+    modes = {path.relative_to(tmp_path): stat.S_IMODE(path.stat().st_mode) for path in directory.rglob("*")}
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert {path.name for path in directory.rglob("*.aof")}  # the job went to disk
+    assert modes == {p: 0o700 if (tmp_path / p).is_dir() else 0o600 for p in modes}, modes
+    assert (directory / "password").read_text().strip() == urlparse(stack.redis_url).password
+
+
+async def _aof_flushed(redis_client: Redis) -> bool:
+    for _ in range(100):
+        if int((await redis_client.info("persistence"))["aof_buffer_length"]) == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False

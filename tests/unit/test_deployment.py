@@ -196,7 +196,7 @@ def test_compose_points_each_service_at_the_others(compose):
                 peer = target[1].lower()
                 assert (value == f"{peer}:{DEFAULT_PORTS[peer]}") and peer in services, (name, variable)
         if "EXPERT_REDIS_URL" in READS[name]:
-            url = urlparse(env["EXPERT_REDIS_URL"])  # unset would mean localhost: wrong in a container
+            url = urlparse(env["EXPERT_REDIS_URL"])  # unset would mean 127.0.0.1: wrong in a container
             assert (url.scheme, url.hostname, url.port or REDIS_PORT) == ("redis", "redis", REDIS_PORT)
     engine = _environment(services["engine"])
     assert engine["EXPERT_ENGINE_ADVERTISE_ADDRESS"] == f"engine:{DEFAULT_PORTS['engine']}"
@@ -238,9 +238,9 @@ def test_compose_health_checks_ask_the_service_itself(compose, service):
     check = compose["services"][service]["healthcheck"]
     if service in DEFAULT_HTTP_PORTS:  # its HTTP readiness probe
         assert check["test"][:3] == ["CMD", "python", "-c"]
-        assert f"http://localhost:{DEFAULT_HTTP_PORTS[service]}/readyz" in check["test"][3]
+        assert f"http://127.0.0.1:{DEFAULT_HTTP_PORTS[service]}/readyz" in check["test"][3]
         return
-    assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"localhost:{DEFAULT_PORTS[service]}"]
+    assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"127.0.0.1:{DEFAULT_PORTS[service]}"]
 
 
 def _seconds(duration: str) -> float:

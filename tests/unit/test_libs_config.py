@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.config import ConfigError, EnvReader, ServerConfig
+from libs.config import ConfigError, EnvReader, ServerConfig, local_host
 
 
 def test_unset_and_blank_variables_give_the_default():
@@ -86,6 +86,42 @@ def test_server_config_reads_the_service_variables():
 def test_server_config_brackets_an_ipv6_bind_host():
     config = ServerConfig.from_env("router", 50052, 9152, env={"EXPERT_BIND_HOST": "::"})
     assert config.bind_address == "[::]:50052"
+
+
+@pytest.mark.parametrize(
+    ("bind_host", "dialled"),
+    [
+        ("0.0.0.0", "127.0.0.1"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("::", "[::1]"),
+        ("::1", "[::1]"),
+        ("10.0.0.5", "10.0.0.5"),
+    ],
+)
+def test_a_local_client_dials_the_address_a_server_is_bound_to_never_localhost(bind_host, dialled):
+    assert local_host(bind_host) == dialled
+
+
+def test_every_default_target_is_the_ipv4_loopback():
+    """`localhost` may resolve to ::1 too, where another user's process could listen
+    (docs/operations.md#security)."""
+    from services.engine.config import EngineServiceConfig
+    from services.postproc.config import PostprocConfig
+    from services.reception.config import ReceptionConfig
+    from services.router.config import RouterConfig
+
+    reception = ReceptionConfig.from_env({})
+    engine = EngineServiceConfig.from_env({"EXPERT_BIND_HOST": "127.0.0.1"})
+    addresses = [
+        reception.router_target,
+        reception.preparation_target,
+        reception.postproc_target,
+        engine.preparation_target,
+        engine.advertise_address,
+    ]
+    assert all(address.startswith("127.0.0.1:") for address in addresses), addresses
+    urls = [reception.redis_url, RouterConfig.from_env({}).redis_url, PostprocConfig.from_env({}).redis_url]
+    assert urls == ["redis://127.0.0.1:6379/0"] * 3
 
 
 @pytest.mark.parametrize(

@@ -384,7 +384,7 @@ def test_the_target_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("EXPERT_RECEPTION_TARGET", "reception.internal:6000")
     assert ExpertClient().target == "reception.internal:6000"
     monkeypatch.delenv("EXPERT_RECEPTION_TARGET")
-    assert ExpertClient().target == "localhost:50051"
+    assert ExpertClient().target == "127.0.0.1:50051"
 
 
 def test_the_async_client_infers_and_streams(fakes):

@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument(
             "--target",
             metavar="HOST:PORT",
-            help="the reception (default $EXPERT_RECEPTION_TARGET, else localhost:50051)",
+            help="the reception (default $EXPERT_RECEPTION_TARGET, else 127.0.0.1:50051)",
         )
         action.add_argument("--json", action="store_true", help="print JSON instead of text")
         add_api_key_argument(action)

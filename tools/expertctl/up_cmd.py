@@ -6,10 +6,13 @@ keeps them running: a service or the redis-server that exits is started again af
 doubling up to 30 s, 1 s again once it has stayed up 60 s), each restart said in one line on stderr.
 Ctrl-C or SIGTERM stops everything, prints how many restarts there were, and exits 0.
 
-The services listen on 127.0.0.1 only, unless EXPERT_BIND_HOST is set; the redis-server always
-does. It keeps an append-only file in REDIS_DIR (written every second: a restart reloads the queue
-and the job records) and holds at most --redis-maxmemory, evicting only keys that expire (job
-records and events), never the queue. Each service writes its JSON logs to LOG_DIR/<service>.log.
+The services listen on 127.0.0.1 only, unless EXPERT_BIND_HOST is set, and are called there; the
+redis-server always does, and asks for a password generated at each start (kept in
+REDIS_DIR/password, for the owner only). It keeps an append-only file in REDIS_DIR (written every
+second: a restart reloads the queue and the job records) and holds at most --redis-maxmemory,
+evicting only keys that expire (job records and events), never the queue. Each service writes its
+JSON logs to LOG_DIR/<service>.log. If up itself is killed, even with SIGKILL, its services and
+redis-server are sent SIGTERM and stop.
 """
 
 from __future__ import annotations
@@ -201,11 +204,11 @@ def how_to_call(
     serving `model`; None: off), whether API keys are required (`auth`: EXPERT_AUTH), metrics and
     logs. `expertctl` and `python` are how the user runs them from here (local_command)."""
     # --target only when a service is not where the clients look by default.
-    to_reception = "" if reception == "localhost:50051" else f"--target {reception} "
-    to_preparation = "" if preparation == "localhost:50053" else f" --target {preparation}"
+    to_reception = "" if reception == "127.0.0.1:50051" else f"--target {reception} "
+    to_preparation = "" if preparation == "127.0.0.1:50053" else f" --target {preparation}"
     client = "ExpertClient()" if not to_reception else f'ExpertClient("{reception}")'
     metrics = [
-        f"http://localhost:{port}/metrics ({service})" for service, port in metrics_ports.items() if port
+        f"http://127.0.0.1:{port}/metrics ({service})" for service, port in metrics_ports.items() if port
     ]
     lines = [
         f"{READY_LINE}: the API (reception) is at {reception}.",

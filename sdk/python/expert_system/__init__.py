@@ -3,7 +3,7 @@
 ```python
 from expert_system import ExpertClient
 
-with ExpertClient("localhost:50051") as client:  # default: $EXPERT_RECEPTION_TARGET or localhost:50051
+with ExpertClient("127.0.0.1:50051") as client:  # default: $EXPERT_RECEPTION_TARGET or 127.0.0.1:50051
     result = client.infer(prompt="Parse this JSON and extract fields", body='{"name": "Alice"}')
     result.text, result.experts_used, result.latency_ms, result.finish_reason  # "stop", "length", ...
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-DEFAULT_TARGET = "localhost:50051"
+DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_ENV = "EXPERT_RECEPTION_TARGET"
 API_KEY_ENV = "EXPERT_API_KEY"
 # Seconds allowed for the quick calls (submit, get_job, cancel). Infer has no deadline by default:
@@ -20,7 +20,7 @@ CHANNEL_OPTIONS = (
 
 
 def default_target() -> str:
-    """The reception's address: EXPERT_RECEPTION_TARGET, else localhost:50051."""
+    """The reception's address: EXPERT_RECEPTION_TARGET, else 127.0.0.1:50051."""
     return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
 
 
