@@ -66,7 +66,7 @@ def url(port: int, password: str) -> str:
 def answers(redis_url: str) -> bool:
     """PONG from the Redis at `redis_url`, authenticated (one still loading its data answers
     LOADING, which counts as not yet)."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.2)
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.25, socket_connect_timeout=0.2)
     try:
         return bool(client.ping())
     except redis.RedisError:
