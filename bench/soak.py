@@ -364,7 +364,7 @@ def engine_kv(engine: Any) -> dict[str, Any]:
     except grpc.RpcError as exc:
         return entry | {"error": f"GetStats {exc.code().name}"}
     return entry | {
-        "kv_used": load.kv_blocks_total - load.kv_blocks_free,
+        "kv_used": load.kv_blocks_used,
         "kv_total": load.kv_blocks_total,
         "running": load.running,
         "waiting": load.waiting,

@@ -5,20 +5,33 @@ Blocks carry reference counts: a prefix shared by several sequences, or a fork's
 stored once. Full blocks get a chained hash (parent hash, adapter key, token ids) so a later
 sequence with the same prefix under the same adapters finds them; freed blocks keep their hash in
 an LRU free queue until reused. A write into a shared block first copies it (copy-on-write).
+
+The pool alone counts its blocks, each in exactly one state (`BlockState`): used by a live
+sequence, cached (reusable KV nothing live holds: an idle session's kept turn or an unreferenced
+prefix), or free (empty). So free + used + cached is always the total, however many sequences,
+forks and sessions share a block; a session's kept blocks are marked through `keep`/`unkeep`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from enum import Enum
 
 from libs.engine.sequence import Sequence
 
 NULL_BLOCK = 0
+
+
+class BlockState(Enum):
+    FREE = "free"  # unreferenced and empty
+    CACHED = "cached"  # unreferenced, holding a prefix the cache can still find
+    KEPT = "kept"  # referenced by idle sessions' kept turns only (given up under pressure)
+    USED = "used"  # referenced by at least one live sequence
 
 
 @dataclass(slots=True)
@@ -26,16 +39,31 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    kept_cnt: int = 0  # of ref_cnt, the references idle sessions' kept turns hold
+
+    @property
+    def state(self) -> BlockState:
+        if self.ref_cnt == 0:
+            return BlockState.FREE if self.block_hash is None else BlockState.CACHED
+        return BlockState.KEPT if self.kept_cnt == self.ref_cnt else BlockState.USED
 
 
 @dataclass(frozen=True)
 class KVCacheUsage:
+    """One partition of the usable blocks: num_free + num_used + num_cached == num_blocks."""
+
     num_blocks: int  # usable blocks (the null block excluded)
-    num_used_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int  # blocks holding a hashed prefix (in use or reusable)
+    num_used_blocks: int  # held by live sequences: only preempting them gives these back
+    num_free_blocks: int  # empty
+    num_cached_blocks: int  # reusable KV nothing live holds: idle sessions' and the prefix cache's
+    num_session_blocks: int  # of the cached, those idle sessions keep
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found cached
+
+    @property
+    def num_available_blocks(self) -> int:
+        """What a new sequence can have without preempting anything (cached KV is given up)."""
+        return self.num_free_blocks + self.num_cached_blocks
 
     @property
     def usage(self) -> float:
@@ -47,28 +75,37 @@ class KVCacheUsage:
 
 
 class BlockPool:
-    """The blocks, their reference counts, the LRU queue of free ones and the prefix-hash map."""
+    """The blocks, their reference counts, the LRU queue of unreferenced ones, the prefix-hash map,
+    and how many blocks are in each BlockState (updated by every change, never recomputed)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks: need at least 2 KV blocks (one is reserved), got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.blocks[NULL_BLOCK].ref_cnt = 1  # never freed, never handed out
-        # Free blocks, least recently freed first: allocation takes from the front.
+        self.blocks[NULL_BLOCK].ref_cnt = 1  # never freed, never handed out, in no state's count
+        # Unreferenced blocks, least recently freed first: allocation takes from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._by_hash: dict[bytes, KVBlock] = {}
+        self._counts: Counter[BlockState] = Counter({BlockState.FREE: num_blocks - 1})
 
     @property
     def num_usable_blocks(self) -> int:
         return len(self.blocks) - 1
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_allocatable_blocks(self) -> int:
+        """Unreferenced blocks, empty or holding a cached prefix: allocation can take them now."""
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._by_hash)
+    def count(self, state: BlockState) -> int:
+        return self._counts[state]
+
+    def _recount(self, block: KVBlock, before: BlockState) -> None:
+        """Move a block just changed from its state `before` to its state now."""
+        after = block.state
+        if after is not before:
+            self._counts[before] -= 1
+            self._counts[after] += 1
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
@@ -81,29 +118,42 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            before = block.state
             if block.block_hash is not None:  # reusing a cached block evicts its prefix
                 if self._by_hash.get(block.block_hash) is block:
                     del self._by_hash[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            self._recount(block, before)
             out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to blocks found in the prefix cache or shared by a fork."""
         for block in blocks:
+            before = block.state
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
+            self._recount(block, before)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; unreferenced ones become free (hashed ones stay findable)."""
         for block in blocks:
+            before = block.state
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
                 if block.block_hash is None:  # nothing worth keeping: reuse these first
                     self._free.move_to_end(block.block_id, last=False)
+            self._recount(block, before)
+
+    def keep(self, blocks: Iterable[KVBlock], kept: bool) -> None:
+        """Mark (kept=True) or unmark one reference of each block as an idle session's kept turn."""
+        for block in blocks:
+            before = block.state
+            block.kept_cnt += 1 if kept else -1
+            self._recount(block, before)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._by_hash.get(block_hash)
@@ -111,8 +161,10 @@ class BlockPool:
     def register(self, block: KVBlock, block_hash: bytes) -> None:
         """Make a full block findable by its hash (the first block with a given content wins)."""
         if block.block_hash is None and block_hash not in self._by_hash:
+            before = block.state
             block.block_hash = block_hash
             self._by_hash[block_hash] = block
+            self._recount(block, before)
 
 
 class KVCacheManager:
@@ -185,7 +237,7 @@ class KVCacheManager:
         revived = sum(1 for block in cached if block.ref_cnt == 0)  # leave the free queue when touched
         needed = num_new_blocks + revived + int(copy_on_write)
         reserve = self.watermark_blocks if keep_watermark else 0
-        if self.pool.num_free_blocks - needed < reserve:
+        if self.pool.num_allocatable_blocks - needed < reserve:
             return False
         self.pool.touch(cached)
         seq.block_table.extend(block.block_id for block in cached)
@@ -229,6 +281,15 @@ class KVCacheManager:
         dst.block_hashes = src.block_hashes[:num_full]
         self._registered[dst.seq_id] = min(self._registered.pop(src.seq_id, 0), num_full)
 
+    def keep(self, seq: Sequence) -> None:
+        """The sequence is an idle session's kept turn now: its blocks count as cached, not used
+        (unless a live sequence shares them), until `unkeep`."""
+        self.pool.keep((self.pool.blocks[i] for i in seq.block_table), kept=True)
+
+    def unkeep(self, seq: Sequence) -> None:
+        """The kept turn is live again (its next turn adopts it) or about to be freed."""
+        self.pool.keep((self.pool.blocks[i] for i in seq.block_table), kept=False)
+
     def free(self, seq: Sequence) -> None:
         """Release every block of the sequence (tail first, so shared prefixes stay cached longest)."""
         owned = set(seq.block_table)
@@ -245,11 +306,13 @@ class KVCacheManager:
 
     def usage(self) -> KVCacheUsage:
         pool = self.pool
+        kept = pool.count(BlockState.KEPT)
         return KVCacheUsage(
             num_blocks=pool.num_usable_blocks,
-            num_used_blocks=pool.num_usable_blocks - pool.num_free_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
+            num_used_blocks=pool.count(BlockState.USED),
+            num_free_blocks=pool.count(BlockState.FREE),
+            num_cached_blocks=pool.count(BlockState.CACHED) + kept,
+            num_session_blocks=kept,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
         )

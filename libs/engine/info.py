@@ -35,16 +35,25 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """How busy an engine is and how much more it can take, as placement reads it."""
+    """How busy an engine is and how much more it can take, as placement reads it.
+
+    The KV counts partition the pool (the block pool owns them): total = used + cached + free."""
 
     kv_blocks_total: int
-    kv_blocks_free: int  # free blocks, counting those idle sessions keep (given up when needed)
-    kv_blocks_sessions: int  # blocks idle sessions keep between turns (within kv_blocks_free)
+    kv_blocks_used: int  # held by running and waiting sequences
+    kv_blocks_cached: int  # reusable KV nothing running holds, given up when a sequence needs it
+    kv_blocks_free: int  # empty blocks
+    kv_blocks_sessions: int  # blocks idle sessions keep between turns (within kv_blocks_cached)
     running: int
     waiting: int
     max_num_seqs: int
     sessions: int
     max_sessions: int
+
+    @property
+    def kv_blocks_available(self) -> int:
+        """What new work can have without preempting anything."""
+        return self.kv_blocks_free + self.kv_blocks_cached
 
     @classmethod
     def of(cls, stats: EngineStats, model: ModelInfo) -> EngineLoad:
@@ -52,8 +61,10 @@ class EngineLoad:
         sessions = stats.sessions
         return cls(
             kv_blocks_total=stats.kv_num_blocks,
-            kv_blocks_free=stats.kv_free_blocks + sessions.idle_blocks,
-            kv_blocks_sessions=sessions.idle_blocks,
+            kv_blocks_used=stats.kv_used_blocks,
+            kv_blocks_cached=stats.kv_cached_blocks,
+            kv_blocks_free=stats.kv_free_blocks,
+            kv_blocks_sessions=stats.kv_session_blocks,
             running=stats.num_running,
             waiting=stats.num_waiting,
             max_num_seqs=model.max_num_seqs,

@@ -497,6 +497,8 @@ class LLMEngine:
             kv_used_blocks=usage.num_used_blocks,
             kv_free_blocks=usage.num_free_blocks,
             kv_usage=usage.usage,
+            kv_cached_blocks=usage.num_cached_blocks,
+            kv_session_blocks=usage.num_session_blocks,
             prefix_cache_queries=usage.prefix_queries,
             prefix_cache_hits=usage.prefix_hits,
             prefix_cache_hit_rate=usage.prefix_hit_rate,

@@ -169,10 +169,12 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    kv_num_blocks: int
-    kv_used_blocks: int
-    kv_free_blocks: int
+    kv_num_blocks: int  # = kv_used_blocks + kv_cached_blocks + kv_free_blocks (KVCacheUsage)
+    kv_used_blocks: int  # held by live sequences
+    kv_free_blocks: int  # empty
     kv_usage: float  # fraction of blocks in use
+    kv_cached_blocks: int  # reusable KV nothing live holds: idle sessions' and unreferenced prefixes
+    kv_session_blocks: int  # of the cached, those idle sessions keep
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     prefix_cache_hit_rate: float

@@ -91,7 +91,6 @@ class _Session:
 @dataclass(frozen=True)
 class SessionStats:
     sessions: int
-    idle_blocks: int  # blocks in parked sessions' tables: at most what evicting them all frees
     evictions_total: int
     recomputes_total: dict[str, int]  # by reason: evicted, diverged, new_here
     reused_tokens_total: int  # prompt tokens a turn found kept and did not compute
@@ -108,7 +107,6 @@ class SessionTable:
         self._evictions = 0
         self._recomputes: Counter[str] = Counter()
         self._reused_tokens = 0
-        self._parked_blocks = 0  # blocks in parked sequences' tables (kept current, read every step)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -183,7 +181,7 @@ class SessionTable:
         self._sessions.move_to_end(session.session_id)
         if seq.block_table and seq.num_computed_tokens:
             session.parked = seq
-            self._parked_blocks += len(seq.block_table)
+            self.kv.keep(seq)  # the pool counts its blocks (once each, however shared) as cached
         else:  # preempted, or stopped before any KV: nothing worth keeping
             self.kv.free(seq)
         return True
@@ -211,7 +209,7 @@ class SessionTable:
     def _unpark(self, session: _Session) -> Sequence | None:
         parked, session.parked = session.parked, None
         if parked is not None:
-            self._parked_blocks -= len(parked.block_table)
+            self.kv.unkeep(parked)
         return parked
 
     def expired(self, now: float | None = None) -> list[str]:
@@ -226,7 +224,6 @@ class SessionTable:
     def stats(self) -> SessionStats:
         return SessionStats(
             sessions=len(self._sessions),
-            idle_blocks=self._parked_blocks,
             evictions_total=self._evictions,
             recomputes_total=dict(self._recomputes),
             reused_tokens_total=self._reused_tokens,

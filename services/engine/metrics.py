@@ -52,6 +52,9 @@ class EngineMetrics:
         self.running = Gauge("expert_engine_num_requests_running", "Sequences running")
         self.waiting = Gauge("expert_engine_num_requests_waiting", "Sequences waiting")
         self.kv_usage = Gauge("expert_engine_kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.kv_blocks = Gauge(
+            "expert_engine_kv_blocks", "KV blocks by state (used + cached + free = all of them)", ["state"]
+        )
         self.prefix_queries = Counter("expert_engine_prefix_cache_queries_total", "Prompt tokens looked up")
         self.prefix_hits = Counter(
             "expert_engine_prefix_cache_hits_total", "Prompt tokens found in the cache"
@@ -89,6 +92,13 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        for state, blocks in (
+            ("used", stats.kv_used_blocks),
+            ("cached", stats.kv_cached_blocks),
+            ("free", stats.kv_free_blocks),
+        ):
+            self.kv_blocks.labels(state).set(blocks)
+        self.session_blocks.set(stats.kv_session_blocks)
         last = self._last
         for counter, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
@@ -113,7 +123,6 @@ class EngineMetrics:
 
     def _update_sessions(self, now, before) -> None:
         self.sessions.set(now.sessions)
-        self.session_blocks.set(now.idle_blocks)
         evicted = now.evictions_total - (before.evictions_total if before else 0)
         if evicted > 0:
             self.session_evictions.inc(evicted)

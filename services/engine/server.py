@@ -376,6 +376,8 @@ def engine_load(engine: AsyncLLMEngine) -> common_pb2.EngineLoad:
     load = engine.load()
     return common_pb2.EngineLoad(
         kv_blocks_total=load.kv_blocks_total,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_cached=load.kv_blocks_cached,
         kv_blocks_free=load.kv_blocks_free,
         running=load.running,
         waiting=load.waiting,

@@ -86,9 +86,10 @@ class Engine:
         return max(0, self.info.load.max_num_seqs - len(self.jobs))
 
     def available_blocks(self) -> int:
-        """Free KV blocks the engine reported, less what jobs placed since that report will take."""
+        """KV blocks the engine reported it can give without preempting (free, and cached KV it gives
+        up on demand), less what jobs placed since that report will take."""
         pending = sum(j.kv_blocks for j in self.jobs.values() if j.placed_at >= self.last_heartbeat)
-        return self.info.load.kv_blocks_free - pending
+        return self.info.load.kv_blocks_free + self.info.load.kv_blocks_cached - pending
 
 
 def kv_blocks_needed(plan: common_pb2.ExpertPlan, model: common_pb2.ModelSpec) -> int:

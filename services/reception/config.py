@@ -71,6 +71,8 @@ class ReceptionConfig:
             sessions=SessionLimits(
                 idle_seconds=reader.number("EXPERT_SESSION_IDLE_SECONDS", 600.0, minimum=1.0),
                 max_tokens=reader.integer("EXPERT_SESSION_MAX_TOKENS", 0, minimum=0),
+                max_per_key=reader.integer("EXPERT_SESSION_MAX_PER_KEY", 100, minimum=0),
+                create_per_minute=reader.integer("EXPERT_SESSION_CREATE_PER_MINUTE", 60, minimum=0),
             ),
             session_stream_buffer=reader.integer("EXPERT_SESSION_STREAM_BUFFER", 256, minimum=1),
         )

@@ -50,7 +50,8 @@ class SessionServicer:
             raise invalid_argument("request", f"not a valid request message ({request.reason})")
         settings = session_pb2.CreateSessionRequest()
         settings.CopyFrom(request)
-        return session_pb2.CreateSessionResponse(session=await self.sessions.create(settings))
+        created = await self.sessions.create(settings, peer=context.peer())
+        return session_pb2.CreateSessionResponse(session=created)
 
     async def AppendInput(self, request, context) -> session_pb2.AppendInputResponse:
         session_id = _session_id(request)

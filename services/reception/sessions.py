@@ -10,6 +10,13 @@ answers the same.
 
 Changes are optimistic transactions (WATCH / MULTI): an AppendInput racing the end of a turn never
 loses either.
+
+Whoever creates sessions (an API key, or with auth off a client address: `LimitOwner`) may hold at
+most EXPERT_SESSION_MAX_PER_KEY live ones and create EXPERT_SESSION_CREATE_PER_MINUTE a minute. Its
+live sessions are a Redis set of their record keys, checked and added to in the one script that
+creates a record, so concurrent creations cannot pass the cap. A session that ended or expired
+frees its place by itself: the script drops members whose record is gone before it counts, and
+the set expires with the last of them.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from libs.errors import failed_precondition, not_found
+from libs.auth.limits import GCRA_LUA, WINDOW_MS, LimitOwner
+from libs.errors import failed_precondition, not_found, resource_exhausted
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.limits import SAMPLING_FIELDS
 from libs.timestamps import timestamp
@@ -38,10 +46,40 @@ _CONTINUABLE = (
 )
 
 
+# KEYS: the owner's live sessions (a set of record keys), its creations TAT, the new record
+# ARGV: most live sessions (0: no cap), creations per minute (0: no limit), window ms, the record,
+# its TTL s -> {1, 0, 0} created; {0, 0, 1} at the cap; {0, ms to wait, 2} over the rate; {0, 0, 3}
+# the id is taken. The members' records are read by name: a standalone Redis, as everywhere here.
+_CREATE = (
+    GCRA_LUA
+    + """
+local cap, rate, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if cap > 0 then
+  for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    if redis.call('EXISTS', key) == 0 then redis.call('SREM', KEYS[1], key) end
+  end
+  if redis.call('SCARD', KEYS[1]) >= cap then return {0, 0, 1} end
+end
+if rate > 0 then
+  local wait = gcra(KEYS[2], now_ms(), rate, window)
+  if wait > 0 then return {0, wait, 2} end
+end
+if not redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[5], 'NX') then return {0, 0, 3} end
+if cap > 0 then
+  redis.call('SADD', KEYS[1], KEYS[3])
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+end
+return {1, 0, 0}
+"""
+)
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     idle_seconds: float  # EXPERT_SESSION_IDLE_SECONDS
     max_tokens: int  # EXPERT_SESSION_MAX_TOKENS (0: the model's context window)
+    max_per_key: int = 100  # EXPERT_SESSION_MAX_PER_KEY: live sessions per owner (0: no cap)
+    create_per_minute: int = 60  # EXPERT_SESSION_CREATE_PER_MINUTE: per owner (0: no limit)
 
 
 def session_key(session_id: str) -> str:
@@ -52,14 +90,19 @@ class SessionStore:
     def __init__(self, redis: Redis, limits: SessionLimits) -> None:
         self.redis = redis
         self.limits = limits
+        self._create = redis.register_script(_CREATE)
 
     @property
     def _ttl(self) -> int:
         return max(1, math.ceil(self.limits.idle_seconds))
 
     async def create(
-        self, session_id: str, settings: session_pb2.CreateSessionRequest
+        self, session_id: str, settings: session_pb2.CreateSessionRequest, owner: LimitOwner | None = None
     ) -> session_state_pb2.SessionRecord:
+        """A new session's record, counted against `owner`'s limits (None: none apply, as for the
+        services' own sessions in tests). RESOURCE_EXHAUSTED naming the limit and its setting when
+        the owner holds EXPERT_SESSION_MAX_PER_KEY sessions or is over its creation rate (then with
+        the seconds to wait)."""
         now = time.time()
         record = session_state_pb2.SessionRecord(
             session_id=session_id,
@@ -72,8 +115,45 @@ class SessionStore:
         record.settings.ClearField("messages")
         if settings.HasField("system_prompt"):
             record.messages.append(common_pb2.ChatMessage(role="system", content=settings.system_prompt))
-        await self.redis.set(session_key(session_id), record.SerializeToString(), ex=self._ttl, nx=True)
+        if owner is None:
+            await self.redis.set(session_key(session_id), record.SerializeToString(), ex=self._ttl, nx=True)
+            return record
+        if self.limits.max_per_key > 0:
+            record.owner_sessions_key = owner.redis_prefix + ":sessions"
+        created, wait_ms, which = await self._create(
+            keys=[
+                owner.redis_prefix + ":sessions",
+                owner.redis_prefix + ":session-creations",
+                session_key(session_id),
+            ],
+            args=[
+                self.limits.max_per_key,
+                self.limits.create_per_minute,
+                WINDOW_MS,
+                record.SerializeToString(),
+                self._ttl,
+            ],
+        )
+        if not created:
+            raise self._refusal(owner, which, wait_ms, session_id)
         return record
+
+    def _refusal(self, owner: LimitOwner, which: int, wait_ms: int, session_id: str) -> Exception:
+        limits = self.limits
+        if which == 1:
+            return resource_exhausted(
+                f"{owner.name} holds {limits.max_per_key} sessions, the most EXPERT_SESSION_MAX_PER_KEY "
+                f"allows: end one (EndSession), or one ends by itself after {self._ttl} s idle "
+                "(EXPERT_SESSION_IDLE_SECONDS)"
+            )
+        if which == 2:
+            wait_s = max(1, math.ceil(wait_ms / 1000))
+            return resource_exhausted(
+                f"{owner.name} is over its limit of {limits.create_per_minute} new sessions per minute "
+                f"(EXPERT_SESSION_CREATE_PER_MINUTE); retry in {wait_s} s",
+                retry_after_s=wait_s,
+            )
+        return failed_precondition(f"session {session_id!r} exists already")
 
     async def get(self, session_id: str) -> session_state_pb2.SessionRecord:
         raw = await self.redis.get(session_key(session_id))
@@ -202,6 +282,8 @@ class SessionStore:
                     record.last_used_at = time.time()
                     pipe.multi()
                     pipe.set(key, record.SerializeToString(), ex=self._ttl)
+                    if record.owner_sessions_key:  # outlives this record, the last one used
+                        pipe.expire(record.owner_sessions_key, self._ttl)
                     await pipe.execute()
                     return record, result
                 except WatchError:

@@ -243,7 +243,11 @@ def assert_engine_idle(stack, timeout: float = 10.0) -> None:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         while True:
             load = stub.GetStats(engine_pb2.GetStatsRequest()).load
-            if load.running == load.waiting == 0 and load.kv_blocks_free == load.kv_blocks_total:
+            idle = (
+                load.kv_blocks_used == 0
+                and load.kv_blocks_free + load.kv_blocks_cached == load.kv_blocks_total
+            )
+            if load.running == load.waiting == 0 and idle:
                 return
             assert time.monotonic() < deadline, f"the engine still holds work: {load}"
             time.sleep(0.1)

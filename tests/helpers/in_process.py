@@ -37,9 +37,9 @@ def preparation_parts(store_dir: Path, heartbeat_timeout_s: float = 60.0):
 
 
 @contextlib.asynccontextmanager
-async def serving(register: Callable[[grpc.aio.Server], list[str]], error_mapper=None):
-    """A real serve() with what `register` adds (and the service's `error_mapper`, if it has one),
-    on a free port; yields its target."""
+async def serving(register: Callable[[grpc.aio.Server], list[str]], error_mapper=None, auth=None):
+    """A real serve() with what `register` adds (and the service's `error_mapper` and
+    Authenticator, if it has them), on a free port; yields its target."""
     health, stop = Health(), asyncio.Event()
     config = ServerConfig(bind_host="127.0.0.1", port=free_port(), metrics_port=0, log_level="info")
 
@@ -56,6 +56,7 @@ async def serving(register: Callable[[grpc.aio.Server], list[str]], error_mapper
             grace=1.0,
             stop=stop,
             error_mapper=error_mapper,
+            auth=auth,
         )
     )
     target = f"127.0.0.1:{config.port}"

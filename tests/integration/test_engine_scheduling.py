@@ -136,7 +136,8 @@ def test_abort_returns_the_pool_to_full(engine):
     assert {o.request_id for o in finals} == {f"abort-{i}" for i in range(6)}
     assert all(c.finish_reason == "abort" for o in finals for c in o.outputs)
     stats = engine.get_stats()
-    assert stats.kv_used_blocks == 0 and stats.kv_free_blocks == total
+    assert stats.kv_used_blocks == stats.kv_session_blocks == 0
+    assert stats.kv_free_blocks + stats.kv_cached_blocks == total  # published prompt blocks stay cached
     assert not engine.has_unfinished_requests()
 
 

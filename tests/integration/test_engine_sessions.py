@@ -129,13 +129,16 @@ def test_an_aborted_turn_keeps_its_tokens_and_the_next_turn_continues_from_them(
 
 def test_ending_a_session_returns_the_kv_to_idle(tiny_llama):
     engine = _engine(tiny_llama)
-    idle = engine.get_stats().kv_used_blocks
     talk = Conversation(engine, "end")
     for text in USERS[:3]:
         talk.turn(text)
-    assert engine.get_stats().kv_used_blocks > idle
+    stats = engine.get_stats()
+    assert stats.kv_session_blocks > 0 and stats.kv_used_blocks == 0  # kept KV is cached, not used
+    assert stats.kv_cached_blocks >= stats.kv_session_blocks
     assert engine.end_session("end")
-    assert engine.get_stats().kv_used_blocks == idle
+    stats = engine.get_stats()
+    assert stats.kv_used_blocks == stats.kv_session_blocks == 0
+    assert stats.kv_free_blocks + stats.kv_cached_blocks == stats.kv_num_blocks
     assert engine.get_stats().sessions.sessions == 0
     assert not engine.end_session("end")
 
@@ -163,7 +166,7 @@ def test_idle_sessions_expire(tiny_llama):
     assert engine.sessions.expired(now + 31.0) == ["idle"]
     engine.sessions.clock = lambda: now + 31.0
     assert engine.expire_sessions() == ["idle"]
-    assert engine.get_stats().kv_used_blocks == 0
+    assert engine.get_stats().kv_used_blocks == engine.get_stats().kv_session_blocks == 0
 
 
 def test_kv_pressure_evicts_idle_sessions_first_and_their_next_turn_recomputes(tiny_llama):
@@ -244,14 +247,51 @@ def test_a_session_limit_needs_the_turns_token_ids(tiny_llama):
         engine.add_request("text-0", "Hello", GREEDY, session=SessionRef("text", max_tokens=100))
 
 
-def test_the_load_counts_the_blocks_idle_sessions_keep_as_free(tiny_llama):
-    engine = _engine(tiny_llama)
-    Conversation(engine, "kept").turn(USERS[0])
+def _kv_partition(engine: LLMEngine) -> tuple[set[int], set[int]]:
+    """The blocks live sequences hold, and those only idle sessions hold, from the tables themselves."""
+    live = {b for seq in engine._seqs.values() for b in seq.block_table}
+    kept = {b for s in engine.sessions._sessions.values() if s.parked for b in s.parked.block_table}
+    return live, kept - live
+
+
+def test_many_sessions_sharing_a_system_prompt_count_each_kept_block_once(tiny_llama):
+    # Issue 34: after first turns of 256 sessions with one system prompt, the load report said
+    # kv_blocks_free 1,710 of kv_blocks_total 1,455: the shared prompt's blocks were counted once
+    # per session. 3 shared full blocks and 1 block of each session's own: 259 distinct blocks.
+    engine = _engine(tiny_llama, num_blocks=400, max_num_seqs=256, max_sessions=256)
+    system = [5 + i % 40 for i in range(48)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def first_turn(i: int) -> None:
+        engine.add_request(
+            f"s{i}-0", [*system, 100 + i % 200, 50 + i // 200, 7, 8], params, session=SessionRef(f"s{i}")
+        )
+
+    first_turn(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(1, 256):
+        first_turn(i)
+    while engine.has_unfinished_requests():
+        engine.step()
     stats = engine.get_stats()
     load = EngineLoad.of(stats, engine.model_info)
-    assert load.kv_blocks_sessions == stats.sessions.idle_blocks > 0
-    assert load.kv_blocks_free == stats.kv_free_blocks + stats.sessions.idle_blocks
-    assert (load.sessions, load.max_sessions) == (1, engine.model_info.max_sessions)
+    live, kept = _kv_partition(engine)
+    assert load.sessions == 256 and not live
+    assert load.kv_blocks_free <= load.kv_blocks_total and load.kv_blocks_sessions <= load.kv_blocks_total
+    assert load.kv_blocks_sessions == len(kept) == 3 + 256
+    assert load.kv_blocks_used == 0
+    assert load.kv_blocks_free + load.kv_blocks_used + load.kv_blocks_cached == load.kv_blocks_total
+    assert load.kv_blocks_available == load.kv_blocks_total  # idle sessions give theirs up on demand
+    assert (load.max_sessions, load.kv_blocks_total) == (engine.model_info.max_sessions, 399)
+
+    # A running request on the same system prompt: its shared blocks are used, not cached, once.
+    engine.add_request("stateless", [*system, 9, 9, 9], params)
+    engine.step()
+    load = EngineLoad.of(engine.get_stats(), engine.model_info)
+    live, kept = _kv_partition(engine)
+    assert (load.kv_blocks_used, load.kv_blocks_sessions) == (len(live), len(kept)) == (4, 256)
+    assert load.kv_blocks_free + load.kv_blocks_used + load.kv_blocks_cached == load.kv_blocks_total
 
 
 def test_a_turn_under_other_experts_does_not_reuse_the_kept_kv(tiny_llama):

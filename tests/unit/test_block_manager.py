@@ -39,7 +39,7 @@ def refcounts(kv: KVCacheManager, s: Sequence) -> list[int]:
 
 def test_a_pool_reserves_the_null_block():
     pool = BlockPool(5)
-    assert pool.num_usable_blocks == pool.num_free_blocks == 4
+    assert pool.num_usable_blocks == pool.num_allocatable_blocks == 4
     assert NULL_BLOCK not in {b.block_id for b in pool.allocate(4)}
 
 
@@ -53,7 +53,7 @@ def test_allocate_gives_distinct_blocks_with_one_reference_each():
     blocks = pool.allocate(3)
     assert len({b.block_id for b in blocks}) == 3
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
-    assert pool.num_free_blocks == 2
+    assert pool.num_allocatable_blocks == 2
 
 
 def test_allocate_returns_none_when_short_and_changes_nothing():
@@ -61,7 +61,7 @@ def test_allocate_returns_none_when_short_and_changes_nothing():
     pool.allocate(2)
     assert not pool.can_allocate(2)
     assert pool.allocate(2) is None
-    assert pool.num_free_blocks == 1
+    assert pool.num_allocatable_blocks == 1
     assert pool.allocate(1) is not None
     assert pool.allocate(1) is None
 
@@ -72,9 +72,9 @@ def test_a_block_is_free_again_only_when_its_last_reference_goes():
     pool.touch([block])
     assert block.ref_cnt == 2
     pool.free([block])
-    assert block.ref_cnt == 1 and pool.num_free_blocks == 1
+    assert block.ref_cnt == 1 and pool.num_allocatable_blocks == 1
     pool.free([block])
-    assert block.ref_cnt == 0 and pool.num_free_blocks == 2
+    assert block.ref_cnt == 0 and pool.num_allocatable_blocks == 2
 
 
 def test_the_first_block_registered_under_a_hash_wins():
@@ -102,9 +102,9 @@ def test_touching_a_free_cached_block_takes_it_off_the_free_queue():
     (block,) = pool.allocate(1)
     pool.register(block, b"h")
     pool.free([block])
-    assert pool.num_free_blocks == 2
+    assert pool.num_allocatable_blocks == 2
     pool.touch([block])
-    assert pool.num_free_blocks == 1 and block.ref_cnt == 1
+    assert pool.num_allocatable_blocks == 1 and block.ref_cnt == 1
     (other,) = pool.allocate(1)
     assert other is not block
 
@@ -146,9 +146,9 @@ def test_allocate_slots_refuses_without_changes_when_the_pool_is_short():
     kv = KVCacheManager(4, BS, watermark=0)  # 3 usable blocks
     s = seq(list(range(13)))
     assert not kv.allocate_slots(s, 13)
-    assert s.block_table == [] and kv.pool.num_free_blocks == 3
+    assert s.block_table == [] and kv.pool.num_allocatable_blocks == 3
     assert kv.allocate_slots(s, 12)
-    assert kv.pool.num_free_blocks == 0
+    assert kv.pool.num_allocatable_blocks == 0
 
 
 def test_admission_keeps_the_watermark_free():
@@ -163,18 +163,40 @@ def test_admission_keeps_the_watermark_free():
 def test_free_returns_every_block():
     kv = KVCacheManager(8, BS)
     s = computed(kv, list(range(10)))
-    assert kv.pool.num_free_blocks == 4
+    assert kv.pool.num_allocatable_blocks == 4
     kv.free(s)
-    assert s.block_table == [] and kv.pool.num_free_blocks == 7
+    assert s.block_table == [] and kv.pool.num_allocatable_blocks == 7
 
 
 def test_usage_counts_blocks():
     kv = KVCacheManager(9, BS)
-    computed(kv, list(range(9)))  # 3 blocks, 2 of them full and published
+    s = computed(kv, list(range(9)))  # 3 blocks, 2 of them full and published
     usage = kv.usage()
     assert (usage.num_blocks, usage.num_used_blocks, usage.num_free_blocks) == (8, 3, 5)
-    assert usage.num_cached_blocks == 2
+    assert usage.num_cached_blocks == 0  # the published blocks are in use, not reusable KV
     assert usage.usage == 3 / 8
+    kv.free(s)  # the 2 published blocks stay findable: cached, not free
+    usage = kv.usage()
+    assert (usage.num_used_blocks, usage.num_cached_blocks, usage.num_free_blocks) == (0, 2, 6)
+    assert usage.num_available_blocks == 8
+
+
+def test_a_kept_block_is_cached_unless_a_live_sequence_shares_it():
+    kv = KVCacheManager(9, BS)
+    kept = computed(kv, list(range(9)))  # blocks: 2 full (published), 1 partial
+    kv.keep(kept)
+    usage = kv.usage()
+    assert (usage.num_used_blocks, usage.num_cached_blocks, usage.num_session_blocks) == (0, 3, 3)
+    live = computed(kv, [*range(8), 99])  # shares the 2 full blocks
+    usage = kv.usage()
+    assert (usage.num_used_blocks, usage.num_cached_blocks, usage.num_session_blocks) == (3, 1, 1)
+    assert usage.num_used_blocks + usage.num_cached_blocks + usage.num_free_blocks == 8
+    kv.unkeep(kept)
+    kv.free(kept)
+    usage = kv.usage()
+    assert (usage.num_used_blocks, usage.num_cached_blocks, usage.num_session_blocks) == (3, 0, 0)
+    kv.free(live)
+    assert kv.usage().num_cached_blocks == 2
 
 
 # -- KVCacheManager: prefix cache -----------------------------------------------------------------
@@ -262,7 +284,7 @@ def test_adapter_keys_are_length_prefixed_in_the_hash():
 
 def test_no_prefix_hits_when_prefix_caching_is_off():
     kv = KVCacheManager(20, BS, enable_prefix_caching=False)
-    computed(kv, list(range(12)))
+    kv.free(computed(kv, list(range(12))))
     assert hits(kv, [*range(12), 0]) == 0
     assert kv.usage().num_cached_blocks == 0
 
@@ -330,7 +352,7 @@ def test_freeing_a_fork_releases_only_its_references():
     parent, child = _forked(kv, list(range(6)))
     kv.free(child)
     assert refcounts(kv, parent) == [1, 1]
-    assert kv.pool.num_free_blocks == 19 - 2
+    assert kv.pool.num_allocatable_blocks == 19 - 2
 
 
 def test_a_pending_copy_into_a_freed_sequence_is_dropped():

@@ -122,7 +122,7 @@ def test_finish_frees_the_blocks_and_forgets_the_sequence():
     step(s)
     s.finish(a, SequenceStatus.FINISHED_LENGTH)
     assert a.status == SequenceStatus.FINISHED_LENGTH and a.block_table == []
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_usable_blocks
+    assert s.kv.pool.num_allocatable_blocks == s.kv.pool.num_usable_blocks
     assert not s.has_unfinished()
     assert step(s).is_empty
 
@@ -213,7 +213,7 @@ def _three_full_blocks(s: Scheduler, *specs: tuple[int, float]) -> list[Sequence
     for x in seqs:
         s.add(x)
     step(s)
-    assert s.kv.pool.num_free_blocks == 0
+    assert s.kv.pool.num_allocatable_blocks == 0
     return seqs
 
 

@@ -377,7 +377,8 @@ def _engines(args: argparse.Namespace) -> int:
                 engine.engine_id,
                 engine.address,
                 engine.model.name,
-                f"{engine.load.kv_blocks_free}/{engine.load.kv_blocks_total}",
+                # Free for new work: empty blocks and cached KV the engine gives up on demand.
+                f"{engine.load.kv_blocks_free + engine.load.kv_blocks_cached}/{engine.load.kv_blocks_total}",
                 str(engine.load.running),
                 str(engine.load.waiting),
                 "never" if age is None else f"{age:.1f} s ago",

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
+from libs.auth.limits import LimitOwner
+from libs.auth.policy import current_caller
 from libs.errors import ServiceError, invalid_argument, invalid_arguments
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.job_results import failure_code
@@ -49,14 +51,16 @@ class SessionAdmission:
         self.store = store
         self.release_session = release_session
 
-    async def create(self, settings: session_pb2.CreateSessionRequest) -> session_pb2.Session:
+    async def create(self, settings: session_pb2.CreateSessionRequest, peer: str = "") -> session_pb2.Session:
         """A new session with these settings (its first messages included), checked as its turns
-        will be."""
+        will be, and counted against its creator's session limits: the API key the call proved, or
+        with auth off the client's address (`peer`, as gRPC names it)."""
         _messages(list(settings.messages), "messages")
         if settings.HasField("system_prompt") and len(settings.system_prompt) > MAX_PROMPT_CHARS:
             raise invalid_argument("system_prompt", f"at most {MAX_PROMPT_CHARS} characters")
         _check_settings(settings)
-        record = await self.store.create(uuid.uuid4().hex, settings)
+        owner = LimitOwner.of(current_caller(), peer)
+        record = await self.store.create(uuid.uuid4().hex, settings, owner)
         log.info("session created", session_id=record.session_id)
         return self.store.view(record)
 
