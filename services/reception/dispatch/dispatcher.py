@@ -55,7 +55,7 @@ class _Handling:
 @dataclass(frozen=True)
 class DispatchSettings:
     max_jobs: int  # jobs in progress at once in this reception, whatever the fleet's free slots
-    reclaim_idle_ms: int
+    reclaim_idle_ms: int  # the lease on each running job (the JobQueue is built with it)
     max_deliveries: int
     default_timeout_s: float | None
     # How long past its deadline a job in progress is left to its dispatcher before it is swept.
@@ -271,7 +271,7 @@ class Dispatcher:
                 if handling is not None:
                     handling.cancel()
                 return
-            await asyncio.sleep(self.settings.reclaim_idle_ms / 3000)
+            await asyncio.sleep(self.queue.lease_ms / 3000)
 
     async def _give_up(self, entry: Entry, attempts: int) -> None:
         reason = f"gave up after {attempts} deliveries (its dispatchers kept dying)"
@@ -292,7 +292,7 @@ class Dispatcher:
         An entry delivered far too often (its job crashes whoever runs it before its record counts
         the delivery) goes to the dead-letter stream."""
         while not self._draining:
-            await asyncio.sleep(self.settings.reclaim_idle_ms / 4000)
+            await asyncio.sleep(self.queue.lease_ms / 4000)
             try:
                 for entry in await self._reclaim.orphans(self._own):
                     if entry.deliveries > self.settings.max_deliveries + 2:
