@@ -2,8 +2,9 @@
 
 Engines register on start and heartbeat with their load; one that misses heartbeats for longer than
 the timeout is dropped, and the jobs placed on it are forgotten (their dispatchers see the engine's
-stream fail and fail over). Each placed job holds one of its engine's sequence slots and a KV
-reservation until it is released.
+stream fail and fail over). One that a call finds unreachable (preparation's own, or a dispatcher's
+stream that broke, named in its next Prepare) is dropped at once, the same way. Each placed job
+holds one of its engine's sequence slots and a KV reservation until it is released.
 
 Each engine also reports the experts it holds (with every heartbeat, and in the answer to each load
 or unload preparation makes). A report carries the engine's change counter, so one taken before a
@@ -171,14 +172,30 @@ class Fleet:
         now = self.clock()
         dead = [e for e in self.engines.values() if now - e.last_heartbeat > self.heartbeat_timeout_s]
         for engine in dead:
-            del self.engines[engine.engine_id]
-            self.lost[engine.engine_id] = engine
-            for job_id in engine.jobs:
-                self.jobs.pop(job_id, None)
+            self._drop(engine)
+        self._forget_lost(now)
+        return dead
+
+    def drop(self, engine_id: str, instance_id: str) -> Engine | None:
+        """Drop the engine now if it is listed under that process (`instance_id`; "" matches any),
+        as a missed heartbeat would: a call found it unreachable. A new process of the engine
+        that registered meanwhile is kept. Returns the engine dropped, if any."""
+        engine = self.engines.get(engine_id)
+        if engine is None or (instance_id and engine.info.instance_id != instance_id):
+            return None
+        self._drop(engine)
+        return engine
+
+    def _drop(self, engine: Engine) -> None:
+        del self.engines[engine.engine_id]
+        self.lost[engine.engine_id] = engine
+        for job_id in engine.jobs:
+            self.jobs.pop(job_id, None)
+
+    def _forget_lost(self, now: float) -> None:
         for engine_id, engine in list(self.lost.items()):
             if now - engine.last_heartbeat > self.lost_memory_s:
                 del self.lost[engine_id]
-        return dead
 
     @contextmanager
     def reservation(

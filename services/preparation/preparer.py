@@ -11,14 +11,18 @@ footprints the chosen engine reports. Each check drops the lowest-scored experts
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from libs.errors import failed_precondition
 from libs.gen.expert.v1 import common_pb2
+from libs.logging import get_logger
 from services.preparation.budget import Dropped, fit_to_budget
 from services.preparation.fleet import Engine, Fleet, expert_key, kv_bytes
 from services.preparation.metrics import PreparationMetrics
 from services.preparation.placement import choose_engine, eligible, for_session
-from services.preparation.staging import Stager
+from services.preparation.staging import EngineUnreachable, Stager
+
+log = get_logger(__name__)
 
 
 class Preparer:
@@ -35,10 +39,14 @@ class Preparer:
         model: str = "",
         session: bool = False,
         session_engine: str = "",
+        lost: Iterable[common_pb2.LostEngine] = (),
     ) -> common_pb2.Placement:
         """`session`: the job is a turn of a session, pinned to `session_engine` ("" before its first
-        turn)."""
+        turn). `lost`: engine processes the job's streams broke on, dropped now if still listed."""
         started = time.perf_counter()
+        for gone in lost:
+            if self.fleet.drop(gone.engine_id, gone.instance_id) is not None:
+                log.warning("engine dropped: a job's stream to it broke", engine=gone.engine_id)
         engines = eligible(self.fleet, exclude, model)
         if session:
             engines = for_session(engines, session_engine)
@@ -48,7 +56,12 @@ class Preparer:
         experts, dropped = fit_to_budget(experts, sizes, largest, "the largest engine")
         engine, blocks = choose_engine(engines, plan, experts, sizes)
         with self.fleet.reservation(job_id, engine, blocks, _keys(experts)) as reserved:
-            report = await self.stager.stage(engine, experts)
+            try:
+                report = await self.stager.stage(engine, experts)
+            except EngineUnreachable:
+                log.warning("engine dropped: it did not answer a staging call", engine=engine.engine_id)
+                self.fleet.drop(engine.engine_id, engine.info.instance_id)
+                raise
             for expert in experts:
                 if expert.name in report.unavailable:
                     if expert.forced:
@@ -75,6 +88,7 @@ class Preparer:
         ]
         return common_pb2.Placement(
             engine_id=engine.engine_id,
+            engine_instance_id=engine.info.instance_id,
             address=engine.info.address,
             experts=experts,
             dropped_experts=[d.expert.name for d in dropped],

@@ -71,6 +71,7 @@ class PreparationServicer(preparation_pb2_grpc.PreparationServiceServicer):
                     request.model,
                     session=request.session,
                     session_engine=request.session_engine,
+                    lost=request.lost_engines,
                 )
             except Exception as exc:
                 self.metrics.refused.labels(getattr(getattr(exc, "code", None), "name", "INTERNAL")).inc()

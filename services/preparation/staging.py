@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from libs.errors import resource_exhausted, unavailable
+from libs.errors import ServiceError, resource_exhausted, unavailable
 from libs.experts.store import ExpertStore, StoreError
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.grpc_client import Channels
@@ -32,6 +32,21 @@ FLOAT32_BYTES = 4
 class ExpertUnavailable(Exception):
     """This expert cannot be staged (not in the store, or the engine refused its package); the job
     can go on without it."""
+
+
+class EngineUnreachable(ServiceError):
+    """The engine did not answer a call (UNAVAILABLE: its process is gone): preparation drops it
+    at once, and the job is placed again later (UNAVAILABLE to the dispatcher)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def _call_failed(error: grpc.aio.AioRpcError, message: str) -> ServiceError:
+    """The error for a staging call to an engine that failed other than by refusing."""
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        return EngineUnreachable(message)
+    return unavailable(message)
 
 
 @dataclass
@@ -114,8 +129,8 @@ class Stager:
                 ) from None
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise resource_exhausted(f"engine {engine.engine_id}: {exc.details()}") from None
-            raise unavailable(
-                f"staging {expert.name} on engine {engine.engine_id} failed: {exc.details()}"
+            raise _call_failed(
+                exc, f"staging {expert.name} on engine {engine.engine_id} failed: {exc.details()}"
             ) from None
         if response.content_hash != expert.content_hash:
             # The store holds another package under this hash: never run the job with it.
@@ -191,8 +206,8 @@ class Stager:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 return exc.code() == grpc.StatusCode.NOT_FOUND  # gone already, or in use by someone
-            raise unavailable(
-                f"unloading {name} on engine {engine.engine_id} failed: {exc.details()}"
+            raise _call_failed(
+                exc, f"unloading {name} on engine {engine.engine_id} failed: {exc.details()}"
             ) from None
         engine.apply_holdings(response.holdings)
         return True

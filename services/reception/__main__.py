@@ -53,7 +53,8 @@ class Reception:
         self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
         # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
         self.auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, self.key_store)
-        self.queue, self.metrics = JobQueue(self.redis), ReceptionMetrics()
+        self.queue = JobQueue(self.redis, lease_ms=config.dispatch.reclaim_idle_ms)
+        self.metrics = ReceptionMetrics()
         self.audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
         self.jobs = JobStore(
             self.redis,

@@ -27,6 +27,11 @@ class ReceptionMetrics:
         self.job_latency = Histogram(
             "expert_reception_job_latency_seconds", "Submission to final state", buckets=_JOB
         )
+        self.unvalidated = Counter(
+            "expert_reception_results_unvalidated_total",
+            "Jobs whose result was recorded without postproc (unreachable until the job's deadline): "
+            "no validation, marked validation_skipped",
+        )
         self.queue_depth = Gauge(
             "expert_reception_queue_depth", "Jobs waiting for a dispatcher, by priority", ["priority"]
         )
@@ -35,3 +40,5 @@ class ReceptionMetrics:
         status = common_pb2.JobStatus.Name(result.status).removeprefix("JOB_STATUS_").lower()
         self.finished_jobs.labels(status).inc()
         self.job_latency.observe(result.latency_ms / 1000)
+        if result.validation_skipped:
+            self.unvalidated.inc()

@@ -14,7 +14,7 @@ from libs.errors import ServiceError
 from libs.experts.manifest import BaseModelIdentity
 from libs.experts.signing import Keyring
 from libs.experts.store import ExpertStore
-from libs.gen.expert.v1 import common_pb2, engine_pb2_grpc
+from libs.gen.expert.v1 import common_pb2, engine_pb2_grpc, preparation_pb2
 from services.engine.__main__ import map_error
 from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServicer, engine_load, expert_holdings, model_spec
@@ -25,6 +25,7 @@ from services.preparation.staging import Stager
 from tests.helpers.experts import Publisher
 from tests.helpers.in_process import serving, shared_metrics
 from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
+from tools.stack import free_port
 
 NAMES = ("alpha", "beta", "gamma")
 
@@ -165,5 +166,41 @@ def test_holdings_reports_older_than_the_last_applied_are_ignored(tiny_llama, in
         assert expert_key("alpha", "1.0.0") in fleet.engines["e1"].held()
         fleet.heartbeat("e1", engine_load(engine), expert_holdings(await engine.expert_holdings()))
         assert expert_key("alpha", "1.0.0") in fleet.engines["e1"].held()
+
+    _scenario(tiny_llama, installed, check)
+
+
+def test_an_engine_that_does_not_answer_a_staging_call_is_dropped_at_once(tiny_llama, installed):
+    """Its process is gone (nothing listens at its address): the job gets UNAVAILABLE (it waits for
+    an engine) and no later job is placed there before its next missed heartbeat would drop it."""
+
+    async def check(fleet, preparer, stager, planned, engine):
+        info = common_pb2.EngineInfo()
+        info.CopyFrom(fleet.engines.pop("e1").info)
+        info.engine_id, info.address, info.instance_id = "dead", f"127.0.0.1:{free_port()}", "p1"
+        fleet.register(info)
+        with pytest.raises(ServiceError) as refused:
+            await preparer.prepare("job", _plan(planned["alpha"]))
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert fleet.engines == {} and fleet.jobs == {}
+
+    _scenario(tiny_llama, installed, check)
+
+
+def test_the_engine_process_a_job_lost_is_dropped_and_its_restart_is_not(tiny_llama, installed):
+    async def check(fleet, preparer, stager, planned, engine):
+        info = common_pb2.EngineInfo()
+        info.CopyFrom(fleet.engines["e1"].info)
+        info.instance_id = "restarted"
+        fleet.register(info)  # the engine's new process registered before the job asked again
+        lost = [preparation_pb2.LostEngine(engine_id="e1", instance_id="dead")]
+        placement = await preparer.prepare("job", _plan(), lost=lost)
+        assert (placement.engine_id, placement.engine_instance_id) == ("e1", "restarted")
+        fleet.release("job")
+        lost = [preparation_pb2.LostEngine(engine_id="e1", instance_id="restarted")]
+        with pytest.raises(ServiceError) as refused:
+            await preparer.prepare("job", _plan(), lost=lost)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE  # none left: the job waits
+        assert fleet.engines == {}
 
     _scenario(tiny_llama, installed, check)

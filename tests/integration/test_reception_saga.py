@@ -231,6 +231,7 @@ def test_postproc_down_records_the_output_unvalidated_and_releases_once(clean_re
     result = run_saga(clean_redis_url, stages)
     assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")
     assert "postproc" in result.error and not result.HasField("validation")
+    assert result.validation_skipped  # marked in the API (and counted, ReceptionMetrics.finished)
     assert_one_release_per_placement(stages, 1)
 
 
@@ -474,3 +475,57 @@ def test_the_dispatcher_runs_as_many_jobs_as_the_fleet_has_free_slots(
     assert in_progress == running
     assert [r.status for r in records] == [common_pb2.JOB_STATUS_COMPLETED] * 40
     assert stages.releases == stages.placements
+
+
+class RestartingEngine(FakeStages):
+    """The job's engine dies mid-stream; preparation then knows no engine (UNAVAILABLE) for
+    `down` Prepare calls, until the engine's new process registers under the same id."""
+
+    def __init__(self, down: int) -> None:
+        super().__init__(engines=("die", "complete"))
+        self.down = down
+        self.requests: list[preparation_pb2.PrepareRequest] = []
+        self.request_ids: list[str] = []
+
+    async def prepare(self, request, timeout):
+        self.requests.append(request)
+        if request.lost_engines and self.down:
+            self.down -= 1
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "no engine is registered")
+        self.placements[request.job_id] += 1
+        instance = f"process-{self.placements[request.job_id]}"
+        return common_pb2.Placement(engine_id="engine", address="engine:1", engine_instance_id=instance)
+
+    async def generate(self, address, request, timeout):
+        self.request_ids.append(request.request_id)
+        return await super().generate(address, request, timeout)
+
+
+def test_a_job_whose_engine_died_waits_for_its_restart_and_completes_as_a_new_attempt(clean_redis_url):
+    """No other engine: the job waits (within its deadline) rather than fail, names the dead
+    process to preparation (which drops it at once), and runs on the engine's new process under a
+    new engine request id; its followers were told of the restart."""
+    stages = RestartingEngine(down=3)
+    result = run_saga(clean_redis_url, stages, retries=1, timeout_ms=10_000)
+    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris"), result.error
+    assert_one_release_per_placement(stages, 2)
+    assert [(e.engine_id, e.instance_id) for e in stages.requests[-1].lost_engines] == [
+        ("engine", "process-1")
+    ]
+    assert len(stages.request_ids) == 2 and len(set(stages.request_ids)) == 2
+
+    async def attempts():
+        redis = Redis.from_url(clean_redis_url)
+        try:
+            return (await JobStore(redis, ttl_s=60).get("job-1")).attempts
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(attempts()) == 1  # the restart (the dispatcher, absent here, counts the first)
+
+
+def test_a_job_whose_engine_never_comes_back_times_out_at_its_deadline(clean_redis_url):
+    stages = RestartingEngine(down=10_000)
+    result = run_saga(clean_redis_url, stages, retries=1, timeout_ms=1_500)
+    assert result.status == common_pb2.JOB_STATUS_TIMED_OUT, result.error
+    assert_one_release_per_placement(stages, 1)

@@ -161,6 +161,9 @@ class InferenceResult:
     # The base model that answered ("" when the job ended before planning).
     model: str = ""
     choices: tuple[Choice, ...] = ()
+    # Postproc could not be reached before the job's deadline: the output is as the engine made it,
+    # not validated (`validation` is None).
+    validation_skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,7 @@ def result_from_proto(message: common_pb2.InferenceResult) -> InferenceResult:
         dropped_experts=tuple(message.dropped_experts),
         model=message.model,
         choices=tuple(choice_from_proto(c) for c in message.choices),
+        validation_skipped=message.validation_skipped,
     )
 
 

@@ -3,10 +3,12 @@
 It takes a job whenever preparation reports a free engine slot that no job it already took is about
 to fill (backpressure), most important priority first, so the jobs in progress follow the fleet's
 free slots (up to `max_jobs`, a memory bound per reception). The queue entry is acknowledged only
-once the job reached a final state; while it runs, its entry's idle time is kept fresh, so only
-the entries of a dispatcher that died go idle: another dispatcher reclaims them and runs the job
-again. A job delivered `max_deliveries` times is moved to the dead-letter stream and marked FAILED
-with the reason. Cancellations arrive on a Redis channel; the task running the job stops it.
+once the job reached a final state; while it runs, the dispatcher renews its lease on the entry
+(queue.py), so only the entries of a dispatcher that died, or that gave a job up, lose their lease:
+another dispatcher reclaims them (`reclaim.py`) and runs the job again. A dispatcher that finds the
+lease of a job it runs taken by another stops its run (the other one runs it). A job delivered
+`max_deliveries` times is moved to the dead-letter stream and marked FAILED with the reason.
+Cancellations arrive on a Redis channel; the task running the job stops it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import bind_context, get_logger
-from libs.redis_streams import Entry, dead_letter, missing_group, read_next, reclaim
+from libs.redis_streams import Entry, dead_letter, missing_group, read_next
 from services.reception.capacity import Capacity
 from services.reception.dispatch.pipeline import Pipeline
+from services.reception.dispatch.reclaim import Reclaimer
 from services.reception.dispatch.run import JobRun
 from services.reception.jobs import CANCEL_CHANNEL, JobStore
 from services.reception.metrics import ReceptionMetrics
@@ -50,7 +55,7 @@ class _Handling:
 @dataclass(frozen=True)
 class DispatchSettings:
     max_jobs: int  # jobs in progress at once in this reception, whatever the fleet's free slots
-    reclaim_idle_ms: int
+    reclaim_idle_ms: int  # the lease on each running job (the JobQueue is built with it)
     max_deliveries: int
     default_timeout_s: float | None
     # How long past its deadline a job in progress is left to its dispatcher before it is swept.
@@ -76,6 +81,8 @@ class Dispatcher:
         self.settings = settings
         self.metrics = metrics
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._reclaim = Reclaimer(queue, self.consumer)
+        self._own: set[tuple[str, str]] = set()  # (stream, entry id) of the entries being handled
         self._cancels: dict[str, asyncio.Event] = {}  # of the jobs this dispatcher runs
         self._unplaced = 0  # jobs taken but not yet placed: they will use slots preparation still shows free
         self._tasks: list[asyncio.Task] = []
@@ -182,7 +189,8 @@ class Dispatcher:
         The entry is acknowledged only once the job's final state is stored: a stop or an error
         before that leaves it pending, for another dispatcher to reclaim."""
         job_id = entry.fields.get("job_id", b"").decode()
-        keeper = asyncio.create_task(self._keep_alive(entry))
+        self._own.add((entry.stream, entry.id))
+        keeper = asyncio.create_task(self._hold(entry, asyncio.current_task()))
         if not reserved:
             self._unplaced += 1
         self._active += 1
@@ -196,10 +204,14 @@ class Dispatcher:
                 self._unplaced -= 1
             self._cancels.pop(job_id, None)
             keeper.cancel()
+            self._own.discard((entry.stream, entry.id))
             self.capacity.invalidate()
             self._job_ended.set()
             if handling.final:
                 await self.queue.done(entry.stream, entry.id)
+            else:  # left for another run: no need to wait for the lease to lapse
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.queue.let_go(entry.stream, entry.id, self.consumer))
 
     async def _run_entry(self, entry: Entry, job_id: str, handling: _Handling) -> None:
         """Start the entry's job (unless it is gone, final, or delivered too often) and run it."""
@@ -244,12 +256,22 @@ class Dispatcher:
                 await task
             raise
 
-    async def _keep_alive(self, entry: Entry) -> None:
-        period = self.settings.reclaim_idle_ms / 3000
+    async def _hold(self, entry: Entry, handling: asyncio.Task | None) -> None:
+        """Renew the lease on the entry three times a lease while its job runs (Redis errors are
+        waited out: the reclaimers give a holder a third of a lease after Redis answers again).
+        When another dispatcher holds the lease, it runs the job now: this run is stopped, its slot
+        given back, and its entry left to that dispatcher."""
         while True:
-            await asyncio.sleep(period)
-            with contextlib.suppress(Exception):
-                await self.queue.keep(entry.stream, entry.id, self.consumer)
+            try:
+                held = await self.queue.renew(entry.stream, entry.id, self.consumer)
+            except Exception:
+                held = True  # Redis unreachable: nobody else can have taken it meanwhile
+            if not held:
+                log.warning("another dispatcher took over the job: stopping this run", entry=entry.id)
+                if handling is not None:
+                    handling.cancel()
+                return
+            await asyncio.sleep(self.queue.lease_ms / 3000)
 
     async def _give_up(self, entry: Entry, attempts: int) -> None:
         reason = f"gave up after {attempts} deliveries (its dispatchers kept dying)"
@@ -266,24 +288,24 @@ class Dispatcher:
         log.error("job dead-lettered", reason=reason)
 
     async def _reclaimer(self) -> None:
-        """Take over the entries of dispatchers that stopped refreshing them."""
+        """Take over the entries whose holder is gone (its lease stayed gone for a whole lease).
+        An entry delivered far too often (its job crashes whoever runs it before its record counts
+        the delivery) goes to the dead-letter stream."""
         while not self._draining:
-            await asyncio.sleep(self.settings.reclaim_idle_ms / 2000)
+            await asyncio.sleep(self.queue.lease_ms / 4000)
             try:
-                for name in STREAMS:
-                    for entry in await reclaim(
-                        self.redis,
-                        name,
-                        GROUP,
-                        self.consumer,
-                        min_idle_ms=self.settings.reclaim_idle_ms,
-                        max_deliveries=self.settings.max_deliveries + 2,
-                        dead_letter_stream=DEAD_LETTER,
-                    ):
-                        log.warning("reclaimed a job from a dispatcher that stopped", entry=entry.id)
-                        self._spawn(self._handle(entry))
+                for entry in await self._reclaim.orphans(self._own):
+                    if entry.deliveries > self.settings.max_deliveries + 2:
+                        await dead_letter(
+                            self.redis, entry, GROUP, DEAD_LETTER, delivered=entry.deliveries - 1
+                        )
+                        continue
+                    log.warning("reclaimed a job whose dispatcher is gone", entry=entry.id)
+                    self._spawn(self._handle(entry))
             except asyncio.CancelledError:
                 raise
+            except (RedisConnectionError, RedisTimeoutError) as error:  # an outage: one line, no trace
+                log.warning("reclaim skipped: Redis unreachable", error=str(error))
             except Exception as error:
                 if missing_group(error):
                     await self._restore_queue()

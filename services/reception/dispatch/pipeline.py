@@ -5,8 +5,10 @@ saga is the same for every job.
 Every stage runs against the job's deadline (submitted_at + timeout_ms) and its cancellation; either
 stops the stage at once (an engine stream is cancelled, which aborts the engine request and frees
 its KV) and the job is finalized with what it has: partial text and a timeout flag, or a cancelled
-status. An engine that fails mid-stream is excluded and the job is placed again, with a restart
-event telling readers to discard the text so far.
+status. A job whose engine fails mid-stream waits for an engine again (preparation drops the dead
+process at once; its restart may take the job) and starts over from the prompt as a new attempt,
+with a restart event telling readers to discard the text so far. Each placement has its own engine
+request id, so it never collides with a request of an earlier one that an engine still runs.
 
 The job owns an engine slot only inside `_placement`: the scope's exit is the one place the slot is
 given back, whatever ended it (the generation's end, a lost engine, a cancel or timeout at any stage,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -48,6 +51,9 @@ DEFAULT_STREAM_INTERVAL = 16
 # has not sent yet; the call is given this long for that last message before it is cancelled
 # outright (and that text is lost).
 ENGINE_STOP_GRACE_S = 0.5
+# How long postproc is waited for when it is down as a job ends: until the job's deadline, and at
+# least this long (a job that timed out has no time left, and a restart takes seconds).
+FINALIZE_MIN_WAIT_S = 10.0
 
 
 class Pipeline:
@@ -157,40 +163,45 @@ class Pipeline:
     # -- place ---------------------------------------------------------------------------------------
 
     async def _place_and_generate(self, run: JobRun) -> common_pb2.GenerationOutcome:
-        """Place the job and generate, placing it again on another engine when its engine is lost
-        (up to `engine_retries` times)."""
-        excluded: list[str] = []
-        for attempt in range(self.engine_retries + 1):
+        """Place the job and generate. When its engine is lost, the job waits for an engine again
+        (any, the lost one's restarted process included: preparation drops the lost process at
+        once) and runs as a new attempt whose output starts again from the prompt, up to
+        `engine_retries` times and within its deadline."""
+        lost: list[preparation_pb2.LostEngine] = []
+        for failures in range(self.engine_retries + 1):
             try:
                 async with (
-                    self._placement(run, excluded),
+                    self._placement(run, lost),
                     self._status(run, common_pb2.JOB_STATUS_RUNNING),
                 ):
-                    return await self._generate(run, attempt)
-            except EngineLost as lost:
-                excluded.append(run.placement.engine_id)
-                if attempt == self.engine_retries:
-                    raise JobFailed(
-                        f"engine {run.placement.engine_id} failed: {lost}", grpc.StatusCode.UNAVAILABLE
-                    ) from None
-                log.warning(
-                    "engine lost, placing the job again",
-                    job_id=run.job_id,
-                    engine=run.placement.engine_id,
-                    error=str(lost),
+                    return await self._generate(run)
+            except EngineLost as error:
+                engine = run.placement.engine_id
+                if failures == self.engine_retries:
+                    raise JobFailed(f"engine {engine} failed: {error}", grpc.StatusCode.UNAVAILABLE) from None
+                log.warning("engine lost: the job waits for an engine again", engine=engine, error=str(error))
+                lost.append(
+                    preparation_pb2.LostEngine(engine_id=engine, instance_id=run.placement.engine_instance_id)
                 )
-                run.choices.clear()
-                await self.jobs.begin(run.job_id)  # another attempt: readers discard the text so far
+                await self._restart(run)
         raise AssertionError("unreachable")
 
+    async def _restart(self, run: JobRun) -> None:
+        """Start another attempt of the job: its followers are told to discard the text so far."""
+        run.choices.clear()
+        record = await self.jobs.begin(run.job_id)
+        run.attempt = record.attempts if record is not None else run.attempt + 1
+
     @contextlib.asynccontextmanager
-    async def _placement(self, run: JobRun, excluded: list[str]) -> AsyncIterator[common_pb2.Placement]:
+    async def _placement(
+        self, run: JobRun, lost: list[preparation_pb2.LostEngine]
+    ) -> AsyncIterator[common_pb2.Placement]:
         """Place the job on an engine and hold the slot for the scope; its exit gives the slot back,
         and nothing else does."""
         placed = False
         try:
             async with self._status(run, common_pb2.JOB_STATUS_PREPARING):
-                run.placement = await self._place(run, excluded)
+                run.placement = await self._place(run, lost)
                 placed = True
         except BaseException:  # a stop, a failure or a shutdown while the job was being placed
             # Placed, then stopped as the status was written (a CancelJob); or a Prepare that
@@ -224,9 +235,9 @@ class Pipeline:
         # Shielded: a dispatcher shutting down cancels the job's task, and the slot must still go back.
         await asyncio.shield(self.stages.release(run.job_id))
 
-    async def _place(self, run: JobRun, excluded: list[str]) -> common_pb2.Placement:
+    async def _place(self, run: JobRun, lost: list[preparation_pb2.LostEngine]) -> common_pb2.Placement:
         request = preparation_pb2.PrepareRequest(
-            job_id=run.job_id, plan=run.plan, exclude_engines=excluded, model=run.model
+            job_id=run.job_id, plan=run.plan, lost_engines=lost, model=run.model
         )
         run.turn.place(request)
         delay = self.place_retry_s
@@ -241,15 +252,15 @@ class Pipeline:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _OUTCOME_UNKNOWN:  # else `_placement` gives the slot back
                     run.preparing = None
-                _raise_unless_later(run, exc, excluded)
+                _raise_unless_later(run, exc)
             # no engine has room (or none is registered yet): wait for one, within the deadline
             await run.until(asyncio.sleep(delay))
             delay = min(delay * 2, 1.0)
 
     # -- generate ------------------------------------------------------------------------------------
 
-    async def _generate(self, run: JobRun, attempt: int) -> common_pb2.GenerationOutcome:
-        request = self._engine_request(run, attempt)
+    async def _generate(self, run: JobRun) -> common_pb2.GenerationOutcome:
+        request = self._engine_request(run)
         address = run.placement.address
         remaining = run.remaining()
         stream = await self.stages.generate(
@@ -275,9 +286,11 @@ class Pipeline:
             stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request
         return _outcome(run, final)
 
-    def _engine_request(self, run: JobRun, attempt: int) -> engine_pb2.GenerateRequest:
+    def _engine_request(self, run: JobRun) -> engine_pb2.GenerateRequest:
         request = engine_pb2.GenerateRequest(
-            request_id=f"{run.job_id}-{attempt}",
+            # Unique per placement: an earlier run's request may still live on the engine (its
+            # dispatcher lost Redis, or the engine has not seen the abort yet).
+            request_id=f"{run.job_id}-{run.attempt}.{uuid.uuid4().hex[:8]}",
             params=run.plan.generation_params,
             experts=[
                 common_pb2.ExpertRef(name=e.name, version=e.version, weight=e.weight)
@@ -314,44 +327,50 @@ class Pipeline:
         announce = asyncio.ensure_future(
             self.jobs.set_status(run.job_id, common_pb2.JOB_STATUS_POSTPROCESSING)
         )
+        wait_s = max(run.remaining() or 0.0, FINALIZE_MIN_WAIT_S)
         try:
-            return await self.stages.finalize(
-                _finalize_request(run, outcome, timed_out, cancelled), timeout=30.0
-            )
+            return await self.stages.finalize(_finalize_request(run, outcome, timed_out, cancelled), wait_s)
         except grpc.aio.AioRpcError as exc:
-            # The output must not be lost because postproc is down: record it unvalidated.
+            # The output must not be lost because postproc stayed down: record it, marked unvalidated.
             log.error(
                 "postproc failed; recording the result unvalidated", job_id=run.job_id, error=exc.details()
             )
-            # Built by the same rules as postproc's results, without validation or metrics.
-            return job_result(
-                run.job_id,
-                outcome,
-                timed_out=timed_out,
-                cancelled=cancelled,
-                latency_ms=(time.time() - run.record.submitted_at) * 1000,
-                trace=reasoning_trace(run.plan, run.placement),
-                dropped_experts=run.placement.dropped_experts,
-                error=outcome.error or f"postproc: {exc.details()} (the output is not validated)",
-            )
+            return _unvalidated(run, outcome, timed_out, cancelled, exc)
         finally:
             with contextlib.suppress(Exception):
                 await announce  # before finish(), so the final status is the last one written
 
 
-def _raise_unless_later(run: JobRun, error: grpc.aio.AioRpcError, excluded: list[str]) -> None:
+def _unvalidated(
+    run: JobRun,
+    outcome: common_pb2.GenerationOutcome,
+    timed_out: bool,
+    cancelled: bool,
+    error: grpc.aio.AioRpcError,
+) -> common_pb2.InferenceResult:
+    """The job's result built by the same rules as postproc's, without validation, metrics or
+    feedback, and marked so."""
+    result = job_result(
+        run.job_id,
+        outcome,
+        timed_out=timed_out,
+        cancelled=cancelled,
+        latency_ms=(time.time() - run.record.submitted_at) * 1000,
+        trace=reasoning_trace(run.plan, run.placement),
+        dropped_experts=run.placement.dropped_experts,
+        error=outcome.error or f"postproc: {error.details()} (the output is not validated)",
+    )
+    result.validation_skipped = True
+    return result
+
+
+def _raise_unless_later(run: JobRun, error: grpc.aio.AioRpcError) -> None:
     """A Prepare's error that fails the job (JobFailed), or stops it (its deadline passed); returns
-    when the job is to be placed later (no engine has room yet)."""
+    when the job is to be placed later: no engine has room yet, or none is registered (the job's
+    engine died and its restart, or another engine, is waited for until the job's deadline)."""
     if error.code() not in _PLACE_LATER:
         run.stop_if_expired(error)
         raise JobFailed(f"preparation: {error.details()}", error.code(), field_violations(error)) from None
-    if excluded and error.code() == grpc.StatusCode.UNAVAILABLE:
-        # The job's engine died and no other is registered: fail now with the reason rather than
-        # hold the job until its deadline for an engine that may never come.
-        raise JobFailed(
-            f"engine {excluded[-1]} failed and no other engine can take the job ({error.details()})",
-            grpc.StatusCode.UNAVAILABLE,
-        ) from None
 
 
 def _outcome(run: JobRun, final: engine_pb2.GenerateResponse) -> common_pb2.GenerationOutcome:

@@ -38,6 +38,10 @@ class JobRun:
     started: float = field(default_factory=time.time)
     inference_started: float | None = None
     turn: TurnPolicy = field(default_factory=PlainTurn)  # a session's turn, or a plain job
+    attempt: int = 0  # the job's runs so far, this one included (its record counts them)
+
+    def __post_init__(self) -> None:
+        self.attempt = self.attempt or self.record.attempts
 
     @property
     def job_id(self) -> str:

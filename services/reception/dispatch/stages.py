@@ -67,7 +67,9 @@ class Stages(Protocol):
 
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float
-    ) -> common_pb2.InferenceResult: ...
+    ) -> common_pb2.InferenceResult:
+        """Postproc's result for the job; a postproc that answers UNAVAILABLE (down, restarting) is
+        called again until `timeout` has passed."""
 
 
 class GrpcStages:
@@ -126,5 +128,7 @@ class GrpcStages:
     async def finalize(
         self, request: postproc_pb2.FinalizeRequest, timeout: float
     ) -> common_pb2.InferenceResult:
-        response = await call(self.peers.postproc.Finalize, request, timeout=timeout, idempotent=True)
+        response = await call(
+            self.peers.postproc.Finalize, request, timeout=timeout, idempotent=True, patience_s=timeout
+        )
         return response.result

@@ -55,10 +55,12 @@ def result_choices(result: common_pb2.InferenceResult) -> list[common_pb2.Choice
 
 def extra(result: common_pb2.InferenceResult) -> dict[str, Any]:
     """What the Expert System adds to OpenAI's response: the job, the experts it applied and each
-    choice's validation (response_format's schema is checked after generation, not enforced)."""
+    choice's validation (response_format's schema is checked after generation, not enforced), and
+    whether validation was skipped (postproc unreachable until the job's deadline)."""
     return {
         "job_id": result.job_id,
         "experts": list(result.experts_used),
+        "validation_skipped": result.validation_skipped,
         "validation": [
             {
                 "index": c.index,
