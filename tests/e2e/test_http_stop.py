@@ -6,13 +6,16 @@ fall and come back together while Redis is away (docs/operations.md#failure-mode
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import redis
 from grpc_health.v1 import health_pb2
 
+from libs.gen.expert.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.reception.jobs import job_key
 from tests.e2e.conftest import LONG, wait_ready, wait_rest_job
 from tools.stack import health_status
@@ -46,6 +49,21 @@ def _jobs_recorded(store: redis.Redis) -> int:
     return sum(1 for key in records if ":" not in key.decode().removeprefix(job_key("")))
 
 
+def _grpc_infer(target: str, prompt: str) -> grpc.RpcError | None:
+    """An Infer call's error (None when it completed)."""
+    request = common_pb2.InferenceRequest(
+        prompt=prompt, raw=True, temperature=0.0, max_tokens=LONG, repetition_penalty=1.0
+    )
+    with grpc.insecure_channel(target) as channel:
+        try:
+            inference_pb2_grpc.InferenceServiceStub(channel).Infer(
+                inference_pb2.InferRequest(request=request), timeout=120
+            )
+        except grpc.RpcError as error:
+            return error
+    return None
+
+
 def _wait(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -55,8 +73,9 @@ def _wait(condition, timeout: float = 60.0) -> None:
 
 def test_a_graceful_stop_answers_waiting_http_calls_with_their_job_ids(tiny_stack, long_prompt):
     """SIGTERM with no drain: each non-streamed call still waiting gets a JSON 503 with Retry-After
-    and its job's id; the streamed one ends with an error event naming its job; every job then
-    completes on the next reception, which the callers follow with GET /v1/jobs/{id}."""
+        and its job's id; the streamed one ends with an error event naming its job; every job then
+        completes on the next reception, which the callers follow with GET /v1/jobs/{id}. A gRPC Infer
+    caller gets UNAVAILABLE naming its job."""
     stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="0")
     wait_ready(stack)
     url = stack.http_url()
@@ -68,14 +87,16 @@ def test_a_graceful_stop_answers_waiting_http_calls_with_their_job_ids(tiny_stac
         "repetition_penalty": 1.0,
     }
     store = redis.Redis.from_url(stack.redis_url)
-    with ThreadPoolExecutor(CALLS + 1) as pool:
+    with ThreadPoolExecutor(CALLS + 2) as pool:
         calls = [pool.submit(_completion, url, body) for _ in range(CALLS)]
         stream = pool.submit(_streamed_events, url, body)
+        grpc_call = pool.submit(_grpc_infer, stack.target("reception"), long_prompt)
         # every call admitted (its job recorded) before the stop
-        _wait(lambda: _jobs_recorded(store) == CALLS + 1)
+        _wait(lambda: _jobs_recorded(store) == CALLS + 2)
         stack.stop_service("reception")
         answers = [c.result(timeout=60) for c in calls]
         events = stream.result(timeout=60)
+        grpc_error = grpc_call.result(timeout=60)
     handed_back = []
     for answer in answers:
         if answer.status_code == 200:  # ended before the stop
@@ -92,6 +113,9 @@ def test_a_graceful_stop_answers_waiting_http_calls_with_their_job_ids(tiny_stac
     handed_back.append(last["expert_system"]["job_id"])
     # the chunks before it, if any text came, name the same job
     assert all(e["id"] == "cmpl-" + last["expert_system"]["job_id"] for e in events[:-1])
+    # a gRPC caller is told the same, as UNAVAILABLE
+    assert grpc_error is not None and grpc_error.code() is grpc.StatusCode.UNAVAILABLE, grpc_error
+    handed_back.append(re.search(r"job ([0-9a-f]{32}) carries on", grpc_error.details()).group(1))
     stack.start_service("reception")
     stack.wait_serving("reception")
     with httpx.Client(base_url=url, timeout=30) as http:
