@@ -224,27 +224,30 @@ class Admission:
 
     async def follow(self, job_id: str, *, result_only: bool = False) -> AsyncIterator[JobEvent]:
         """The job's events as JobStore.follow reads them; NOT_FOUND once its record expired, and
-        JobHandedBack once reception's drain is over (hand_back_followers) while it waits."""
+        JobHandedBack when reception's drain is over (hand_back_followers) while the job runs on."""
         events = self.jobs.follow(job_id, result_only=result_only)
         handed_back = asyncio.ensure_future(self._handed_back.wait())
+        ended = False  # a job that ended in the drain answers its caller with its last events
         try:
             while True:
                 step = asyncio.ensure_future(anext(events))
                 try:
-                    await asyncio.wait({step, handed_back}, return_when=asyncio.FIRST_COMPLETED)
+                    if not ended:
+                        await asyncio.wait({step, handed_back}, return_when=asyncio.FIRST_COMPLETED)
+                        if not step.done():
+                            ended = await self.has_ended(job_id)
+                            if not ended:
+                                raise JobHandedBack(job_id)
+                    event = await step
+                except StopAsyncIteration:
+                    return
+                except JobExpired:
+                    raise not_found(f"job {job_id} expired") from None
                 finally:
                     if not step.done():  # handed back, or this call cancelled
                         step.cancel()
                         with contextlib.suppress(BaseException):
                             await step
-                if step.cancelled():
-                    raise JobHandedBack(job_id)
-                try:
-                    event = step.result()
-                except StopAsyncIteration:
-                    return
-                except JobExpired:
-                    raise not_found(f"job {job_id} expired") from None
                 yield event
         finally:
             handed_back.cancel()
