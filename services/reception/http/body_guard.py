@@ -4,7 +4,9 @@ or without a Content-Length), and a JSON body nested deeper than MAX_JSON_DEPTH 
 before a recursive parser sees it. The app then reads the body from what was kept.
 
 An ASGI middleware rather than a FastAPI dependency: FastAPI reads and parses the whole body before
-any dependency runs, the API key check included."""
+any dependency runs, the API key check included. Nor FastAPI's `max_body_size` (Starlette's
+RequestBodyLimitMiddleware): it counts only as a route reads, answers in plain text, and bounds no
+nesting, which must be checked on the bytes since Python's JSON parser recurses."""
 
 from __future__ import annotations
 
