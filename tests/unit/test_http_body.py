@@ -10,7 +10,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from libs.config import ConfigError
 from services.reception.admission.core import JobHandedBack
+from services.reception.config import ReceptionConfig
 from services.reception.http import create_app
 from services.reception.http.body_guard import MAX_JSON_DEPTH, json_depth_over
 from tests.unit.test_http_api import CHAT, FakeAdmission, FakeCapacity, FakeModels
@@ -164,3 +166,10 @@ def test_a_call_cut_off_by_a_stop_gets_a_503_with_its_job_id(parts, path, body):
     answer = response.json()
     assert answer["expert_system"] == {"job_id": "j42"} and "j42" in answer["error"]["message"]
     assert answer["error"]["code"] == "unavailable"
+
+
+def test_the_body_limit_is_read_from_the_environment():
+    assert ReceptionConfig.from_env({}).http_max_body_bytes == 4 * 1024 * 1024
+    assert ReceptionConfig.from_env({"EXPERT_HTTP_MAX_BODY_BYTES": "65536"}).http_max_body_bytes == 65536
+    with pytest.raises(ConfigError, match="EXPERT_HTTP_MAX_BODY_BYTES"):
+        ReceptionConfig.from_env({"EXPERT_HTTP_MAX_BODY_BYTES": "10"})
