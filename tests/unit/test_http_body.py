@@ -14,7 +14,7 @@ from libs.config import ConfigError
 from services.reception.admission.core import JobHandedBack
 from services.reception.config import ReceptionConfig
 from services.reception.http import create_app
-from services.reception.http.body_guard import MAX_JSON_DEPTH, json_depth_over
+from services.reception.http.body_guard import MAX_JSON_DEPTH, nested_deeper_than
 from tests.unit.test_http_api import CHAT, FakeAdmission, FakeCapacity, FakeModels
 
 LIMIT = 8192
@@ -89,14 +89,17 @@ def test_a_schema_nested_within_the_bound_reaches_the_route(parts):
 
 
 def test_json_depth_counts_only_the_brackets_outside_strings():
-    assert json_depth_over(b"[" * 5 + b"]" * 5, 4) == 5
-    assert json_depth_over(b"[" * 4 + b"]" * 4, 4) is None
+    assert nested_deeper_than(b"[" * 5 + b"]" * 5, 4)
+    assert not nested_deeper_than(b"[" * 4 + b"]" * 4, 4)
+    assert nested_deeper_than(b'{"a": [{"b": [1]}]}', 3) and not nested_deeper_than(b'{"a": [{"b": [1]}]}', 4)
     # brackets inside strings, escaped quotes and backslashes included, are text
-    text = b'{"a": "[[[[[[\\"[[[[[[\\\\", "b": [[1]]}'
-    assert json_depth_over(text, 3) is None
-    assert json_depth_over(text, 2) == 3
-    # many brackets side by side are wide, not deep
-    assert json_depth_over(b"[" + b"[]," * 10_000 + b"[]]", 2) is None
+    text = b'{"a": "[[[[[[\\"[[[[[[\\\\", "b": [[1]], "c": "\\\\"}'
+    assert not nested_deeper_than(text, 3)
+    assert nested_deeper_than(text, 2)
+    # many brackets side by side are wide, not deep; deep without a run of openings is still deep
+    assert not nested_deeper_than(b"[" + b"[]," * 10_000 + b"[]]", 2)
+    comb = b"".join(b"[[[]]," for _ in range(200)) + b"]" * 200
+    assert nested_deeper_than(comb, 128) and not nested_deeper_than(comb, 202)
 
 
 @pytest.mark.parametrize(

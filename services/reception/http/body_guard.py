@@ -10,7 +10,6 @@ nesting, which must be checked on the bytes since Python's JSON parser recurses.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -31,12 +30,11 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # schema (itself at most 64 levels: docs/design.md#input-limits) inside `response_format.json_schema`.
 MAX_JSON_DEPTH = 128
 
-# A JSON string (escapes included), matched without backtracking: brackets inside strings are text.
-_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+# A JSON string once its escaped backslashes and quotes are cut out: brackets inside strings are text.
+_STRING = re.compile(rb'"[^"]*"')
+# Every bracket as `[` or `]`, everything else dropped.
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-_STEP = [0] * 256
-_STEP[ord("[")] = _STEP[ord("{")] = 1
-_STEP[ord("]")] = _STEP[ord("}")] = -1
 
 
 class BodyGuard:
@@ -59,8 +57,7 @@ class BodyGuard:
         if isinstance(body, int):
             await self._too_large(scope, receive, send, body)
             return
-        depth = json_depth_over(body, MAX_JSON_DEPTH)
-        if depth is not None:
+        if nested_deeper_than(body, MAX_JSON_DEPTH):
             message = f"the body is nested deeper than {MAX_JSON_DEPTH} levels (objects and arrays)"
             await error_response(HttpError(400, message, None, "invalid_json"))(scope, receive, send)
             return
@@ -117,12 +114,21 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def json_depth_over(body: bytes, limit: int) -> int | None:
-    """How deep the objects and arrays of JSON text `body` nest when that is deeper than `limit`;
-    None otherwise. One pass outside strings, without parsing, in C-speed steps: strings are cut
-    out, then the brackets left are summed (at most one step per bracket)."""
-    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if brackets.count(b"[") + brackets.count(b"{") <= limit:
-        return None  # no path can hold more openings than there are
-    deepest = max(itertools.accumulate(map(_STEP.__getitem__, brackets)))
-    return deepest if deepest > limit else None
+def nested_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether the objects and arrays of JSON text `body` nest deeper than `limit`. Without parsing,
+    in passes of C-speed byte operations: strings are cut out, then each pass removes the innermost
+    pairs (one level everywhere), until the openings left cannot nest past the limit, or a run of
+    them shows that they do."""
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRING.sub(b"", unescaped).translate(_BRACKETS, _NOT_BRACKETS)
+    for removed in range(limit + 1):  # `removed` levels are gone from every nest
+        left = limit - removed  # how deep what is left may still nest
+        if brackets.count(b"[") <= left:
+            return False
+        if b"[" * (left + 1) in brackets:  # a run of openings, each inside the one before
+            return True
+        innermost_gone = brackets.replace(b"[]", b"")
+        if len(innermost_gone) == len(brackets):  # no pair left: not JSON, which its parser says
+            return False
+        brackets = innermost_gone
+    return True
