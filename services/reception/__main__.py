@@ -96,7 +96,15 @@ class Reception:
         if not config.http_port:
             return None
         served = ServedModels(self.capacity, self.peers.router)
-        app = create_app(self.admission, self.capacity, served, map_redis_error, auth=self.auth)
+        app = create_app(
+            self.admission,
+            self.capacity,
+            served,
+            map_redis_error,
+            auth=self.auth,
+            max_body_bytes=config.http_max_body_bytes,
+            serving=lambda: self.health.serving,  # /readyz and gRPC health: one flag (Redis, stopping)
+        )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
         return http
@@ -119,10 +127,17 @@ class Reception:
         self._watch = asyncio.create_task(watch_redis(self.redis, self.health, restore=self.queue.setup))
 
     async def drain(self) -> None:
-        # Jobs that end within the drain answer their callers; the rest are handed back.
+        # Jobs that end within the drain answer their callers; the rest are handed back, and so are
+        # their callers: each gets its job's id (HTTP: a JSON 503 with Retry-After) before the
+        # servers close, the HTTP one last (it waits for the answers).
         self.admission.stop_following()
+
+        async def dispatcher_then_callers() -> None:
+            await self.dispatcher.drain(self.config.drain_s)
+            self.admission.hand_back_followers()
+
         await asyncio.gather(
-            self.dispatcher.drain(self.config.drain_s),
+            dispatcher_then_callers(),
             self.http.stop() if self.http is not None else asyncio.sleep(0),
         )
 

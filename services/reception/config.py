@@ -9,6 +9,7 @@ from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 from services.reception.dispatch.dispatcher import DispatchSettings
 from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
+from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES
 from services.reception.sessions import SessionLimits
 
 DEFAULT_PORT = 50051
@@ -36,6 +37,7 @@ class ReceptionConfig:
     sessions: SessionLimits = field(default_factory=lambda: SessionLimits(600.0, 0))
     session_stream_buffer: int = 256  # messages a session's stream may fall behind before its turn stops
     auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
+    http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # an HTTP body over this is refused unread (413)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -46,6 +48,9 @@ class ReceptionConfig:
             auth=AuthConfig.from_env(env),
             http_port=reader.integer(
                 "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
+            ),
+            http_max_body_bytes=reader.integer(
+                "EXPERT_HTTP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1024
             ),
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://127.0.0.1:6379/0"),
             router_target=reader.address("EXPERT_ROUTER_TARGET", "127.0.0.1:50052"),

@@ -2,7 +2,8 @@
 
 Every answer is either an accepted job or INVALID_ARGUMENT naming a field; never INTERNAL, UNKNOWN,
 a metadata overflow or a hang; and every service still reports SERVING afterwards. Accepted jobs
-are cancelled at once, so the engine spends no time on them.
+are cancelled at once, so the engine spends no time on them. The HTTP routes get random JSON the
+same way (lone surrogates, nesting, huge numbers, wrong types): a 4xx in OpenAI's shape or a job.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
@@ -245,3 +247,120 @@ def test_the_hostile_requests_of_the_report_are_refused_by_field(fuzz_stack, stu
     # 1,000 forced experts: once RESOURCE_EXHAUSTED (the error overflowed the client's metadata limit)
     forced = _refusal(service, prompt="hi", force_experts=[f"e{i}" for i in range(1000)])
     assert ("request.force_experts", "at most 10 experts, got 1000") in forced
+
+
+# -- the HTTP routes -------------------------------------------------------------------------------
+
+# Strings as JSON carries them, lone surrogates included (valid JSON, not valid text).
+_HTTP_TEXT = st.one_of(st.text(max_size=20), st.sampled_from(["hi \ud800", "\udfff", "a\ud83d b"]))
+# Any JSON value: huge and non-finite numbers, nesting, the wrong types for every field.
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**40), 10**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _HTTP_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_HTTP_TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+_DEEP = st.builds(
+    lambda depth: [[]] if depth == 0 else json.loads("[" * depth + "]" * depth), st.integers(1, 900)
+)
+
+
+def _field(right: st.SearchStrategy) -> st.SearchStrategy:
+    """A field's value: mostly of its type, else anything JSON holds."""
+    return st.one_of(right, right, _JSON, _DEEP)
+
+
+_HTTP_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": _field(st.sampled_from(ROLES)), "content": _field(_HTTP_TEXT)}), max_size=3
+)
+_HTTP_OPTIONAL = {
+    "max_tokens": _field(st.integers(-5, 10**12)),
+    "temperature": _field(st.floats(-3, 3)),
+    "top_p": _field(st.floats(-1, 2)),
+    "stop": _field(st.one_of(_HTTP_TEXT, st.lists(_HTTP_TEXT, max_size=3))),
+    "seed": _field(st.integers(-1, 2**65)),
+    "user": _field(_HTTP_TEXT),
+    "n": _field(st.integers(-2, 20)),
+    "top_k": _field(st.integers(-2, 10**10)),
+    "force_experts": _field(st.lists(_HTTP_TEXT, max_size=2)),
+    "response_format": _field(
+        st.one_of(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "regex", "grammar"])}),
+            st.fixed_dictionaries({"type": st.just("regex"), "regex": _field(_HTTP_TEXT)}),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("json_schema"),
+                    "json_schema": _field(st.fixed_dictionaries({"name": _HTTP_TEXT, "schema": _JSON})),
+                }
+            ),
+        )
+    ),
+    "priority": _field(st.integers(-1, 12)),
+    "logprobs": _field(st.booleans()),
+}
+
+
+def _openai_bodies(model: str) -> st.SearchStrategy[tuple[str, dict]]:
+    """(route, body): a valid request (so that some are accepted) with random fields over it."""
+    models = st.one_of(
+        st.just(model), st.just(model), _field(st.sampled_from([f"{model}:nobody", "no-such"]))
+    )
+    hello = [{"role": "user", "content": "hi"}]
+    extra = st.one_of(st.just({}), st.fixed_dictionaries({}, optional=_HTTP_OPTIONAL))
+    chat = st.builds(
+        lambda model, messages, more: {"model": model, "messages": messages, "max_tokens": 4, **more},
+        models,
+        st.one_of(st.just(hello), _field(_HTTP_MESSAGES)),
+        extra,
+    )
+    completion = st.builds(
+        lambda model, prompt, more: {"model": model, "prompt": prompt, "max_tokens": 4, **more},
+        models,
+        st.one_of(st.just("hi"), _field(st.one_of(_HTTP_TEXT, st.lists(_HTTP_TEXT, max_size=2)))),
+        extra,
+    )
+    return st.one_of(
+        st.tuples(st.just("/v1/chat/completions"), chat), st.tuples(st.just("/v1/completions"), completion)
+    )
+
+
+def _check_http_refusal(response) -> None:
+    assert response.status_code < 500, (response.status_code, response.text[:300])
+    assert response.headers["content-type"] == "application/json", response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+
+
+def test_random_http_bodies_are_accepted_or_refused_in_openais_shape(fuzz_stack):
+    """OpenAI's routes and the REST API with random bodies: accepted (a stream, closed at once,
+    which cancels its job), or refused with a 4xx in OpenAI's shape; never a 500 or plain text."""
+    url = fuzz_stack.http_url()
+    with httpx.Client(base_url=url, timeout=30) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        seen = {"accepted": 0, "refused": 0}
+
+        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(_openai_bodies(model), st.booleans())
+        def post(route, rest):
+            path, body = route
+            if rest:  # the same fields on the REST API, where they exist under these names
+                path = "/v1/jobs"
+            content = json.dumps({**body, "stream": True} if not rest else body)
+            headers = {"content-type": "application/json"}
+            with http.stream("POST", path, content=content, headers=headers) as response:
+                if response.status_code in (200, 202):
+                    seen["accepted"] += 1
+                    if rest:
+                        http.delete(f"/v1/jobs/{json.loads(response.read())['job_id']}")
+                    return  # a stream closed here cancels its job
+                response.read()
+                _check_http_refusal(response)
+                seen["refused"] += 1
+
+        post()
+    print(f"HTTP fuzz: {seen}")
+    assert seen["accepted"] and seen["refused"], seen
+    _all_serving(fuzz_stack)

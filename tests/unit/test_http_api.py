@@ -151,7 +151,7 @@ def test_readyz_waits_for_an_engine(parts):
     assert http.get("/healthz").json() == {"status": "degraded", "engines": 0}
     assert http.get("/livez").status_code == 200
     capacity.engines = 2
-    assert http.get("/readyz").json() == {"status": "ready", "engines": 2}
+    assert http.get("/readyz").json() == {"status": "ready", "serving": True, "engines": 2}
 
 
 def test_openai_fields_map_onto_the_inference_request():

@@ -11,6 +11,7 @@ KServe's servicers adapt protobuf to a data plane that knows no gRPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -37,6 +38,7 @@ log = get_logger(__name__)
 
 DEFAULT_PRIORITY = 5
 MAX_JOB_ID_CHARS = 64  # ids are 32 hex digits; anything much longer is not worth a Redis lookup
+HANDED_BACK_RETRY_S = 1.0  # another reception answers at once (behind the same load balancer)
 
 
 class Undecodable:
@@ -45,6 +47,20 @@ class Undecodable:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+class JobHandedBack(ServiceError):
+    """Reception stopped while a call followed the job: the job carries on (another reception's
+    dispatcher runs it), and the caller is told its id to follow it there, and when to come back."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            f"this reception is stopping; job {job_id} carries on: follow it on another one "
+            f"(GetJob, GET /v1/jobs/{job_id})",
+            retry_after_s=HANDED_BACK_RETRY_S,
+        )
+        self.job_id = job_id
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class Admission:
         self.average_job_s = average_job_s  # for estimated_wait_ms, refined as jobs finish
         self._background: set[asyncio.Task] = set()
         self._stopping = False
+        self._handed_back = asyncio.Event()  # set once the drain is over (hand_back_followers)
 
     def observe_job(self, seconds: float) -> None:
         """Fold a finished job's duration into the average behind estimated_wait_ms."""
@@ -206,12 +223,35 @@ class Admission:
                 self.cancel_in_background(admitted.job_id)
 
     async def follow(self, job_id: str, *, result_only: bool = False) -> AsyncIterator[JobEvent]:
-        """The job's events as JobStore.follow reads them; NOT_FOUND once its record expired."""
+        """The job's events as JobStore.follow reads them; NOT_FOUND once its record expired, and
+        JobHandedBack when reception's drain is over (hand_back_followers) while the job runs on."""
+        events = self.jobs.follow(job_id, result_only=result_only)
+        handed_back = asyncio.ensure_future(self._handed_back.wait())
+        ended = False  # a job that ended in the drain answers its caller with its last events
         try:
-            async for event in self.jobs.follow(job_id, result_only=result_only):
+            while True:
+                step = asyncio.ensure_future(anext(events))
+                try:
+                    if not ended:
+                        await asyncio.wait({step, handed_back}, return_when=asyncio.FIRST_COMPLETED)
+                        if not step.done():
+                            ended = await self.has_ended(job_id)
+                            if not ended:
+                                raise JobHandedBack(job_id)
+                    event = await step
+                except StopAsyncIteration:
+                    return
+                except JobExpired:
+                    raise not_found(f"job {job_id} expired") from None
+                finally:
+                    if not step.done():  # handed back, or this call cancelled
+                        step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await step
                 yield event
-        except JobExpired:
-            raise not_found(f"job {job_id} expired") from None
+        finally:
+            handed_back.cancel()
+            await events.aclose()
 
     async def get_job(self, job_id: str) -> common_pb2.Job:
         """A job's record (GetJob, GET /v1/jobs/{id}); NOT_FOUND when there is none."""
@@ -266,6 +306,12 @@ class Admission:
         is not their clients hanging up, so their jobs are left to run (another reception's
         dispatcher takes over the ones this one hands back)."""
         self._stopping = True
+
+    def hand_back_followers(self) -> None:
+        """The drain is over: each call still following a job ends now with JobHandedBack (its
+        job's id), rather than being cut off without an answer when the server stops."""
+        self._stopping = True
+        self._handed_back.set()
 
     def _in_background(self, work: Coroutine[Any, Any, None], job_id: str = "") -> None:
         """Run `work` without waiting for it; a failure is logged, not lost."""

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from libs.auth.policy import Authenticator
 from libs.errors import ServiceError
 from services.reception.admission.core import Admission
 from services.reception.capacity import Capacity
 from services.reception.http.auth import authentication
+from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from services.reception.http.errors import HttpError, as_http_error, error_response, validation_error
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
@@ -29,9 +31,13 @@ def create_app(
     models: ServedModels,
     error_mapper: Callable[[BaseException], ServiceError | None] | None = None,
     auth: Authenticator | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    serving: Callable[[], bool] = lambda: True,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
-    ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none)."""
+    ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
+    a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
+    the gRPC health service reports (False while Redis is unreachable or reception stops)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -40,10 +46,12 @@ def create_app(
         # The API key of every /v1 call (the probes need none); nothing is checked without `auth`.
         dependencies=[Depends(authentication(auth, error_mapper))],
     )
+    # Outside every route and dependency: no body is read past its bound, keyed or not.
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes)
     _add_error_handlers(app)
     to_http_error = functools.partial(as_http_error, error_mapper=error_mapper)
     add_rest_routes(app, admission, to_http_error)
-    _add_probes(app, capacity)
+    _add_probes(app, capacity, serving)
     _add_models(app, models)
     add_openai_routes(app, admission, to_http_error)
     return app
@@ -60,6 +68,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HttpError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def unparsable_body(request: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI's answer to a body its JSON parser raised on other than a syntax error: bytes
+        # that are not UTF-8, an integer of more than 4,300 digits.
+        if exc.status_code != 400:
+            return error_response(HttpError(exc.status_code, str(exc.detail)))
+        reason = exc.__cause__ if exc.__cause__ is not None else exc.detail
+        return error_response(HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json"))
+
     @app.exception_handler(404)
     async def no_route(request: Request, exc: Exception) -> JSONResponse:
         return error_response(HttpError(404, f"no such endpoint: {request.method} {request.url.path}"))
@@ -69,8 +86,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(HttpError(405, f"method {request.method} is not allowed on {request.url.path}"))
 
 
-def _add_probes(app: FastAPI, capacity: Capacity) -> None:
-    """/livez (the process answers), /readyz and /healthz (an engine is registered)."""
+def _add_probes(app: FastAPI, capacity: Capacity, serving: Callable[[], bool]) -> None:
+    """/livez (the process answers), /readyz (serving, as gRPC health says, and an engine is
+    registered) and /healthz (an engine is registered)."""
 
     @app.get("/livez")
     async def livez() -> dict:
@@ -79,9 +97,10 @@ def _add_probes(app: FastAPI, capacity: Capacity) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engines = (await capacity.get()).engines
-        ready = engines > 0
+        up = serving()  # read after the await: the state at the answer, not before it
+        ready = up and engines > 0
         return JSONResponse(
-            {"status": "ready" if ready else "not ready", "engines": engines},
+            {"status": "ready" if ready else "not ready", "serving": up, "engines": engines},
             status_code=200 if ready else 503,
         )
 

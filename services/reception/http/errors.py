@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 
 from libs.errors import ServiceError
 from libs.logging import get_logger
+from services.reception.admission.core import JobHandedBack
+from services.reception.http.body_text import INVALID_TEXT
 from services.reception.http.openai_schema import (
     FIELD_NAMES,
     ChatCompletionRequest,
@@ -45,22 +47,38 @@ class HttpError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        job_id: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.job_id = job_id  # the job the error is about, when the caller could not know its id
+        # Text the client sent (a field's name, a value) may hold lone surrogates, which no JSON
+        # answer can carry: they are written as their escapes.
+        self.message, self.param = printable(message), printable(param) if param is not None else None
+        self.status, self.code = status, code
         self.headers = headers or {}
         self.type = {
             400: "invalid_request_error",
             401: "invalid_request_error",
             403: "invalid_request_error",
             404: "invalid_request_error",
+            413: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable_error",
         }.get(status, "server_error")
 
     def body(self) -> dict:
         """OpenAI's error body: the answer's JSON, and a stream's error event."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body: dict = {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+        if self.job_id is not None:  # where a response carries it (openai_response.extra)
+            body["expert_system"] = {"job_id": self.job_id}
+        return body
+
+
+def printable(text: str) -> str:
+    """`text` with each lone surrogate (not encodable as UTF-8) as its escape, e.g. `\\ud800`."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # How a route turns an exception into its error body, given the request's body (None before it parsed).
@@ -144,29 +162,47 @@ def from_service_error(error: ServiceError, body: object) -> HttpError:
     headers = {}
     if error.retry_after_s is not None:  # whole seconds, as HTTP wants them, never rounded down
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return HttpError(status, message, param, code, headers)
+    job_id = error.job_id if isinstance(error, JobHandedBack) else None
+    return HttpError(status, message, param, code, headers, job_id)
 
 
 def validation_error(exc: RequestValidationError) -> HttpError:
     errors = exc.errors()
     if not errors:
         return HttpError(400, "invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return HttpError(400, f"the body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
-    parts = list(first.get("loc", ()))[1:]  # after "body"
-    unknown = first.get("type") == "extra_forbidden"
-    param = ""
-    for i, part in enumerate(parts):
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif (
-            part in FIELD_NAMES or part in REST_FIELD_NAMES or (unknown and i == len(parts) - 1)
-        ):  # not pydantic's type tags
-            param += f".{part}" if param else part
+    # Text that is no text is what the client got wrong, though a union lists its other members'
+    # errors first (`stop`: "a valid string", when the list it sent holds a lone surrogate).
+    first = next((e for e in errors if e.get("type") in _UNDECODABLE), errors[0])
+    kind = first.get("type")
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json")
+    unknown = kind == "extra_forbidden"
+    param = _param(list(first.get("loc", ()))[1:], unknown)  # after "body"
     if unknown:
         return HttpError(
             400, f"unrecognized request argument supplied: {param}", param or None, "unknown_parameter"
         )
-    message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
-    return HttpError(400, message, param or None, "invalid_type")
+    if kind in _UNDECODABLE:
+        message = f"{param or 'body'}: {_UNDECODABLE[kind] or first.get('msg')}"
+        return HttpError(400, message, param or None, "invalid_value")
+    return HttpError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param or None, "invalid_type")
+
+
+# The validation errors of text that UTF-8 cannot carry, with the message to give (None: pydantic's).
+_UNDECODABLE = {
+    INVALID_TEXT: None,
+    "string_unicode": "a field name is not valid Unicode text: it holds a lone surrogate",
+}
+
+
+def _param(parts: list, unknown: bool) -> str:
+    """The field a validation error's location names, as the client sent it (`messages[0].role`);
+    pydantic's type tags (`function-after[…]`) left out, and an unknown field's own name kept."""
+    param = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in FIELD_NAMES or part in REST_FIELD_NAMES or (unknown and i == len(parts) - 1):
+            param += f".{part}" if param else part
+    return param

@@ -1,11 +1,14 @@
 """The request bodies of OpenAI's chat and completions endpoints, as reception accepts them: unknown
-fields are refused, and the numbers are bounded to what an InferenceRequest holds."""
+fields are refused, the numbers are bounded to what an InferenceRequest holds, and the text is text
+UTF-8 can carry (body_text.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.reception.http.body_text import Text
 
 INT32 = 2**31 - 1
 UINT64 = 2**64 - 1
@@ -18,12 +21,12 @@ class _Body(BaseModel):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
 
 class StreamOptions(_Body):
@@ -33,15 +36,15 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """The fields chat and completions share: OpenAI's, then vLLM-style extras."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, le=INT32)
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=UINT64)
-    user: str | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=-INT32, le=INT32)
@@ -53,8 +56,8 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    force_experts: list[str] | None = None
-    exclude_experts: list[str] | None = None
+    force_experts: list[Text] | None = None
+    exclude_experts: list[Text] | None = None
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)
     priority: int | None = Field(None, ge=-INT32, le=INT32)
 
@@ -87,10 +90,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from libs.gen.expert.v1 import common_pb2
+from services.reception.http.body_text import first_undecodable
 from services.reception.http.errors import HttpError
 
 TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -27,6 +28,11 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> HttpError:
 
 def parse_response_format(value: dict[str, Any], *, openai: bool) -> common_pb2.ResponseFormat | None:
     """The format `value` asks for; None for `{"type": "text"}` (free text)."""
+    undecodable = first_undecodable(value, "response_format")
+    if undecodable is not None:  # named by its part: `response_format.json_schema.schema`
+        parts = undecodable.split(".")
+        part = ".".join(parts[:3] if parts[1:2] == ["json_schema"] else parts[:2])
+        raise _bad(part, "is not valid Unicode text: it holds a lone surrogate")
     kind = value.get("type")
     if kind not in TYPES:
         raise _bad("response_format.type", f"must be one of {', '.join(TYPES)}, got {kind!r}")

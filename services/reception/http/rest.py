@@ -43,7 +43,7 @@ def to_request(body: JobBody) -> common_pb2.InferenceRequest:
     try:
         request = json_format.ParseDict(fields, common_pb2.InferenceRequest())
     except json_format.ParseError as exc:  # e.g. a float beyond float32's range
-        found = re.search(r"at InferenceRequest\.([\w.\[\]]+)", str(exc))
+        found = re.search(r"at InferenceRequest\.([\w\[\]]+(?:\.[\w\[\]]+)*)", str(exc))
         param = found.group(1) if found else None
         raise HttpError(400, f"{param or 'body'}: {exc}", param, "invalid_type") from None
     if body.response_format is not None:

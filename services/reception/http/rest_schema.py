@@ -1,13 +1,16 @@
 """The request body of the Expert System's own REST API (`/v1/infer`, `/v1/jobs`): the fields of an
-InferenceRequest under their proto names. Unknown fields are refused, and the integers are bounded
-to what the proto's fields hold; every other bound is reception's validation. `response_format` is
-the one field in another shape: OpenAI's, as the SDK and the OpenAI endpoints take it."""
+InferenceRequest under their proto names. Unknown fields are refused, the integers are bounded to
+what the proto's fields hold, and the text to what UTF-8 can carry (body_text.py); every other bound
+is reception's validation. `response_format` is the one field in another shape: OpenAI's, as the
+SDK and the OpenAI endpoints take it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.reception.http.body_text import Text
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -19,37 +22,37 @@ class _Body(BaseModel):
 
 
 class ChatMessageBody(_Body):
-    role: str
-    content: str
+    role: Text
+    content: Text
 
 
 class JobBody(_Body):
     """An InferenceRequest as JSON (docs/api.md#inferencerequest); unset fields are left unset."""
 
-    prompt: str = ""
-    template: str | None = None
-    body: str | None = None
+    prompt: Text = ""
+    template: Text | None = None
+    body: Text | None = None
     temperature: float | None = None
     max_tokens: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     top_p: float | None = None
     top_k: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    force_experts: list[str] = []
-    exclude_experts: list[str] = []
+    force_experts: list[Text] = []
+    exclude_experts: list[Text] = []
     max_experts: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     context_size: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
-    user_id: str = ""
+    user_id: Text = ""
     priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     timeout_ms: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: list[str] = []
+    stop: list[Text] = []
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     messages: list[ChatMessageBody] = []
     raw: bool = False
-    json_schema: str | None = None
-    model: str | None = None
+    json_schema: Text | None = None
+    model: Text | None = None
     n: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     # OpenAI's shape plus the regex and grammar types, checked part by part in response_format.py
