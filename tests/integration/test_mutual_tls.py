@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from libs import healthcheck
 from libs.auth.config import AuthConfig
 from libs.auth.policy import Authenticator
 from libs.config import TlsConfig
@@ -91,6 +92,23 @@ def test_an_engine_is_reached_only_if_its_certificate_names_an_engine(pki):
 
     assert asyncio.run(reach(pki["engine"])) is grpc.StatusCode.OK
     assert asyncio.run(reach(pki["router"])) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_container_health_check_presents_the_containers_certificate(pki, monkeypatch, capsys):
+    """`python -m libs.healthcheck` (compose's health checks, Kubernetes' exec probes) asks a mutual
+    TLS port with the EXPERT_TLS_* identity of its container; a gRPC probe, which has none, cannot."""
+
+    async def main():
+        async with running(auth=_required(_tls(pki["router"]))) as server:
+            await server.health.set_serving(True)
+            for name, value in pki["client"].env().items():
+                monkeypatch.setenv(name, value)
+            with_certificate = await asyncio.to_thread(healthcheck.main, [server.target])
+            plaintext = await asyncio.to_thread(healthcheck.main, [server.target, "--plaintext"])
+            return with_certificate, plaintext
+
+    assert asyncio.run(main()) == (0, 1)
+    assert any(line.endswith(": SERVING") for line in capsys.readouterr().out.splitlines())
 
 
 def test_without_tls_the_internal_token_goes_only_to_a_loopback_address():
