@@ -192,16 +192,13 @@ class LocalStack:
         return self._identities
 
     def client_credentials(self) -> grpc.ChannelCredentials | None:
-        """What a client of this stack's internal ports presents: CLIENT_IDENTITY's certificate
-        under mutual TLS, None (plaintext) otherwise."""
-        identity = self.identities().get(CLIENT_IDENTITY)
-        if identity is None:
-            return None
+        """What a client of this stack's internal ports presents: CLIENT_IDENTITY's certificate when
+        the stack made them, the one EXPERT_TLS_* name when they were given (every service has it
+        then), None (plaintext) without TLS."""
         if self._client_tls is None:  # read once: the stack checks health every tenth of a second
-            self._client_tls = TlsConfig(
-                ca=identity.ca.read_bytes(), cert=identity.cert.read_bytes(), key=identity.key.read_bytes()
-            )
-        return channel_credentials(self._client_tls)
+            identity = self.identities().get(CLIENT_IDENTITY)
+            self._client_tls = TlsConfig.from_env(identity.env() if identity else {**os.environ, **self.env})
+        return None if self._client_tls is None else channel_credentials(self._client_tls)
 
     def _credentials_for(self, name: str) -> grpc.ChannelCredentials | None:
         """What the stack presents to the process `name`: nothing to a public port."""

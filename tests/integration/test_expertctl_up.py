@@ -300,10 +300,8 @@ def test_up_with_required_auth_makes_a_local_ca_and_serves_over_mutual_tls(up, t
     tls = tmp_path / "tls"  # beside the logs and the Redis directory, the owner's only
     assert S_IMODE(tls.stat().st_mode) == 0o700
     assert all(S_IMODE(path.stat().st_mode) == 0o600 for path in tls.iterdir())
-    exports = (
-        f"export EXPERT_TLS_CA={tls}/ca.pem EXPERT_TLS_CERT={tls}/client.pem EXPERT_TLS_KEY={tls}/client.key"
-    )
-    assert exports in "".join(stdout.seen)
+    prefix = f"EXPERT_TLS_CA={tls}/ca.pem EXPERT_TLS_CERT={tls}/client.pem EXPERT_TLS_KEY={tls}/client.key"
+    (printed,) = [line.strip() for line in stdout.seen if line.strip().startswith(prefix)]
     for service in SERVICES:
         expected = '"tls": false' if service == "reception" else '"tls": true'
         assert expected in (tmp_path / "logs" / f"{service}.log").read_text(), service
@@ -333,6 +331,16 @@ def test_up_with_required_auth_makes_a_local_ca_and_serves_over_mutual_tls(up, t
     }
     listed = subprocess.run(engines, env=certified, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and listed.stdout.strip(), listed.stderr
+    # The banner's line works as printed (the token where it shows `...`).
+    as_printed = subprocess.run(
+        printed.replace("EXPERT_INTERNAL_TOKEN=...", f"EXPERT_INTERNAL_TOKEN={token}"),
+        shell=True,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert as_printed.returncode == 0 and as_printed.stdout.strip(), (printed, as_printed.stderr)
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.rest()
 

@@ -25,6 +25,7 @@ from libs.grpc_client import Channels
 from libs.tls import is_loopback_target, may_send_token
 from tests.helpers.grpc_services import plan_request, running
 from tools import local_ca
+from tools.stack import SERVICES, LocalStack
 
 TOKEN = "internal-token-for-tests-0123456789"
 
@@ -173,3 +174,15 @@ def test_a_service_with_auth_required_and_no_certificate_refuses_to_start_naming
     output = finished.stdout + finished.stderr
     assert finished.returncode == 1, output
     assert "EXPERT_TLS_CERT: required with EXPERT_AUTH=required" in output
+
+
+def test_a_stack_makes_certificates_only_for_required_auth_without_given_ones(pki, tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("EXPERT_")]:
+        monkeypatch.delenv(name)
+    made = LocalStack(tmp_path / "made", env={"EXPERT_AUTH": "required"})
+    assert set(made.identities()) == {*SERVICES, "client"} and made.client_credentials() is not None
+    given = LocalStack(tmp_path / "given", env={"EXPERT_AUTH": "required", **pki["client"].env()})
+    assert given.identities() == {} and given.client_credentials() is not None  # its own, for all
+    assert not (tmp_path / "given" / "tls").exists()
+    off = LocalStack(tmp_path / "off")
+    assert off.identities() == {} and off.client_credentials() is None

@@ -229,7 +229,7 @@ def how_to_call(
         "expert.v1.InferenceService/Infer",
         "",
         *_http_lines(http, model),
-        *_auth_lines(auth, expertctl, to_reception, log_dir.parent / "tls"),
+        *_auth_lines(auth, expertctl, to_reception, to_preparation, log_dir.parent / "tls"),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
         f"Logs:    {log_dir}/<service>.log",
         "",
@@ -238,7 +238,9 @@ def how_to_call(
     return "\n".join(lines)
 
 
-def _auth_lines(auth: str, expertctl: str, to_reception: str, tls_dir: Path) -> list[str]:
+def _auth_lines(
+    auth: str, expertctl: str, to_reception: str, to_preparation: str, tls_dir: Path
+) -> list[str]:
     if auth != "required":
         return ["Auth:    off (EXPERT_AUTH=required turns on API keys; see docs/api.md#authentication)"]
     return [
@@ -247,9 +249,10 @@ def _auth_lines(auth: str, expertctl: str, to_reception: str, tls_dir: Path) -> 
         f"  EXPERT_INTERNAL_TOKEN=... {expertctl} keys create {to_reception}--name me",
         "  export EXPERT_API_KEY=<the key it printed>",
         f"         The other services talk mutual TLS (certificates in {tls_dir}/): `engines` and",
-        "         `experts` need the client certificate (docs/operations.md#security):",
-        f"  export EXPERT_TLS_CA={tls_dir}/ca.pem EXPERT_TLS_CERT={tls_dir}/client.pem "
-        f"EXPERT_TLS_KEY={tls_dir}/client.key",
+        "         `experts` need the client certificate (docs/operations.md#security); not exported, so",
+        "         that a stack started from this shell makes its own:",
+        f"  EXPERT_TLS_CA={tls_dir}/ca.pem EXPERT_TLS_CERT={tls_dir}/client.pem "
+        f"EXPERT_TLS_KEY={tls_dir}/client.key EXPERT_INTERNAL_TOKEN=... {expertctl} engines{to_preparation}",
     ]
 
 
