@@ -63,7 +63,8 @@ def test_jobs_run_end_to_end_over_mutual_tls(secured):
             )
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    # Through every internal hop: router (Plan), preparation (Prepare), engine, postproc.
+    # Each job went through every internal hop over mutual TLS (router: Plan, preparation: Prepare,
+    # the engine: Generate, postproc: Finalize): there is no plaintext port left to go through.
     with secured.channel(secured.target("preparation")) as channel:
         engines = preparation_pb2_grpc.PreparationServiceStub(channel).ListEngines(
             preparation_pb2.ListEnginesRequest(), metadata=INTERNAL, timeout=10
