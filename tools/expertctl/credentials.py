@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tools import credentials
 from tools.credentials import API_KEY_ENV, INTERNAL_TOKEN_ENV, env_api_key, env_credentials
 from tools.expertctl.errors import UsageError
 
@@ -34,21 +35,13 @@ def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def internal_channel(target: str) -> Any:
-    """A blocking channel to an internal service's port: mutual TLS with the certificate the
-    EXPERT_TLS_* variables name, plaintext when none is set."""
-    import grpc
-
-    from expert_system.client import CHANNEL_OPTIONS
-    from libs.config import ConfigError, TlsConfig
-    from libs.tls import channel_credentials
+    """tools.credentials.internal_channel, with incomplete EXPERT_TLS_* settings a usage error."""
+    from libs.config import ConfigError
 
     try:
-        tls = TlsConfig.from_env()
+        return credentials.internal_channel(target)
     except ConfigError as error:
         raise UsageError(str(error)) from None
-    if tls is None:
-        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(target, channel_credentials(tls), options=CHANNEL_OPTIONS)
 
 
 def call_with_credentials(
