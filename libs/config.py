@@ -12,7 +12,8 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -179,3 +180,45 @@ def bracket_host(host: str) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]"
     return host
+
+
+# The three files of a service's TLS identity, each named by the setting that gives its path.
+TLS_SETTINGS = ("EXPERT_TLS_CA", "EXPERT_TLS_CERT", "EXPERT_TLS_KEY")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """A service's identity for mutual TLS between the services, read from PEM files:
+    EXPERT_TLS_CA (the CA every service's certificate is signed by: what a peer must present),
+    EXPERT_TLS_CERT (this service's certificate, with its names) and EXPERT_TLS_KEY (its private
+    key). The files are read once, at start-up: a renewed certificate takes a restart."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TlsConfig | None:
+        """The identity the three settings name, or None when none is set; all three or none."""
+        reader = EnvReader(env)
+        paths = {name: reader.text(name, "") for name in TLS_SETTINGS}
+        given = [name for name, path in paths.items() if path]
+        if not given:
+            return None
+        missing = [name for name in TLS_SETTINGS if name not in given]
+        if missing:
+            raise ConfigError(
+                f"{missing[0]}: required with {given[0]} (mutual TLS takes all of {', '.join(TLS_SETTINGS)})"
+            )
+        ca, cert, key = (_pem(name, paths[name]) for name in TLS_SETTINGS)
+        return cls(ca=ca, cert=cert, key=key)
+
+
+def _pem(name: str, path: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{name}: cannot read {path!r}: {error.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{name}: {path!r} is not a PEM file")
+    return data

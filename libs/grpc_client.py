@@ -1,5 +1,6 @@
-"""Calling other services: channels with the options every peer expects, one shared channel per
-peer, deadline propagation and retries of idempotent calls on UNAVAILABLE.
+"""Calling other services: channels with the options every peer expects (mutual TLS when the
+service has a certificate), one shared channel per peer, deadline propagation and retries of
+idempotent calls on UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Any
 import grpc
 
 from libs.auth.metadata import internal_token_interceptors
+from libs.config import TlsConfig
+from libs.logging import get_logger
+from libs.tls import ENGINE_TLS_NAME, channel_credentials, may_send_token
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A ping every 30 s finds a dead peer (or a NAT that dropped the connection) between calls; the
@@ -46,16 +50,31 @@ REPLICA_OPTIONS: Sequence[tuple[str, Any]] = (("grpc.use_local_subchannel_pool",
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
+_log = get_logger(__name__)
 
-def insecure_channel(target: str, *, balanced: bool = True, internal_token: str = "") -> grpc.aio.Channel:
+
+def open_channel(
+    target: str, *, balanced: bool = True, internal_token: str = "", tls: TlsConfig | None = None
+) -> grpc.aio.Channel:
     """An aio channel to `target` (host:port) with keepalive and 64 MiB message limits, round-robin
-    over the target's addresses unless `balanced` is False (a channel to one particular replica,
-    such as an engine at the address it registered). Every call sends `internal_token` when one is
-    given (EXPERT_INTERNAL_TOKEN: how services prove they are services). Create one per peer and
-    reuse it; close it with `await channel.close()`."""
+    over the target's addresses unless `balanced` is False (a channel to one particular replica: an
+    engine at the address it registered, whose certificate must name ENGINE_TLS_NAME). With `tls`
+    it is mutual TLS: it presents the service's certificate and accepts only a peer certified by the
+    CA for the name dialled. Every call sends `internal_token` when one is given (EXPERT_INTERNAL_TOKEN:
+    how services prove they are services), but only where libs.tls.may_send_token allows: inside
+    TLS, or to a loopback address; elsewhere the calls go without it (and the peer, if it checks,
+    refuses them). Create one per peer and reuse it; close it with `await channel.close()`."""
     options = [*CHANNEL_OPTIONS, *(BALANCED_OPTIONS if balanced else REPLICA_OPTIONS)]
+    if internal_token and not may_send_token(target, tls):
+        _log.warning("internal token withheld: neither TLS nor a loopback address", target=target)
+        internal_token = ""
     interceptors = internal_token_interceptors(internal_token) if internal_token else None
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if not balanced:
+        options.append(("grpc.ssl_target_name_override", ENGINE_TLS_NAME))
+    credentials = channel_credentials(tls)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
 
 
 class Channels:
@@ -70,8 +89,9 @@ class Channels:
 
     RETIRE_GRACE_S = 60.0
 
-    def __init__(self, internal_token: str = "") -> None:
-        self._internal_token = internal_token  # sent on every call (see insecure_channel)
+    def __init__(self, internal_token: str = "", tls: TlsConfig | None = None) -> None:
+        self._internal_token = internal_token  # sent on every call (see open_channel)
+        self._tls = tls  # mutual TLS on every channel when set
         self._open: dict[tuple[str, bool], grpc.aio.Channel] = {}
         self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
@@ -88,8 +108,8 @@ class Channels:
     def _get(self, target: str, *, balanced: bool) -> grpc.aio.Channel:
         channel = self._open.get((target, balanced))
         if channel is None:
-            channel = self._open[(target, balanced)] = insecure_channel(
-                target, balanced=balanced, internal_token=self._internal_token
+            channel = self._open[(target, balanced)] = open_channel(
+                target, balanced=balanced, internal_token=self._internal_token, tls=self._tls
             )
         return channel
 

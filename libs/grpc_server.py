@@ -42,6 +42,7 @@ from libs.grpc_interceptors import ErrorMapper, server_interceptors
 from libs.grpc_reflection import enable_reflection
 from libs.logging import configure_logging, get_logger, is_configured
 from libs.metrics import start_metrics_server
+from libs.tls import server_credentials
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -121,6 +122,7 @@ async def serve(
     auth: Authenticator | None = None,
     grace: float = 10.0,
     stop: asyncio.Event | None = None,
+    public: bool = False,
 ) -> None:
     """Runs the gRPC server of `service` until SIGTERM or SIGINT (or until `stop` is set), then
     stops gracefully and returns. `register(server)` adds the servicers and returns their full
@@ -131,8 +133,11 @@ async def serve(
     `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
     `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
     INTERNAL). `auth` checks every call's credentials against the access the service declared for
-    its methods (libs.auth.policy); with auth off (or None) nothing is checked. Raises StartupError
-    when a port cannot be bound."""
+    its methods (libs.auth.policy); with auth off (or None) nothing is checked. When auth's config
+    has a TLS identity (EXPERT_TLS_*), the port is mutual TLS: a caller without a certificate from
+    the CA fails the handshake, before any call. A `public` port (reception's: clients prove
+    themselves with API keys) asks no certificate and stays plaintext (see
+    docs/operations.md#security). Raises StartupError when a port cannot be bound."""
     checker = AuthInterceptor(auth) if auth is not None and auth.enabled else None
     server = grpc.aio.server(
         interceptors=server_interceptors(service, error_mapper, checker), options=SERVER_OPTIONS
@@ -140,8 +145,12 @@ async def serve(
     names = list(register(server))
     await health.attach(server, names)
     enable_reflection([*names, HEALTH_SERVICE_NAME], server)
+    tls = None if public or auth is None else auth.config.tls
     try:
-        port = server.add_insecure_port(config.bind_address)
+        if tls is None:
+            port = server.add_insecure_port(config.bind_address)
+        else:
+            port = server.add_secure_port(config.bind_address, server_credentials(tls))
     except RuntimeError:
         raise StartupError(f"cannot listen on {config.bind_address}: address in use or invalid") from None
     try:
@@ -152,7 +161,7 @@ async def serve(
     stop = stop or asyncio.Event()
     remove_handlers = _install_signal_handlers(stop, grace + STOP_MARGIN_S)
     await server.start()
-    _log.info("server started", port=port, metrics_port=config.metrics_port, services=names)
+    _log.info("server started", port=port, metrics_port=config.metrics_port, services=names, tls=bool(tls))
     try:
         if on_start is not None:
             await _run_until_stopped(on_start(), stop)

@@ -17,6 +17,12 @@ a TTL (job records, job event streams) can be evicted, never the queue streams, 
 groups or the dead-letter stream, which have none. It keeps nothing on disk unless
 `redis_durable`, which turns on the append-only file (fsync every second) in `redis_dir`, so that
 a restarted Redis reloads the queue and the job records.
+
+With EXPERT_AUTH=required (in `env` or the environment) and no EXPERT_TLS_* given, it makes a local
+CA and a certificate per service in `tls_dir` (tools.local_ca: owner-only files) and gives each
+service its own, so that they call each other over mutual TLS; it checks their health with a
+certificate of its own, CLIENT_IDENTITY, which `channel()` also presents (tests, operators' tools).
+Reception's public port asks for no certificate (clients bring API keys).
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from urllib.parse import urlparse
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from libs.config import LOOPBACK_HOST, local_host
-from tools import local_redis
+from libs.config import LOOPBACK_HOST, TLS_SETTINGS, TlsConfig, local_host
+from libs.tls import channel_credentials
+from tools import local_ca, local_redis
 from tools.child_process import spawn
 
 # Start order: the engine registers with preparation; reception calls all the others.
@@ -61,6 +68,10 @@ DEFAULT_METRICS_PORTS = {
 DEFAULT_HTTP_PORTS = {"reception": 8080}
 REDIS = "redis"  # the name of this stack's redis-server among its processes (its log: redis.log)
 DEFAULT_REDIS_MAXMEMORY = "512mb"
+# The certificate the launcher itself presents to the services (health checks, `channel()`).
+CLIENT_IDENTITY = "client"
+# The services whose gRPC port is public: clients bring API keys, no certificate, and no TLS.
+PUBLIC_SERVICES = frozenset({"reception"})
 
 
 class StackError(RuntimeError):
@@ -101,16 +112,25 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def health_status(target: str, timeout: float = 1.0) -> int | None:
-    """The health status of a gRPC server's "" service, or None if it does not answer."""
+def health_status(
+    target: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> int | None:
+    """The health status of a gRPC server's "" service, or None if it does not answer; with
+    `credentials`, over (mutual) TLS."""
     try:
-        with grpc.insecure_channel(target) as channel:
+        with _channel(target, credentials) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )
             return response.status
     except grpc.RpcError:
         return None
+
+
+def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    if credentials is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, credentials)
 
 
 @dataclass
@@ -124,9 +144,13 @@ class LocalStack:
     redis_durable: bool = False  # the redis-server it starts keeps an append-only file
     redis_dir: Path | None = None  # where that file goes; None: log_dir/redis
     redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY  # as redis-server's --maxmemory takes it
+    tls_dir: Path | None = None  # where the local CA's certificates go; None: log_dir/tls
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _redis: subprocess.Popen | None = None
     _redis_password: str | None = field(default=None, repr=False)  # of the redis-server it starts
+    # The certificates it made (by service, and CLIENT_IDENTITY), when the services use mutual TLS.
+    _identities: dict[str, local_ca.Identity] | None = field(default=None, repr=False)
+    _client_tls: TlsConfig | None = field(default=None, repr=False)
     # How each process in `processes` was started (service, env overrides), to start it again.
     _launches: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict, repr=False)
 
@@ -148,6 +172,43 @@ class LocalStack:
     def bind_host(self) -> str:
         """Where the services listen: EXPERT_BIND_HOST from `env` or the environment, else 127.0.0.1."""
         return ({**os.environ, **self.env}.get("EXPERT_BIND_HOST") or "").strip() or LOOPBACK_HOST
+
+    @property
+    def auth_required(self) -> bool:
+        """Whether EXPERT_AUTH (from `env` or the environment) is `required`."""
+        return ({**os.environ, **self.env}.get("EXPERT_AUTH") or "").strip().lower() == "required"
+
+    def identities(self) -> dict[str, local_ca.Identity]:
+        """The certificates this stack gives its services, made on first use: with auth required
+        and no EXPERT_TLS_* given, one per service and CLIENT_IDENTITY from a new local CA; else none."""
+        if self._identities is None:
+            given = any(({**os.environ, **self.env}.get(name) or "").strip() for name in TLS_SETTINGS)
+            if not self.auth_required or given:
+                self._identities = {}
+            else:
+                directory = self.tls_dir if self.tls_dir is not None else self.log_dir / "tls"
+                hosts = [local_host(self.bind_host)] if self.bind_host != LOOPBACK_HOST else []
+                self._identities = local_ca.issue(directory, [*SERVICES, CLIENT_IDENTITY], hosts)
+        return self._identities
+
+    def client_credentials(self) -> grpc.ChannelCredentials | None:
+        """What a client of this stack's internal ports presents: CLIENT_IDENTITY's certificate when
+        the stack made them, the one EXPERT_TLS_* name when they were given (every service has it
+        then), None (plaintext) without TLS."""
+        if self._client_tls is None:  # read once: the stack checks health every tenth of a second
+            identity = self.identities().get(CLIENT_IDENTITY)
+            self._client_tls = TlsConfig.from_env(identity.env() if identity else {**os.environ, **self.env})
+        return None if self._client_tls is None else channel_credentials(self._client_tls)
+
+    def _credentials_for(self, name: str) -> grpc.ChannelCredentials | None:
+        """What the stack presents to the process `name`: nothing to a public port."""
+        service = self._launches.get(name, (name, {}))[0]
+        return None if service in PUBLIC_SERVICES else self.client_credentials()
+
+    def channel(self, target: str) -> grpc.Channel:
+        """A blocking channel to `target` (a service's internal port), with this stack's client
+        certificate when its services use mutual TLS."""
+        return _channel(target, self.client_credentials())
 
     def target(self, service: str) -> str:
         """Where the services and the clients on this machine call `service`: the very address it
@@ -255,11 +316,15 @@ class LocalStack:
         process = spawn(
             [sys.executable, "-m", f"services.{service}"],
             self.log_path(name),
-            env={**self.service_env(), **(env or {})},
+            env={**self.service_env(), **self._tls_env(service), **(env or {})},
         )
         self.processes[name] = process
         self._launches[name] = (service, dict(env or {}))
         return process
+
+    def _tls_env(self, service: str) -> dict[str, str]:
+        identity = self.identities().get(service)
+        return identity.env() if identity is not None else {}
 
     def log_path(self, name: str) -> Path:
         """The log file of the process `name` (a service, an extra engine, or REDIS)."""
@@ -290,7 +355,8 @@ class LocalStack:
         """Whether the process `name` answers: PONG from Redis, SERVING from a service."""
         if name == REDIS:
             return self.redis_url is not None and local_redis.answers(self.redis_url)
-        return health_status(self.target(name), timeout=0.25) == health_pb2.HealthCheckResponse.SERVING
+        status = health_status(self.target(name), timeout=0.25, credentials=self._credentials_for(name))
+        return status == health_pb2.HealthCheckResponse.SERVING
 
     def start_engine(
         self, engine_id: str, timeout: float = 180.0, env: Mapping[str, str] | None = None
@@ -322,7 +388,8 @@ class LocalStack:
                 raise StackError(
                     f"{service} exited with status {process.returncode}; see {self.log_path(service)}"
                 )
-            if health_status(self.target(service)) == health_pb2.HealthCheckResponse.SERVING:
+            status = health_status(self.target(service), credentials=self._credentials_for(service))
+            if status == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.1)
         raise StackError(f"{service} was not SERVING after {timeout:.0f} s; see {self.log_path(service)}")

@@ -27,7 +27,7 @@ from libs.errors import (
     unavailable,
 )
 from libs.gen.expert.v1 import engine_pb2_grpc, preparation_pb2_grpc
-from libs.grpc_client import insecure_channel
+from libs.grpc_client import open_channel
 from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging, get_logger
 from services.engine.config import EngineServiceConfig
@@ -66,7 +66,9 @@ async def main() -> None:
     health = Health()
     metrics = EngineMetrics()
     servicer = EngineServicer(None, metrics, config.max_expert_bytes)  # the engine arrives in on_start
-    channel = insecure_channel(config.preparation_target, internal_token=config.auth.internal_token)
+    channel = open_channel(
+        config.preparation_target, internal_token=config.auth.internal_token, tls=config.auth.tls
+    )
     tasks: list[asyncio.Task] = []
 
     def register(server: grpc.aio.Server) -> list[str]:

@@ -36,6 +36,7 @@ async def main() -> None:
         timeout_s=config.stage_timeout_s,
         max_hot=config.max_hot_experts,
         internal_token=config.auth.internal_token,
+        tls=config.auth.tls,
     )
     servicer = PreparationServicer(
         fleet, Preparer(fleet, stager, metrics), metrics, config.heartbeat_interval_s

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from libs.config import TlsConfig
 from libs.errors import ServiceError, resource_exhausted, unavailable
 from libs.experts.store import ExpertStore, StoreError
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -68,6 +69,7 @@ class Stager:
         timeout_s: float = 60.0,
         max_hot: int = 20,
         internal_token: str = "",
+        tls: TlsConfig | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -75,7 +77,8 @@ class Stager:
         self.timeout_s = timeout_s
         self.max_hot = max_hot  # experts an engine keeps hot at most
         self._locks: dict[str, asyncio.Lock] = {}
-        self._channels = Channels(internal_token)  # LoadExpert/UnloadExpert are internal RPCs
+        # LoadExpert/UnloadExpert are internal RPCs: the token, over mutual TLS when `tls` is given.
+        self._channels = Channels(internal_token, tls)
 
     def host_estimate(self, expert: common_pb2.PlannedExpert) -> int:
         """Bytes the expert will take in an engine's host tier (its tensors as float32), from the

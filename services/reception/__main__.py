@@ -49,6 +49,7 @@ class Reception:
             config.preparation_target,
             config.postproc_target,
             config.auth.internal_token,
+            config.auth.tls,
         )
         self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
         # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
@@ -166,6 +167,7 @@ async def main() -> None:
         error_mapper=map_redis_error,
         auth=reception.auth,
         on_stop=reception.stop,
+        public=True,  # clients call it with API keys, not certificates
         grace=config.drain_s + 1.0,  # the callers of the jobs that end in the drain get their answer
     )
 

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import grpc
 
+from libs.config import TlsConfig
 from libs.gen.expert.v1 import postproc_pb2_grpc, preparation_pb2_grpc, router_pb2_grpc
 from libs.grpc_client import Channels
 
 
 class Peers:
     def __init__(
-        self, router_target: str, preparation_target: str, postproc_target: str, internal_token: str = ""
+        self,
+        router_target: str,
+        preparation_target: str,
+        postproc_target: str,
+        internal_token: str = "",
+        tls: TlsConfig | None = None,
     ) -> None:
-        self._channels = Channels(internal_token)  # every call to a peer sends the internal token
+        # Every call to a peer sends the internal token, over mutual TLS when `tls` is given.
+        self._channels = Channels(internal_token, tls)
         self.router = router_pb2_grpc.RouterServiceStub(self._channels.service(router_target))
         self.preparation = preparation_pb2_grpc.PreparationServiceStub(
             self._channels.service(preparation_target)

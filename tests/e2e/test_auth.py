@@ -122,7 +122,9 @@ def test_grpc_refuses_missing_and_wrong_keys_and_an_infer_key_on_admin_rpcs(secu
                 keys_pb2.ListKeysRequest(), metadata=infer, timeout=10
             )
         assert denied.value.code() is grpc.StatusCode.PERMISSION_DENIED
-    with grpc.insecure_channel(secured.stack.target("router")) as channel:
+    # The router's port is mutual TLS: the stack's client certificate gets the call as far as the
+    # credentials check.
+    with secured.stack.channel(secured.stack.target("router")) as channel:
         router = router_pb2_grpc.RouterServiceStub(channel)
         with pytest.raises(grpc.RpcError) as denied:
             router.UnregisterExpert(router_pb2.UnregisterExpertRequest(name="x"), metadata=infer, timeout=10)
@@ -136,7 +138,7 @@ def test_grpc_refuses_missing_and_wrong_keys_and_an_infer_key_on_admin_rpcs(secu
 
 
 def test_internal_rpcs_need_the_internal_token(secured):
-    with grpc.insecure_channel(secured.stack.target("engine")) as channel:
+    with secured.stack.channel(secured.stack.target("engine")) as channel:  # mutual TLS
         engine = engine_pb2_grpc.EngineServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
             engine.GetStats(engine_pb2.GetStatsRequest(), timeout=10)
@@ -149,8 +151,9 @@ def test_internal_rpcs_need_the_internal_token(secured):
             )
         assert wrong.value.code() is grpc.StatusCode.UNAUTHENTICATED
         assert engine.GetStats(engine_pb2.GetStatsRequest(), metadata=INTERNAL, timeout=10).model.name
-    # Health stays public: probes carry no credentials.
-    assert health_status(secured.stack.target("engine")) == 1
+    # Health needs no token: a probe presents only the certificate every caller of an internal port
+    # has (Kubernetes probes, which cannot, run `python -m libs.healthcheck` in the container).
+    assert health_status(secured.stack.target("engine"), credentials=secured.stack.client_credentials()) == 1
 
 
 def test_a_5_per_minute_key_is_refused_the_6th_request_across_two_replicas(secured):

@@ -8,7 +8,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from libs.grpc_client import insecure_channel
+from libs.grpc_client import open_channel
 
 
 async def wait_for_serving(target: str, service: str = "", timeout: float = 30.0) -> None:
@@ -17,7 +17,7 @@ async def wait_for_serving(target: str, service: str = "", timeout: float = 30.0
     deadline = time.monotonic() + timeout
     last = "no answer"
     delay = 0.05
-    channel = insecure_channel(target)
+    channel = open_channel(target)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:

@@ -25,7 +25,7 @@ from libs.gen.expert.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from libs.grpc_client import call, insecure_channel
+from libs.grpc_client import call, open_channel
 from libs.grpc_server import Health, serve
 from libs.logging import get_logger
 from tests.helpers.ports import free_port
@@ -105,7 +105,7 @@ class Router(router_pb2_grpc.RouterServiceServicer):
                 plan=common_pb2.ExpertPlan(router_latency_ms=remaining_timeout(context, 99.0))
             )
         if action == "forward":
-            async with insecure_channel(self.peer) as channel:
+            async with open_channel(self.peer) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 timeout = remaining_timeout(context, 30.0)
                 return await call(stub.Plan, plan_request("remaining"), timeout=timeout, idempotent=True)
@@ -194,7 +194,7 @@ async def running(*, metrics_port: int = 0, auth=None):
     )
     target = f"127.0.0.1:{config.port}"
     router.peer = target
-    channel = insecure_channel(target)
+    channel = open_channel(target, tls=auth.config.tls if auth is not None else None)
     try:
         ready = asyncio.ensure_future(channel.channel_ready())
         await asyncio.wait({ready, serving}, timeout=10, return_when=asyncio.FIRST_COMPLETED)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from stat import S_IMODE
 
 import pytest
 import redis
@@ -286,6 +287,62 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
         errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
         assert errors == [], f"{service}: {errors[:3]}"
     assert "Received SIGTERM scheduling shutdown" in (log_dir / "redis.log").read_text()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_up_with_required_auth_makes_a_local_ca_and_serves_over_mutual_tls(up, tiny_llama, tmp_path):
+    token = "up-mtls-internal-token-0123456789abcdef"
+    ports, settings = _up_settings(tmp_path)
+    settings |= {"EXPERT_AUTH": "required", "EXPERT_INTERNAL_TOKEN": token}
+    process, stdout, stderr = _start_up(up, tiny_llama, tmp_path / "logs", settings)
+    assert stdout.wait_for("Ctrl-C stops everything", 10)
+    tls = tmp_path / "tls"  # beside the logs and the Redis directory, the owner's only
+    assert S_IMODE(tls.stat().st_mode) == 0o700
+    assert all(S_IMODE(path.stat().st_mode) == 0o600 for path in tls.iterdir())
+    prefix = f"EXPERT_TLS_CA={tls}/ca.pem EXPERT_TLS_CERT={tls}/client.pem EXPERT_TLS_KEY={tls}/client.key"
+    (printed,) = [line.strip() for line in stdout.seen if line.strip().startswith(prefix)]
+    for service in SERVICES:
+        expected = '"tls": false' if service == "reception" else '"tls": true'
+        assert expected in (tmp_path / "logs" / f"{service}.log").read_text(), service
+
+    env = {**_environment(), "EXPERT_INTERNAL_TOKEN": token}
+    reception, preparation = (f"127.0.0.1:{ports[s]}" for s in ("reception", "preparation"))
+    expertctl = [sys.executable, "-m", "tools.expertctl.main"]
+    made = subprocess.run(
+        [*expertctl, "keys", "create", "--target", reception, "--name", "me"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    with ExpertClient(reception, api_key=made.stdout.strip().splitlines()[-1]) as client:
+        assert client.infer(prompt="Hello", max_tokens=4, temperature=0.0, timeout=60).status == "completed"
+    # An internal port: refused without the client certificate, answered with it.
+    engines = [*expertctl, "engines", "--target", preparation]
+    refused = subprocess.run(engines, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1, refused.stdout
+    certified = {
+        **env,
+        "EXPERT_TLS_CA": str(tls / "ca.pem"),
+        "EXPERT_TLS_CERT": str(tls / "client.pem"),
+        "EXPERT_TLS_KEY": str(tls / "client.key"),
+    }
+    listed = subprocess.run(engines, env=certified, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and listed.stdout.strip(), listed.stderr
+    # The banner's line works as printed (the token where it shows `...`).
+    as_printed = subprocess.run(
+        printed.replace("EXPERT_INTERNAL_TOKEN=...", f"EXPERT_INTERNAL_TOKEN={token}"),
+        shell=True,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert as_printed.returncode == 0 and as_printed.stdout.strip(), (printed, as_printed.stderr)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.rest()
 
 
 def _redis_password(directory: Path) -> str:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from libs.gen.expert.v1 import router_pb2, router_pb2_grpc
-from libs.grpc_client import Channels, call, insecure_channel
+from libs.grpc_client import Channels, call, open_channel
 from tests.helpers.grpc_services import plan_request, running
 from tests.helpers.in_process import serving
 from tools.stack import free_port
@@ -121,7 +121,7 @@ def test_a_channel_spreads_its_calls_over_every_address_of_its_target():
 
         async with serving(registrar(replicas[0])) as first, serving(registrar(replicas[1])) as second:
             target = "ipv4:" + ",".join([first, second])
-            async with insecure_channel(target) as channel:
+            async with open_channel(target) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 await channel.channel_ready()
                 for _ in range(20):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from libs.gen.expert.v1 import router_pb2_grpc
-from libs.grpc_client import insecure_channel
+from libs.grpc_client import open_channel
 from libs.grpc_server import STOP_MARGIN_S
 from tests.helpers.grpc_health import wait_for_serving
 from tests.helpers.grpc_services import REPO, json_lines, plan_request
@@ -53,7 +53,7 @@ def test_sigterm_stops_gracefully_and_lets_an_in_flight_call_finish():
         seen: list[dict] = []
         try:
             await wait_for_serving(target, timeout=20)
-            async with insecure_channel(target) as channel:
+            async with open_channel(target) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 in_flight = asyncio.ensure_future(stub.Plan(plan_request("slow", "1.0"), timeout=10))
                 await read_until(process, "slow plan started", seen)

@@ -4,7 +4,7 @@ No container engine or cluster runs on the machines these tests run on, so nothi
 image, starts a container or applies a manifest. The files are parsed and checked against the code
 they deploy: each service's command is a real entry point, every EXPERT_* variable they set is one
 that service's config class reads, the ports are the services' defaults, and health checks and
-probes ask the service's own gRPC port.
+probes ask the service's own gRPC port (Kubernetes: `python -m libs.healthcheck`, over mutual TLS).
 
 The variables a service reads are found by running its `Config.from_env` on a mapping that records
 every name it is asked for, so names built at run time (EXPERT_<SERVICE>_PORT) are included.
@@ -166,10 +166,27 @@ def _container_port(entry: str | int) -> int:
 
 def test_compose_runs_redis_qdrant_and_the_five_services_from_one_image(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "qdrant", *SERVICES}
-    assert {services[s]["image"] for s in SERVICES} == {"expert-system:0.1.0"}
+    assert set(services) == {"redis", "qdrant", "certificates", *SERVICES}
+    assert {services[s]["image"] for s in [*SERVICES, "certificates"]} == {"expert-system:0.1.0"}
     assert {services[s]["build"] for s in SERVICES} == {"."}
     assert services["qdrant"]["image"].startswith("qdrant/qdrant:")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_gives_each_service_its_own_certificate_for_mutual_tls(compose, service):
+    """The one-shot `certificates` service makes a CA and a certificate per service in the `tls`
+    volume (tools.local_ca), before any service starts; each reads its own, read-only."""
+    maker = compose["services"]["certificates"]
+    assert maker["command"][:3] == ["python", "-m", "tools.local_ca"] and "--keep" in maker["command"]
+    spec = compose["services"][service]
+    env = _environment(spec)
+    assert (env["EXPERT_TLS_CA"], env["EXPERT_TLS_CERT"], env["EXPERT_TLS_KEY"]) == (
+        "/tls/ca.pem",
+        f"/tls/{service}.pem",
+        f"/tls/{service}.key",
+    )
+    assert {"type": "volume", "source": "tls", "target": "/tls", "read_only": True} in spec["volumes"]
+    assert spec["depends_on"]["certificates"] == {"condition": "service_completed_successfully"}
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -378,19 +395,43 @@ def test_manifest_ports_and_probes_are_the_services_own(manifests, service):
     if http:  # reception: its HTTP probes
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": http["http"]}
         assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http["http"]}
-    else:
+    else:  # the health check of its own port, over mutual TLS with the pod's certificate
         for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == DEFAULT_PORTS[service], probe
+            assert container[probe]["exec"]["command"] == _health_check(service), probe
     k8s_service = _one(docs, "Service", service)
     assert {p["port"] for p in k8s_service["spec"]["ports"]} == set(ports.values())
     assert {p["targetPort"] for p in k8s_service["spec"]["ports"]} <= set(ports) | set(ports.values())
+
+
+def _health_check(service: str) -> list[str]:
+    return ["python", "-m", "libs.healthcheck", f"127.0.0.1:{DEFAULT_PORTS[service]}"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_manifests_give_each_service_its_certificate_from_its_secret(manifests, service):
+    """Mutual TLS between the services: cert-manager's Secret <service>-tls, mounted at /tls,
+    readable by the service's group only, named by the EXPERT_TLS_* settings."""
+    deployment = _one(manifests[f"{service}.yaml"], "Deployment", service)
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env["EXPERT_TLS_CA"], env["EXPERT_TLS_CERT"], env["EXPERT_TLS_KEY"]) == (
+        "/tls/ca.crt",
+        "/tls/tls.crt",
+        "/tls/tls.key",
+    )
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tls"]
+    assert mount["readOnly"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mount["name"]]["secret"] == {"secretName": f"{service}-tls", "defaultMode": 0o440}
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
 
 def test_the_engine_requests_a_gpu_and_may_load_slowly(manifests):
     container = _container(_one(manifests["engine.yaml"], "Deployment", "engine"))
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
     startup = container["startupProbe"]
-    assert startup["grpc"]["port"] == DEFAULT_PORTS["engine"]
+    assert startup["exec"]["command"] == _health_check("engine")
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
 
 

@@ -119,14 +119,13 @@ def install(packages: list[Path], base: Path, router: str | None = None) -> None
     `router` names another router."""
     import grpc
 
-    from expert_system.connection import CHANNEL_OPTIONS
     from expert_system.errors import error_from_call
     from libs.experts.errors import ManifestError, PackageError
     from libs.experts.manifest import BaseModelIdentity
     from libs.experts.signing import Keyring, SigningError
     from libs.experts.store import ExpertStore, StoreError
     from libs.gen.expert.v1 import router_pb2_grpc
-    from tools.credentials import env_credentials
+    from tools.credentials import env_credentials, internal_channel
     from tools.install import (
         DEFAULT_ROUTER,
         DEFAULT_STORE,
@@ -145,9 +144,11 @@ def install(packages: list[Path], base: Path, router: str | None = None) -> None
     try:
         keyring = Keyring.from_dir(trusted)
         base_model = BaseModelIdentity.from_dir(base)
+        # The router's port: mutual TLS with EXPERT_TLS_* when set (a ConfigError is a ValueError).
+        channel = internal_channel(target)
     except (OSError, SigningError, ValueError, ManifestError) as exc:
         raise BuildError(f"cannot install the demo set: {exc}") from None
-    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    with channel:
         router_stub = router_pb2_grpc.RouterServiceStub(channel)
         for package in packages:
             try:

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tools.expertctl.credentials import add_api_key_argument, api_key, call_metadata
+from tools.expertctl.credentials import add_api_key_argument, api_key, call_metadata, internal_channel
 from tools.expertctl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -350,11 +350,10 @@ def _cancel(args: argparse.Namespace) -> int:
 def _engines(args: argparse.Namespace) -> int:
     import grpc
 
-    from expert_system.client import CHANNEL_OPTIONS
     from expert_system.errors import error_from_call
     from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
 
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+    with internal_channel(args.target) as channel:  # mutual TLS with EXPERT_TLS_* when set
         stub = preparation_pb2_grpc.PreparationServiceStub(channel)
         try:
             engines = stub.ListEngines(

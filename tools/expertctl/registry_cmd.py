@@ -104,6 +104,7 @@ def _with_router(handler: Callable[[argparse.Namespace, object], int]) -> Callab
             handler,
             refused="the router refused it",
             failed="the router",
+            internal=True,  # mutual TLS with EXPERT_TLS_* when the stack has it
         )
 
     return run

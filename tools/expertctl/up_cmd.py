@@ -127,6 +127,8 @@ def _run(args: argparse.Namespace) -> int:
         redis_durable=True,
         redis_dir=args.redis_dir or args.log_dir.parent / "redis",
         redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
+        # With EXPERT_AUTH=required: the local CA's certificates, beside the Redis directory.
+        tls_dir=args.log_dir.parent / "tls",
     )
     supervisor = Supervisor(stack, notice=lambda message: _notice(f"expertctl: {message}"))
     with _StopSignals() as signals:
@@ -227,7 +229,7 @@ def how_to_call(
         "expert.v1.InferenceService/Infer",
         "",
         *_http_lines(http, model),
-        *_auth_lines(auth, expertctl, to_reception),
+        *_auth_lines(auth, expertctl, to_reception, to_preparation, log_dir.parent / "tls"),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
         f"Logs:    {log_dir}/<service>.log",
         "",
@@ -236,7 +238,9 @@ def how_to_call(
     return "\n".join(lines)
 
 
-def _auth_lines(auth: str, expertctl: str, to_reception: str) -> list[str]:
+def _auth_lines(
+    auth: str, expertctl: str, to_reception: str, to_preparation: str, tls_dir: Path
+) -> list[str]:
     if auth != "required":
         return ["Auth:    off (EXPERT_AUTH=required turns on API keys; see docs/api.md#authentication)"]
     return [
@@ -244,17 +248,22 @@ def _auth_lines(auth: str, expertctl: str, to_reception: str) -> list[str]:
         "         EXPERT_API_KEY; HTTP clients send Authorization: Bearer <key>):",
         f"  EXPERT_INTERNAL_TOKEN=... {expertctl} keys create {to_reception}--name me",
         "  export EXPERT_API_KEY=<the key it printed>",
+        f"         The other services talk mutual TLS (certificates in {tls_dir}/): `engines` and",
+        "         `experts` need the client certificate (docs/operations.md#security); not exported, so",
+        "         that a stack started from this shell makes its own:",
+        f"  EXPERT_TLS_CA={tls_dir}/ca.pem EXPERT_TLS_CERT={tls_dir}/client.pem "
+        f"EXPERT_TLS_KEY={tls_dir}/client.key EXPERT_INTERNAL_TOKEN=... {expertctl} engines{to_preparation}",
     ]
 
 
 def _auth(settings: Mapping[str, str]) -> str:
     """EXPERT_AUTH as the services will read it: a required auth without its token fails here,
-    before anything starts."""
+    before anything starts (the certificates it needs, LocalStack makes)."""
     from libs.auth.config import AuthConfig
     from libs.config import ConfigError
 
     try:
-        return AuthConfig.from_env(settings).mode
+        return AuthConfig.from_env(settings, launcher_makes_tls=True).mode
     except ConfigError as error:
         raise UsageError(str(error)) from None
 
