@@ -113,8 +113,8 @@ def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_pro
 
 
 def test_a_job_waits_for_a_router_that_is_restarting(tiny_stack):
-    """A router that answers UNAVAILABLE is waited for (up to reception's PEER_WAIT_S, 10 s): a
-    router being replaced does not fail the jobs dispatched meanwhile."""
+    """A router that answers UNAVAILABLE is waited for, up to the job's deadline: a router being
+    replaced does not fail the jobs dispatched meanwhile, however long it takes to load."""
     stack = tiny_stack()
     stack.stop_service("router")
     with ExpertClient(stack.target("reception")) as client:

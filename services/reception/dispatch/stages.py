@@ -32,7 +32,7 @@ log = get_logger(__name__)
 # its call gets room for `call`'s retries. A reachable peer answers in milliseconds and a stopped
 # one refuses at once: only a hung peer makes a caller wait this long.
 RELEASE_TIMEOUT_S = 5.0
-PEER_WAIT_S = 10.0  # how long a router that answers UNAVAILABLE is waited for
+PEER_WAIT_S = 10.0  # how long a router that answers UNAVAILABLE is waited for by a job with no deadline
 
 
 class GenerateStream(Protocol):
@@ -81,10 +81,12 @@ class GrpcStages:
         self._releases = Coalescer(self._release_all)
 
     async def plan(self, request: router_pb2.PlanRequest, timeout: float | None) -> common_pb2.ExpertPlan:
-        # A router being restarted or rolled out is waited for (within the job's deadline): the
-        # job should not fail for a gap its replacement closes.
+        # A router being restarted or rolled out is waited for, up to the job's deadline, as an
+        # engine is: the job should not fail for a gap its replacement closes, however long the
+        # router takes to load.
+        patience = PEER_WAIT_S if timeout is None else timeout
         response = await call(
-            self.peers.router.Plan, request, timeout=timeout, idempotent=True, patience_s=PEER_WAIT_S
+            self.peers.router.Plan, request, timeout=timeout, idempotent=True, patience_s=patience
         )
         return response.plan
 
