@@ -49,6 +49,7 @@ REPLICA_OPTIONS: Sequence[tuple[str, Any]] = (("grpc.use_local_subchannel_pool",
 # Backoff between attempts of `call`: full jitter over an exponentially growing window.
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_MAX_S = 2.0
+_LAST_ATTEMPT_S = 0.5  # what the last attempt of a call is left of its deadline or patience, at most
 
 _log = get_logger(__name__)
 
@@ -161,9 +162,17 @@ async def call(
             if patience_s is None and attempt >= attempts:
                 raise
             delay = random.uniform(0, min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** (attempt - 1)))
-            resume = time.monotonic() + delay
-            if deadline is not None and resume >= deadline:
-                raise
-            if patience_s is not None and resume - started > patience_s:
-                raise
+            # The wait is cut short at the limit rather than given up: the last attempt goes when
+            # _LAST_ATTEMPT_S of the deadline (or the patience) is left, so "retried until the
+            # deadline" holds to within that, not to within a whole backoff window.
+            limits = [deadline] if deadline is not None else []
+            if patience_s is not None:
+                limits.append(started + patience_s)
+            if limits:
+                limit = min(limits)
+                reserve = min(_LAST_ATTEMPT_S, 0.1 * (limit - started))  # a short call keeps its retries
+                room = limit - reserve - time.monotonic()
+                if room <= 0:
+                    raise
+                delay = min(delay, room)
             await asyncio.sleep(delay)

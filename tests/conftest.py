@@ -79,3 +79,27 @@ def expert_stats(clean_redis_url: str):
     client = redis.Redis.from_url(clean_redis_url)
     yield ExpertStats(client, prior=0.5)
     client.close()
+
+
+LONG = 1000  # tokens: about a second on the tiny model (its max_model_len is 1024)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_llama) -> str:
+    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token."""
+    from libs.engine import LLMEngine, SamplingParams  # after TRITON_INTERPRET is set (above)
+
+    engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=1024, num_blocks=160)
+    for candidate in (
+        "Once upon a time",
+        "def add(a, b):",
+        "SELECT name FROM",
+        "The quick brown fox",
+        "Hello",
+    ):
+        out = engine.generate(
+            [candidate], SamplingParams(temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
+        )
+        if out[0].finish_reason == "length":
+            return candidate
+    pytest.fail("no candidate prompt runs to max_tokens on the tiny model")

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from expert_system import ExpertClient
-from libs.engine import LLMEngine, SamplingParams
 from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
+from tests.conftest import LONG
 from tools.stack import LocalStack
 
 
@@ -92,28 +92,6 @@ def services_stay_alive(request):
         stack: LocalStack = request.getfixturevalue("stack")
         dead = {name: p.returncode for name, p in stack.processes.items() if p.poll() is not None}
         assert not dead, f"services exited (status): {dead}; logs in {stack.log_dir}"
-
-
-LONG = 1000  # tokens: about a second on the tiny model (its max_model_len is 1024)
-
-
-@pytest.fixture(scope="module")
-def long_prompt(tiny_llama) -> str:
-    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token."""
-    engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=1024, num_blocks=160)
-    for candidate in (
-        "Once upon a time",
-        "def add(a, b):",
-        "SELECT name FROM",
-        "The quick brown fox",
-        "Hello",
-    ):
-        out = engine.generate(
-            [candidate], SamplingParams(temperature=0.0, max_tokens=LONG, repetition_penalty=1.0)
-        )
-        if out[0].finish_reason == "length":
-            return candidate
-    pytest.fail("no candidate prompt runs to max_tokens on the tiny model")
 
 
 def long_job(client: ExpertClient, prompt: str, **fields):

@@ -123,11 +123,12 @@ def test_a_queued_job_is_cancelled_at_once(client):
 
 def test_timeout_ends_the_job_with_its_partial_output(client, stack):
     result = client.infer(
-        prompt="Write a very long story about a knight.", temperature=0.0, max_tokens=2000, timeout_ms=6000
+        prompt="Write a very long story about a knight.", temperature=0.0, max_tokens=900, timeout_ms=5000
     )
-    # 6 s: long enough for the first tokens on a loaded machine, far short of 2,000 tokens.
+    # 5 s: long enough for the first tokens on a loaded machine, short of 900 tokens (the story
+    # runs on past them) on any CPU.
     assert result.status == "timed_out" and result.timed_out and result.finish_reason == "timeout"
-    assert result.text and 0 < result.tokens_generated < 2000
+    assert result.text and 0 < result.tokens_generated < 900
     assert_engine_idle(stack)
 
 

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 from expert_system import ExpertClient
 from libs.gen.expert.v1 import common_pb2
 from services.reception.jobs import job_key
+from tests.conftest import LONG
 from tools.expertctl.errors import UsageError
 from tools.expertctl.up_cmd import READY_LINE, _check_ports_free, _settings, service_settings
 from tools.stack import SERVICES, free_port, health_status
@@ -358,28 +359,35 @@ def _wait_for_line(path: Path, text: str, timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, tmp_path):
-    """SIGKILL the engine: up says so and restarts it after 1 s (not the whole stack), and the new
-    engine serves a job. SIGKILL Redis: the same, and the new redis-server has that job's record
-    (from the append-only file). Ctrl-C still stops everything, exits 0 and counts the restarts."""
+def test_up_restarts_a_killed_engine_and_a_killed_redis(up, tiny_llama, long_prompt, tmp_path):
+    """SIGKILL the engine with 10 jobs in flight, and submit 10 more: up says so and restarts it
+    after 1 s (not the whole stack), and every job completes on the new engine. SIGKILL Redis: the
+    same, and the new redis-server has the jobs' records (from the append-only file). Ctrl-C still
+    stops everything, exits 0 and counts the restarts."""
     ports, settings = _up_settings(tmp_path)
     log_dir = tmp_path / "logs"
     process, _, stderr = _start_up(up, tiny_llama, log_dir, settings)
     engine = f"127.0.0.1:{ports['engine']}"
     others = {name: _child(process.pid, f"services.{name}") for name in SERVICES if name != "engine"}
     killed = _child(process.pid, "services.engine")
+    options = {"raw": True, "temperature": 0.0, "repetition_penalty": 1.0, "timeout_ms": 240_000}
 
-    os.kill(killed, signal.SIGKILL)
-    restart = f"expertctl: engine exited with status -9; restart 1 in 1 s (log: {log_dir / 'engine.log'})"
-    assert stderr.wait_for(restart, 15), stderr.rest()
-    assert _wait_until(lambda: health_status(engine) == health_pb2.HealthCheckResponse.SERVING, 60)
-    assert stderr.wait_for("expertctl: engine is ready again", 15), stderr.rest()
-    assert _child(process.pid, "services.engine") != killed
     with ExpertClient(f"127.0.0.1:{ports['reception']}") as client:
-        result = client.infer(prompt="Hello", max_tokens=8, temperature=0.0, timeout=60)
-    assert result.status == "completed", result
+        jobs = [client.submit(prompt=long_prompt, max_tokens=LONG, **options).job_id for _ in range(10)]
+        assert _wait_until(lambda: client.get_job(jobs[0]).status == "running", 60)
+        os.kill(killed, signal.SIGKILL)
+        jobs += [client.submit(prompt=long_prompt, max_tokens=64, **options).job_id for _ in range(10)]
+        restart = f"expertctl: engine exited with status -9; restart 1 in 1 s (log: {log_dir / 'engine.log'})"
+        assert stderr.wait_for(restart, 15), stderr.rest()
+        assert _wait_until(lambda: health_status(engine) == health_pb2.HealthCheckResponse.SERVING, 60)
+        assert stderr.wait_for("expertctl: engine is ready again", 15), stderr.rest()
+        assert _child(process.pid, "services.engine") != killed
+        assert _wait_until(lambda: all(client.get_job(job).is_finished for job in jobs), 180)
+        finals = [client.get_job(job) for job in jobs]
+    assert [job.status for job in finals] == ["completed"] * 20, [(j.status, j.result.error) for j in finals]
+    result = finals[-1].result
     assert process.poll() is None  # the stack stayed up
     assert {name: _child(process.pid, f"services.{name}") for name in others} == others  # untouched
 
