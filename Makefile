@@ -74,7 +74,7 @@ bench: setup model
 # service's RSS at 1, 5 and 10 minutes and its growth after the first (under 5 %), Redis memory per
 # job and KV at the end; it exits 1 when a target is missed. Run it on an idle machine.
 SOAK_MINUTES ?= 10
-SOAK_RATE ?= 2
+SOAK_RATE ?= 1
 soak: setup model redis-server
 	$(PY) bench/soak.py --model $(MODEL_DIR) --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE)
 

@@ -27,7 +27,7 @@ The model is the default one (SmolLM2-135M-Instruct): a tiny generated model wou
 grows with a real 49k-token vocabulary (the tokenizer, the grammars compiled for it) and with
 real weights (the allocator's arenas under real tensors).
 
-    python bench/soak.py --minutes 10 --rate 2 --max-tokens 16 64 --seed 0 --json
+    python bench/soak.py --minutes 10 --rate 1 --max-tokens 16 64 --seed 0 --json
     python bench/soak.py --target 127.0.0.1:50051 --preparation 127.0.0.1:50053 \\
         --redis-url redis://127.0.0.1:6379/0   # an already running stack (RSS: n/a)
 """
@@ -627,7 +627,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/SmolLM2-135M-Instruct")
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-tokens", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"), help="per job"
