@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import grpc
-import pytest
 
 from libs.auth.metadata import credentials_metadata
 from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
@@ -47,5 +46,6 @@ def test_the_typescript_sdk_passes_its_tests_against_a_real_stack(tiny_llama, tm
             [npm, "test"], cwd=SDK, env=env, capture_output=True, text=True, timeout=300, check=False
         )
     output = run.stdout + run.stderr
+    print(output)  # the runner's report, with each test's duration (shown with -s, or on failure)
     assert run.returncode == 0, output
     assert "# fail 0" in output and "# pass 8" in output, output
