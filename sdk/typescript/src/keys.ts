@@ -3,6 +3,7 @@
 import type { CallOptions, Client } from "@connectrpc/connect";
 import { KeyScope, KeyService, type ApiKey } from "./gen/expert/v1/keys_pb.js";
 import { wrapCall } from "./errors.js";
+import { optionalBigInt } from "./request.js";
 
 export interface CreateKeyOptions {
   /** A name for people (1-64 characters). */
@@ -33,8 +34,8 @@ export class Keys {
     const request = {
       name: options.name,
       scope: SCOPES[options.scope ?? "infer"],
-      rateLimit: BigInt(options.rateLimit ?? 0),
-      tokenLimit: BigInt(options.tokenLimit ?? 0),
+      rateLimit: optionalBigInt(options.rateLimit ?? 0, "rate_limit"),
+      tokenLimit: optionalBigInt(options.tokenLimit ?? 0, "token_limit"),
     };
     const response = await wrapCall(() => this.stub.createKey(request, this.callOptions()));
     return { key: response.key!, secret: response.secret };

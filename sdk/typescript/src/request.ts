@@ -3,6 +3,7 @@
 // What differs: int64 fields (timeoutMs, seed) take a plain number, `jsonSchema` takes an object or
 // JSON text, and `responseFormat` takes OpenAI's shape (plus regex and grammar).
 import { create, type MessageInitShape } from "@bufbuild/protobuf";
+import { ExpertError } from "./errors.js";
 import {
   InferenceRequestSchema,
   ResponseFormatSchema,
@@ -44,15 +45,22 @@ export function buildRequest(options: InferOptions): InferenceRequest {
   const { timeoutMs, seed, jsonSchema, responseFormat, ...fields } = options;
   return create(InferenceRequestSchema, {
     ...fields,
-    timeoutMs: optionalBigInt(timeoutMs),
-    seed: optionalBigInt(seed),
+    timeoutMs: optionalBigInt(timeoutMs, "request.timeout_ms"),
+    seed: optionalBigInt(seed, "request.seed"),
     jsonSchema: jsonSchema === undefined || typeof jsonSchema === "string" ? jsonSchema : JSON.stringify(jsonSchema),
     responseFormat: buildResponseFormat(responseFormat),
   });
 }
 
-export function optionalBigInt(value: number | bigint | undefined): bigint | undefined {
-  return value === undefined ? undefined : BigInt(value);
+/** An int64 field's value; anything but an integer is refused here, as the server would refuse it,
+ * with the field named: BigInt() alone would throw a RangeError that names nothing. */
+export function optionalBigInt(value: number | bigint | undefined, field: string): bigint | undefined {
+  if (value === undefined || typeof value === "bigint") return value;
+  if (!Number.isSafeInteger(value)) {
+    const description = `must be an integer, got ${value}`;
+    throw new ExpertError("INVALID_ARGUMENT", `${field}: ${description}`, [{ field, description }]);
+  }
+  return BigInt(value);
 }
 
 export function buildResponseFormat(option: ResponseFormatOption | undefined): ResponseFormat | undefined {

@@ -47,7 +47,7 @@ export interface TurnChunk {
 
 function sampling(options: SamplingOptions | undefined): SessionSampling | undefined {
   if (options === undefined) return undefined;
-  return create(SessionSamplingSchema, { ...options, seed: optionalBigInt(options.seed) });
+  return create(SessionSamplingSchema, { ...options, seed: optionalBigInt(options.seed, "sampling.seed") });
 }
 
 export function sessionRequest(options: SessionOptions) {
@@ -101,7 +101,7 @@ export class Session {
       sessionId: this.id,
       sampling: sampling(overrides),
       responseFormat: buildResponseFormat(responseFormat),
-      timeoutMs: optionalBigInt(timeoutMs),
+      timeoutMs: optionalBigInt(timeoutMs, "timeout_ms"),
     };
     return new TurnStream(() => this.stub.generateStream(request, call));
   }
