@@ -13,7 +13,7 @@ GEN_STAMP := libs/gen/.stamp
 SDK_GEN_STAMP := sdk/python/expert_system/_proto/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server clean FORCE
+.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server node sdk-typescript clean FORCE
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -55,7 +55,7 @@ $(MODEL_STAMP): tools/expertctl/model_cmd.py $(wildcard libs/engine/models/gguf/
 	touch $@
 
 # The tests start real redis-server processes, so `make test` installs it like `make run` does.
-test: setup model redis-server
+test: setup model redis-server sdk-typescript
 	$(VENV)/bin/ruff check .
 	cd protos && ../$(VENV)/bin/buf lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -119,5 +119,41 @@ redis-server:
 	command -v redis-server >/dev/null 2>&1 \
 		|| { echo "make: redis-server is still not on PATH after apt-get; $$hint." >&2; exit 1; }
 
+# The TypeScript SDK (sdk/typescript): `npm ci` from its package-lock.json, then `npm run build`,
+# which generates its stubs from protos/ (buf and protoc-gen-es from node_modules) and compiles
+# them and the client into dist/. tests/e2e/test_typescript_sdk.py runs its tests against a stack.
+SDK_TS := sdk/typescript
+SDK_TS_MODULES := $(SDK_TS)/node_modules/.package-lock.json
+SDK_TS_BUILT := $(SDK_TS)/node_modules/.sdk-built
+sdk-typescript: node $(SDK_TS_BUILT)
+
+$(SDK_TS_MODULES): $(SDK_TS)/package-lock.json $(SDK_TS)/package.json
+	cd $(SDK_TS) && npm ci --no-audit --no-fund
+	touch $@
+
+$(SDK_TS_BUILT): $(SDK_TS_MODULES) $(PROTOS) $(wildcard $(SDK_TS)/src/*.ts) $(SDK_TS)/buf.gen.yaml $(SDK_TS)/tsconfig.json
+	cd $(SDK_TS) && npm run build
+	touch $@
+
+# node and npm from the system's package manager when missing (as redis-server above). The
+# project's machines have Node.js 20; Debian 12's own nodejs is 18, older than the SDK's engines.
+# DPkg::Lock::Timeout: wait for another apt-get holding the dpkg lock instead of failing at once.
+node:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && exit 0; \
+	hint="install Node.js 20 or newer with npm yourself"; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "make: node or npm is missing and cannot be installed: not root and no password-less sudo; $$hint." >&2; exit 1; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make: node or npm is missing and there is no apt-get here; $$hint." >&2; exit 1; fi; \
+	echo "make: installing nodejs and npm with apt-get"; \
+	apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"; \
+	pkgs="nodejs"; command -v npm >/dev/null 2>&1 || pkgs="nodejs npm"; \
+	$$apt install -y -q $$pkgs || { $$apt update -q && $$apt install -y -q $$pkgs; } \
+		|| { echo "make: apt-get install $$pkgs failed; $$hint." >&2; exit 1; }; \
+	command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 \
+		|| { echo "make: node or npm is still not on PATH after apt-get; $$hint." >&2; exit 1; }
+
 clean:
-	rm -rf build .pytest_cache .ruff_cache libs/gen sdk/python/expert_system/_proto sdk/python/build
+	rm -rf build .pytest_cache .ruff_cache libs/gen sdk/python/expert_system/_proto sdk/python/build \
+		$(SDK_TS)/dist $(SDK_TS)/src/gen $(SDK_TS)/node_modules

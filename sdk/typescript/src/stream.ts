@@ -1,0 +1,48 @@
+// A streamed job: `for await (const chunk of client.inferStream(...))` yields the text as it is
+// generated; once the loop ends, `result` holds the job's InferenceResult.
+import type { InferenceResult } from "./gen/expert/v1/common_pb.js";
+import type { InferStreamResponse } from "./gen/expert/v1/inference_pb.js";
+import { ExpertError } from "./errors.js";
+
+export interface StreamChunk {
+  /** New text of choice `choice` (empty on a restart). */
+  text: string;
+  choice: number;
+  /** The job started over (its engine failed): discard the text received so far. */
+  restarted: boolean;
+}
+
+export class InferStream implements AsyncIterable<StreamChunk> {
+  /** The job's id, once the server has accepted it. */
+  jobId: string | undefined;
+  /** The job's result, once the stream has ended. */
+  result: InferenceResult | undefined;
+  private started = false;
+
+  constructor(private readonly open: () => AsyncIterable<InferStreamResponse>) {}
+
+  async *[Symbol.asyncIterator](): AsyncIterator<StreamChunk> {
+    if (this.started) throw new Error("an InferStream can be iterated once");
+    this.started = true;
+    try {
+      for await (const { event } of this.open()) {
+        if (event.case === "submitted") this.jobId = event.value.jobId;
+        else if (event.case === "delta") yield { text: event.value.text, choice: event.value.index, restarted: false };
+        else if (event.case === "restartedAttempt") yield { text: "", choice: 0, restarted: true };
+        else if (event.case === "result") this.result = event.value;
+      }
+    } catch (error) {
+      throw ExpertError.from(error);
+    }
+  }
+
+  /** Every chunk's text (choice 0), then the result: the stream read to its end. */
+  async collect(): Promise<{ text: string; result: InferenceResult | undefined }> {
+    let text = "";
+    for await (const chunk of this) {
+      if (chunk.restarted) text = "";
+      else if (chunk.choice === 0) text += chunk.text;
+    }
+    return { text, result: this.result };
+  }
+}
