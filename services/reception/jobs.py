@@ -81,7 +81,8 @@ return 1
 )
 
 
-# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery, ttl
+# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery, ttl,
+# "1" for an attempt that goes on from the text so far (no restart event, the text kept)
 # -> the hash's fields after counting the attempt (and the delivery); a final job's fields as they
 # are; nothing when the job is gone
 _BEGIN = (
@@ -91,7 +92,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 if is_final(KEYS[1]) then return redis.call('HGETALL', KEYS[1]) end
 if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[1], 'deliveries', 1) end
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-if attempts > 1 then
+if attempts > 1 and ARGV[5] ~= '1' then
   redis.call('DEL', KEYS[2])
   redis.call('XADD', KEYS[3], '*', 'kind', 'restart', 'attempt', attempts)
 end
@@ -350,16 +351,22 @@ class JobStore:
         return _record(job_id, await self.redis.hgetall(job_key(job_id)))
 
     async def begin(
-        self, job_id: str, status: int | None = None, *, delivery: bool = False
+        self, job_id: str, status: int | None = None, *, delivery: bool = False, resume: bool = False
     ) -> JobRecord | None:
         """Start a run of the job: count the attempt (from the second on, readers are told to
-        discard earlier text) and, for a dispatcher taking it from the queue, the delivery; move it
-        to `status` if given; return the record, in one step. None when the job is gone; a final
-        job is returned as it is, not counted."""
+        discard earlier text, unless the run `resume`s from it) and, for a dispatcher taking it from
+        the queue, the delivery; move it to `status` if given; return the record, in one step. None
+        when the job is gone; a final job is returned as it is, not counted."""
         reply = await self._write(
             self._begin,
             keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
-            args=["" if status is None else status, repr(time.time()), "1" if delivery else "0", self.ttl_s],
+            args=[
+                "" if status is None else status,
+                repr(time.time()),
+                "1" if delivery else "0",
+                self.ttl_s,
+                "1" if resume else "0",
+            ],
         )
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
