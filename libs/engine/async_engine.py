@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,7 @@ class AsyncLLMEngine:
         stream_interval: int = 1,
         on_finished: Callable[[RequestOutput], None] | None = None,
         session: SessionRef | None = None,
+        resume: Sequence[int] = (),
     ) -> RequestStream:
         """Validate and queue a request; its outputs arrive on the returned stream.
 
@@ -188,7 +189,8 @@ class AsyncLLMEngine:
         Raises InvalidRequestError (naming the field) or ExpertNotFoundError right away for bad input,
         SessionFullError for a session turn its session's token limit leaves no room for; a session
         turn the engine cannot take now (SessionLimitError, SessionBusyError) ends the stream with
-        that error.
+        that error. `resume`: the output tokens an earlier run already gave the caller
+        (RequestBuilder.build); the stream carries only what follows them.
         """
         if stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"must be at least 1, got {stream_interval}")
@@ -199,7 +201,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         request = self.engine.prepare_request(
-            request_id, prompt, params, priority=priority, experts=experts, session=session
+            request_id, prompt, params, priority=priority, experts=experts, session=session, resume=resume
         )
         stream = RequestStream(request_id, request.params.output_kind, self.max_pending, on_finished)
         self._streams[request_id] = stream

@@ -229,6 +229,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         experts: ExpertSpec | None = None,
         session: SessionRef | None = None,
+        resume: Seq[int] = (),
     ) -> None:
         """Queue a request, optionally with experts: up to 10 ("name", weight) pairs (a bare name
         means weight 1; "name@version" pins a version). Raises InvalidRequestError naming the field
@@ -237,7 +238,9 @@ class LLMEngine:
         With `session`, the request is a turn of that session: its prompt is the session's token
         history and the turn's new tokens (`Tokenizer.encode_turn`); what the engine kept of the
         history is not computed again, and the turn's KV is kept for the next one (`sessions.py`).
-        SessionError when the engine cannot take the turn."""
+        SessionError when the engine cannot take the turn. `resume`: the output tokens an earlier
+        run of the request gave its caller; the outputs carry only what follows them
+        (RequestBuilder.build)."""
         self.enqueue(
             self.prepare_request(
                 request_id,
@@ -247,6 +250,7 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 experts=experts,
                 session=session,
+                resume=resume,
             )
         )
 
@@ -260,13 +264,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         experts: ExpertSpec | None = None,
         session: SessionRef | None = None,
+        resume: Seq[int] = (),
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
         A session turn with a token limit (`SessionRef.max_tokens`) takes token ids, and its
         max_tokens is cut to what the limit leaves (SessionFullError when nothing is)."""
         if session is not None and session.max_tokens is not None:
             params = self._fit_turn(prompt, params or SamplingParams(), session.max_tokens)
-        return self._builder.build(request_id, prompt, params, priority, arrival_time, experts, session)
+        return self._builder.build(
+            request_id, prompt, params, priority, arrival_time, experts, session, resume=resume
+        )
 
     def _fit_turn(self, prompt: Prompt, params: SamplingParams, session_max_tokens: int) -> SamplingParams:
         if not (isinstance(prompt, list) and all(isinstance(token, int) for token in prompt)):

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from libs.engine.adapters.registry import ExpertUse
+from libs.engine.errors import InvalidRequestError
 from libs.engine.outputs import AppliedExpert, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from libs.engine.sampler import SampledToken
 from libs.engine.sampling_params import OutputKind, SamplingParams
@@ -88,6 +89,17 @@ class Request:
         self._outputs.append(
             _Output(seq.index, stream, logprobs=[] if self.params.logprobs is not None else None)
         )
+
+    def resume(self, tokens: list[int]) -> None:
+        """Take `tokens` as the one output's start, already sent by an earlier run: its text stream
+        reads them one by one as it read them then (holding back the same stop-string prefix), and
+        their text is not sent again."""
+        out = self._outputs[0]
+        for i, token in enumerate(tokens):
+            if out.stream.append([token]).stop_string is not None:
+                raise InvalidRequestError(
+                    f"resume_token_ids[{i}]", "the output already ended at a stop string"
+                )
 
     def on_token(self, seq: Sequence, sample: SampledToken, now: float) -> SequenceStatus | None:
         """Record a sampled token already appended to `seq`; the finished status if it ends the sequence."""

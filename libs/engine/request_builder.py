@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from libs.engine.adapters.manager import ExpertManager, ExpertSpec
@@ -54,8 +55,11 @@ class RequestBuilder:
         arrival_time: float | None,
         experts: ExpertSpec | None,
         session: SessionRef | None = None,
+        *,
+        resume: Seq[int] = (),
     ) -> Request:
-        """The Request and its first sequence, or InvalidRequestError naming the field."""
+        """The Request and its first sequence, or InvalidRequestError naming the field. `resume`:
+        the output tokens an earlier run of the request already gave its caller (`_resume`)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
@@ -96,7 +100,39 @@ class RequestBuilder:
         )
         request = Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
         request.session = session
+        if resume:
+            self._resume(request, list(resume))
         return request
+
+    def _resume(self, request: Request, tokens: list[int]) -> None:
+        """Make `tokens` the start of the request's one output, as if it had sampled them: they take
+        the output positions (the sampler draws from (seed, output position), so a greedy or seeded
+        request goes on as an uninterrupted run would), its format is advanced over them, and its
+        text stream, stop strings and max_tokens count them. Only what follows is sent."""
+        params, seq = request.params, request.seqs[0]
+        if params.n != 1 or request.session is not None:
+            raise InvalidRequestError(
+                "resume_token_ids", "only a request with one output, not a session turn"
+            )
+        vocab = self.model_config.vocab_size
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids)
+        for i, token in enumerate(tokens):
+            if not 0 <= token < vocab or token in ending:
+                raise InvalidRequestError(
+                    f"resume_token_ids[{i}]", f"{token} is not a token an output goes on after"
+                )
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                raise InvalidRequestError(
+                    f"resume_token_ids[{i}]", f"{token} is outside the request's format"
+                )
+        if (params.max_tokens is not None and len(tokens) >= params.max_tokens) or (
+            seq.num_tokens + len(tokens) >= self.max_model_len
+        ):
+            raise InvalidRequestError("resume_token_ids", f"{len(tokens)} tokens leave no room to generate")
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            raise InvalidRequestError("resume_token_ids", "the output's format is already complete")
+        seq.token_ids.extend(tokens)
+        request.resume(tokens)
 
     def penalty_exempt_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids a request's penalties leave alone: the tokenizer's control tokens (eos ids included,

@@ -159,6 +159,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             stream_interval=max(1, request.stream_interval),  # held back on the engine thread
             on_finished=self._observe,  # every finished request once, a cancelled call's too
             session=session,
+            resume=request.resume_token_ids,  # a job's new run goes on from what its caller has
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
         finished: set[int] = set()  # the choices whose finish_reason was sent

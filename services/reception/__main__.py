@@ -29,6 +29,7 @@ from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers
 from services.reception.queue import JobQueue
+from services.reception.redis_compaction import Compactor
 from services.reception.server import ACCESS, ReceptionServicer, add_to_server
 from services.reception.session_server import ACCESS as SESSION_ACCESS
 from services.reception.session_server import SessionServicer
@@ -73,6 +74,17 @@ class Reception:
         self.dispatcher = self._dispatcher(stages, session_store)
         self.http = self._http()
         self._watch: asyncio.Task | None = None
+        # Without the texts kept, their bytes also leave the append-only file (redis_compaction).
+        self.compactor = (
+            None
+            if config.store_text
+            else Compactor(
+                self.redis,
+                config.redis_compact_s,
+                on_outcome=lambda outcome: self.metrics.redis_compactions.labels(outcome).inc(),
+            )
+        )
+        self._compact: asyncio.Task | None = None
 
     def _dispatcher(self, stages: GrpcStages, sessions: SessionStore) -> Dispatcher:
         config = self.config
@@ -126,6 +138,8 @@ class Reception:
             await self.http.start()
         await self.health.set_serving(True)
         self._watch = asyncio.create_task(watch_redis(self.redis, self.health, restore=self.queue.setup))
+        if self.compactor is not None:
+            self._compact = asyncio.create_task(self.compactor.run())
 
     async def drain(self) -> None:
         # Jobs that end within the drain answer their callers; the rest are handed back, and so are
@@ -143,8 +157,9 @@ class Reception:
         )
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._compact):
+            if task is not None:
+                task.cancel()
         if self.http is not None:
             await self.http.stop()  # after a failed start (the drain stopped it otherwise)
         await self.dispatcher.stop()

@@ -10,6 +10,7 @@ from libs.config import EnvReader, ServerConfig
 from services.reception.dispatch.dispatcher import DispatchSettings
 from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES
+from services.reception.redis_compaction import DEFAULT_INTERVAL_S
 from services.reception.sessions import SessionLimits
 
 DEFAULT_PORT = 50051
@@ -38,6 +39,9 @@ class ReceptionConfig:
     session_stream_buffer: int = 256  # messages a session's stream may fall behind before its turn stops
     auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # an HTTP body over this is refused unread (413)
+    # Without store_text: at most one rewrite of Redis's append-only file per this many seconds,
+    # once ended jobs' texts left Redis (redis_compaction).
+    redis_compact_s: float = DEFAULT_INTERVAL_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -71,6 +75,7 @@ class ReceptionConfig:
             job_ttl_s=reader.integer("EXPERT_JOB_TTL_SECONDS", 86_400, minimum=1),
             drain_s=reader.number("EXPERT_RECEPTION_DRAIN_SECONDS", 10.0, minimum=0.0),
             store_text=reader.boolean("EXPERT_STORE_REQUEST_TEXT", True),
+            redis_compact_s=reader.number("EXPERT_REDIS_COMPACT_SECONDS", DEFAULT_INTERVAL_S, minimum=1.0),
             audit_log=_audit_destination(reader.text("EXPERT_AUDIT_LOG", "stdout")),
             audit_clear_text=reader.boolean("EXPERT_AUDIT_CLEAR_TEXT", False),
             sessions=SessionLimits(

@@ -8,7 +8,9 @@
 - `expert:job:{id}:result`: a stream holding only the final result, which Infer waits on (one
   wake-up per job instead of one per token).
 All four expire after the job TTL; with EXPERT_STORE_REQUEST_TEXT=false, the record keeps only the
-SHA-256s of the request and the output once the job ends, and the streams expire within a minute.
+SHA-256s of the request and the output once the job ends, the streams expire within a minute, and
+the job is noted for the rewrite of Redis's append-only file that takes the texts off disk
+(redis_compaction.py).
 No script recreates the keys of a job whose record is gone. Status changes are atomic (a Lua
 script): a final status is never overwritten, so a cancellation and a completion racing each other
 resolve to exactly one outcome.
@@ -30,6 +32,7 @@ from libs.auth.limits import KeyLimiter
 from libs.gen.expert.v1 import common_pb2
 from libs.logging import get_logger
 from libs.timestamps import timestamp
+from services.reception import redis_compaction as compaction
 from services.reception.audit import AuditLog
 from services.reception.job_events import JobEvent, decode_event
 
@@ -78,7 +81,8 @@ return 1
 )
 
 
-# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery, ttl
+# KEYS: job hash, its text, its events; ARGV: new status ("" to keep it), now, "1" for a delivery, ttl,
+# "1" for an attempt that goes on from the text so far (no restart event, the text kept)
 # -> the hash's fields after counting the attempt (and the delivery); a final job's fields as they
 # are; nothing when the job is gone
 _BEGIN = (
@@ -88,7 +92,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
 if is_final(KEYS[1]) then return redis.call('HGETALL', KEYS[1]) end
 if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[1], 'deliveries', 1) end
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-if attempts > 1 then
+if attempts > 1 and ARGV[5] ~= '1' then
   redis.call('DEL', KEYS[2])
   redis.call('XADD', KEYS[3], '*', 'kind', 'restart', 'attempt', attempts)
 end
@@ -102,9 +106,12 @@ return redis.call('HGETALL', KEYS[1])
 )
 
 # KEYS: job hash, its text, its events; ARGV: the delta (a ChoiceDelta), the text it adds to the
-# first choice ("" for another choice), ttl -> 1, or 0 if the job is gone
-_APPEND = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+# first choice ("" for another choice), ttl -> 1, or 0 if the job is gone or final (a late delta
+# must not bring back a text that the end of the job removed)
+_APPEND = (
+    _IS_FINAL
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 or is_final(KEYS[1]) then return 0 end
 if ARGV[2] ~= '' then
   redis.call('APPEND', KEYS[2], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
@@ -113,6 +120,7 @@ redis.call('XADD', KEYS[3], '*', 'kind', 'delta', 'delta', ARGV[1])
 redis.call('EXPIRE', KEYS[3], ARGV[3], 'NX')
 return 1
 """
+)
 
 # KEYS: job hash -> 1 if flagged, 0 if the job is gone
 _FLAG_CANCEL = """
@@ -121,9 +129,11 @@ redis.call('HSET', KEYS[1], 'cancel_requested', 1)
 return 1
 """
 
-# KEYS: job hash, its events, the deadline set, its result stream, its text
-# ARGV: final status, now, result, error, job id, then "" to keep the job's texts, or: the request
-# and the result without their texts, their SHA-256s, and how long followers may still read them
+# KEYS: job hash, its events, the deadline set, its result stream, its text, the set of jobs whose
+# texts wait for the compaction of Redis's append-only file (redis_compaction.PENDING)
+# ARGV: final status, now, result, error, job id, then "" to keep the job's texts, or: "redact", the
+# request and the result without their texts (either may serialize to nothing), their SHA-256s,
+# and how long followers may still read them
 # -> 1 if recorded, 0 if the job was already final, -1 if it is gone
 _FINISH = (
     _IS_FINAL
@@ -139,11 +149,13 @@ redis.call('ZREM', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], '*', 'kind', 'result', 'result', ARGV[3])
 if ARGV[6] ~= '' then
   -- the texts leave the record now; the streams keep them for the followers still reading
-  redis.call('HSET', KEYS[1], 'request', ARGV[6], 'result', ARGV[7],
-             'request_sha256', ARGV[8], 'output_sha256', ARGV[9])
+  redis.call('HSET', KEYS[1], 'request', ARGV[7], 'result', ARGV[8],
+             'request_sha256', ARGV[9], 'output_sha256', ARGV[10])
   redis.call('DEL', KEYS[5])
-  ttl = math.min(ttl, tonumber(ARGV[10]))
+  ttl = math.min(ttl, tonumber(ARGV[11]))
   redis.call('EXPIRE', KEYS[2], ttl)
+  -- due for the compaction once its streams are gone
+  redis.call('ZADD', KEYS[6], tonumber(ARGV[2]) + ttl, ARGV[5])
 end
 redis.call('EXPIRE', KEYS[2], ttl, 'NX')
 redis.call('EXPIRE', KEYS[4], ttl)
@@ -272,6 +284,7 @@ class JobStore:
         write_patience_s: float = WRITE_PATIENCE_S,
         audit: AuditLog | None = None,
         limiter: KeyLimiter | None = None,
+        follower_grace_s: int = FOLLOWER_GRACE_S,
     ) -> None:
         self.redis = redis
         # Charged, when a job ends, with the tokens it generated for its API key (one owner of the
@@ -281,8 +294,10 @@ class JobStore:
         self.audit = audit
         self.write_patience_s = write_patience_s
         # False: a job's prompt and output leave Redis when it ends (EXPERT_STORE_REQUEST_TEXT):
-        # its record keeps their SHA-256s, and its streams the texts for FOLLOWER_GRACE_S only.
+        # its record keeps their SHA-256s, and its streams the texts for `follower_grace_s` only;
+        # then the job is due for the compaction of Redis's append-only file (redis_compaction).
         self.store_text = store_text
+        self.follower_grace_s = follower_grace_s
         self.ttl_s = ttl_s
         self.default_timeout_s = default_timeout_s  # for requests without timeout_ms
         # Told of each result this store records as a job's final one, whoever ended the job (the
@@ -336,16 +351,22 @@ class JobStore:
         return _record(job_id, await self.redis.hgetall(job_key(job_id)))
 
     async def begin(
-        self, job_id: str, status: int | None = None, *, delivery: bool = False
+        self, job_id: str, status: int | None = None, *, delivery: bool = False, resume: bool = False
     ) -> JobRecord | None:
         """Start a run of the job: count the attempt (from the second on, readers are told to
-        discard earlier text) and, for a dispatcher taking it from the queue, the delivery; move it
-        to `status` if given; return the record, in one step. None when the job is gone; a final
-        job is returned as it is, not counted."""
+        discard earlier text, unless the run `resume`s from it) and, for a dispatcher taking it from
+        the queue, the delivery; move it to `status` if given; return the record, in one step. None
+        when the job is gone; a final job is returned as it is, not counted."""
         reply = await self._write(
             self._begin,
             keys=[job_key(job_id), text_key(job_id), events_key(job_id)],
-            args=["" if status is None else status, repr(time.time()), "1" if delivery else "0", self.ttl_s],
+            args=[
+                "" if status is None else status,
+                repr(time.time()),
+                "1" if delivery else "0",
+                self.ttl_s,
+                "1" if resume else "0",
+            ],
         )
         return _record(job_id, dict(zip(reply[0::2], reply[1::2], strict=True))) if reply else None
 
@@ -391,7 +412,14 @@ class JobStore:
         key_id = raw_key_id.decode() if raw_key_id else None
         changed = await self._write(
             self._finish,
-            keys=[job_key(job_id), events_key(job_id), DEADLINES, result_key(job_id), text_key(job_id)],
+            keys=[
+                job_key(job_id),
+                events_key(job_id),
+                DEADLINES,
+                result_key(job_id),
+                text_key(job_id),
+                compaction.PENDING,
+            ],
             args=[
                 result.status,
                 repr(time.time()),
@@ -460,11 +488,12 @@ class JobStore:
         kept.reasoning_trace = ""  # it quotes the prompt's features and the plan
         kept.validation.error = ""  # a schema error quotes the output
         return [
+            "redact",
             request.SerializeToString(),
             kept.SerializeToString(),
             request_sha256,
             hashlib.sha256(result.text.encode()).hexdigest(),
-            FOLLOWER_GRACE_S,
+            self.follower_grace_s,
         ]
 
     async def follow(self, job_id: str, *, result_only: bool = False) -> AsyncIterator[JobEvent]:

@@ -32,6 +32,12 @@ class ReceptionMetrics:
             "Jobs whose result was recorded without postproc (unreachable until the job's deadline): "
             "no validation, marked validation_skipped",
         )
+        self.redis_compactions = Counter(
+            "expert_reception_redis_compactions_total",
+            "Rewrites of Redis's append-only file asked for after ended jobs' texts left Redis "
+            "(EXPERT_STORE_REQUEST_TEXT=false), by outcome: rewritten, no_aof, refused",
+            ["outcome"],
+        )
         self.queue_depth = Gauge(
             "expert_reception_queue_depth", "Jobs waiting for a dispatcher, by priority", ["priority"]
         )

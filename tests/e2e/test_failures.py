@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from grpc_health.v1 import health_pb2
 
 from expert_system import ExpertClient
-from tests.e2e.conftest import LONG, client_engines, long_job
+from tests.e2e.conftest import LONG, client_engines, long_job, openai_client
 from tests.e2e.test_pipeline import wait_final, wait_status
 from tools.stack import free_port, health_status
 
@@ -38,39 +38,65 @@ def test_a_job_whose_dispatcher_dies_is_reclaimed_and_completes(tiny_stack, long
 
 
 def test_an_engine_killed_with_jobs_running_loses_none_once_it_is_restarted(tiny_stack, long_prompt):
-    """SIGKILL the only engine with 10 jobs placed or queued (one streamed), submit 10 more right
-    after, and start the engine again as the supervisor would: every job completes. The running
-    ones waited for the engine (preparation dropped the dead process at their first failed call)
-    and started over from the prompt: the streamed caller saw a restart event."""
+    """SIGKILL the only engine with 11 jobs placed or queued (two streamed: a greedy one on gRPC, a
+    seeded sampled one on OpenAI's API), submit 10 more right after, and start the engine
+    again as the supervisor would: every job completes. The running ones waited for the engine
+    (preparation dropped the dead process at their first failed call) and went on from the tokens
+    their callers had: each stream is one seamless output, without a restart or an error event,
+    equal to an uninterrupted run's."""
     stack = tiny_stack()
     options = {"raw": True, "temperature": 0.0, "repetition_penalty": 1.0, "timeout_ms": 300_000}
-    streaming = threading.Event()
-    with ExpertClient(stack.target("reception")) as client, ThreadPoolExecutor(1) as pool:
+    openai = openai_client(stack)
+    model = openai.models.list().data[0].id
+    sampled = {"model": model, "prompt": long_prompt, "max_tokens": LONG, "temperature": 1.0, "seed": 7}
+    with ExpertClient(stack.target("reception")) as client, ThreadPoolExecutor(2) as pool:
+        expected = client.infer(prompt=long_prompt, max_tokens=LONG, **options).text
+        uninterrupted = openai.completions.create(**sampled).choices[0]
+        started = [threading.Event() for _ in range(2)]
         stream = client.infer_stream(prompt=long_prompt, max_tokens=LONG, **options)
-
-        def follow() -> list:
-            chunks = []
-            for chunk in stream:
-                chunks.append(chunk)
-                if chunk.text:
-                    streaming.set()
-            return chunks
-
-        streamed = pool.submit(follow)
+        streamed = pool.submit(_follow_grpc, stream, started[0])
+        openai_stream = pool.submit(
+            _follow_openai, openai.completions.create(stream=True, **sampled), started[1]
+        )
         first = [client.submit(prompt=long_prompt, max_tokens=LONG, **options).job_id for _ in range(9)]
-        assert streaming.wait(120), "the streamed job never started"
+        assert all(event.wait(120) for event in started), "a streamed job never started"
         stack.kill("engine")
         later = [client.submit(prompt=long_prompt, max_tokens=64, **options).job_id for _ in range(10)]
         stack.start_service("engine")
         chunks = streamed.result(timeout=300)
+        resumed = wait_final(client, stream.result.job_id, timeout=60)
+        openai_text = openai_stream.result(timeout=300)
         finals = [wait_final(client, job_id, timeout=300) for job_id in first + later]
     assert [f.status for f in finals] == ["completed"] * 19, [(f.status, f.result.error) for f in finals]
+    assert [f.result.text for f in finals[:9]] == [expected] * 9  # the resumed ones too
+    assert resumed.attempts == 2  # it ran on the killed engine, then on its restart
     assert stream.result.status == "completed", stream.result.error
-    assert any(c.restarted for c in chunks)
-    restart = max(i for i, c in enumerate(chunks) if c.restarted)
-    assert "".join(c.text for c in chunks[restart:]) == stream.result.text  # from the prompt again
+    assert not any(c.restarted for c in chunks)
+    assert "".join(c.text for c in chunks) == stream.result.text == expected
     assert stream.result.tokens_generated == LONG
+    assert openai_text == (uninterrupted.text, uninterrupted.finish_reason)  # no error event either
     _wait(lambda: [e.active_jobs for e in client_engines(stack)] == [0], timeout=15)
+
+
+def _follow_grpc(stream, started: threading.Event) -> list:
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.text:
+            started.set()
+    return chunks
+
+
+def _follow_openai(stream, started: threading.Event) -> tuple[str, str | None]:
+    """An OpenAI completion stream read to its end (an error event raises): its text, its finish."""
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+        if text:
+            started.set()
+    return text, finish
 
 
 def test_a_job_moves_to_another_engine_when_its_engine_dies(tiny_stack, long_prompt, tmp_path):

@@ -34,10 +34,12 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 class FakeStream:
     """An engine's Generate stream: `script` is "complete", "die" (UNAVAILABLE after one chunk),
     "hang" (one chunk, then nothing until it is aborted or cancelled) or a status code (that error
-    after one chunk)."""
+    after one chunk). A request resumed after the first chunk's token (`resume_token_ids`) goes on
+    after it, as the engine does."""
 
-    def __init__(self, script: str | grpc.StatusCode) -> None:
+    def __init__(self, script: str | grpc.StatusCode, resume: list[int] | None = None) -> None:
         self.script = script
+        self.resume = resume or []
         self.aborted = asyncio.Event()
         self.cancelled = False
 
@@ -47,7 +49,10 @@ class FakeStream:
         return True
 
     async def __aiter__(self):
-        yield engine_pb2.GenerateResponse(text="Par", token_ids=[1])
+        if self.resume not in ([], [1]):
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids: {self.resume}")
+        if not self.resume:
+            yield engine_pb2.GenerateResponse(text="Par", token_ids=[1])
         if self.script == "die":
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "engine gone")
         if isinstance(self.script, grpc.StatusCode):
@@ -111,7 +116,9 @@ class FakeStages:
 
     async def generate(self, address, request, timeout):
         await self._enter("generate")
-        stream = FakeStream(self.engines.pop(0) if self.engines else "complete")
+        stream = FakeStream(
+            self.engines.pop(0) if self.engines else "complete", list(request.resume_token_ids)
+        )
         self.streams.append(stream)
         return stream
 
@@ -202,8 +209,9 @@ def test_preparation_refusing_fails_the_job_and_releases_nothing(clean_redis_url
 def test_an_engine_dying_mid_stream_releases_it_before_the_job_is_placed_again(clean_redis_url):
     stages = FakeStages(engines=("die", "complete"))
     result = run_saga(clean_redis_url, stages, retries=1)
-    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")
+    assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris")  # "Par" once
     assert_one_release_per_placement(stages, 2)
+    assert [s.resume for s in stages.streams] == [[], [1]]  # the new run went on after "Par"
 
 
 def test_an_engine_dying_with_no_retry_left_fails_the_job_and_releases_it(clean_redis_url):
@@ -504,7 +512,7 @@ class RestartingEngine(FakeStages):
 def test_a_job_whose_engine_died_waits_for_its_restart_and_completes_as_a_new_attempt(clean_redis_url):
     """No other engine: the job waits (within its deadline) rather than fail, names the dead
     process to preparation (which drops it at once), and runs on the engine's new process under a
-    new engine request id; its followers were told of the restart."""
+    new engine request id, going on from the token its followers already have."""
     stages = RestartingEngine(down=3)
     result = run_saga(clean_redis_url, stages, retries=1, timeout_ms=10_000)
     assert (result.status, result.text) == (common_pb2.JOB_STATUS_COMPLETED, "Paris"), result.error

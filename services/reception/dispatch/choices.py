@@ -40,6 +40,17 @@ class Choices:
             choice.pieces.append(response.text)
         return common_pb2.ChoiceDelta(index=response.index, text=response.text, logprobs=response.logprobs)
 
+    def resumable(self, n: int) -> list[int] | None:
+        """The output tokens a new run of the job goes on from (GenerateRequest.resume_token_ids):
+        none when nothing was made yet; the one choice's tokens when it has not ended; None when
+        the run must start over from the prompt (several choices, or one that ended)."""
+        if not any(c.tokens or c.pieces or c.logprobs for c in self._choices.values()):
+            return []
+        only = self._choices.get(0)
+        if n > 1 or len(self._choices) > 1 or only is None or only.finish_reason:
+            return None
+        return list(only.token_ids)
+
     def token_ids(self, index: int) -> list[int]:
         """The tokens choice `index` generated so far."""
         choice = self._choices.get(index)

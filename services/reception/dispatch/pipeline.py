@@ -6,9 +6,13 @@ Every stage runs against the job's deadline (submitted_at + timeout_ms) and its 
 stops the stage at once (an engine stream is cancelled, which aborts the engine request and frees
 its KV) and the job is finalized with what it has: partial text and a timeout flag, or a cancelled
 status. A job whose engine fails mid-stream waits for an engine again (preparation drops the dead
-process at once; its restart may take the job) and starts over from the prompt as a new attempt,
-with a restart event telling readers to discard the text so far. Each placement has its own engine
-request id, so it never collides with a request of an earlier one that an engine still runs.
+process at once; its restart may take the job) and runs as a new attempt that goes on from the
+output tokens its readers already have: the engine takes them as the output's start and continues
+exactly as the lost run would have (same positions, so greedy and seeded sampling give the same
+tokens), and the readers see one output. A job with several choices, or a session's turn, starts
+over from the prompt instead, with a restart event telling readers to discard the text so far.
+Each placement has its own engine request id, so it never collides with a request of an earlier one
+that an engine still runs.
 
 The job owns an engine slot only inside `_placement`: the scope's exit is the one place the slot is
 given back, whatever ended it (the generation's end, a lost engine, a cancel or timeout at any stage,
@@ -165,8 +169,8 @@ class Pipeline:
     async def _place_and_generate(self, run: JobRun) -> common_pb2.GenerationOutcome:
         """Place the job and generate. When its engine is lost, the job waits for an engine again
         (any, the lost one's restarted process included: preparation drops the lost process at
-        once) and runs as a new attempt whose output starts again from the prompt, up to
-        `engine_retries` times and within its deadline."""
+        once) and runs as a new attempt (`_restart`), up to `engine_retries` times and within its
+        deadline."""
         lost: list[preparation_pb2.LostEngine] = []
         for failures in range(self.engine_retries + 1):
             try:
@@ -187,9 +191,14 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     async def _restart(self, run: JobRun) -> None:
-        """Start another attempt of the job: its followers are told to discard the text so far."""
-        run.choices.clear()
-        record = await self.jobs.begin(run.job_id)
+        """Start another attempt of the job: one that goes on from the output so far where it can
+        (its followers see nothing of the change), else one from the prompt, whose followers are
+        told to discard the text so far."""
+        resume = run.choices.resumable(run.plan.generation_params.n) if run.turn.resumable else None
+        if resume is None:
+            run.choices.clear()
+        run.resume = resume or []
+        record = await self.jobs.begin(run.job_id, resume=resume is not None)
         run.attempt = record.attempts if record is not None else run.attempt + 1
 
     @contextlib.asynccontextmanager
@@ -300,6 +309,7 @@ class Pipeline:
             stream_interval=1 if run.record.streaming else self.stream_interval,
         )
         run.turn.engine_input(request, run.plan)
+        request.resume_token_ids.extend(run.resume)
         if run.deadline is not None:
             request.deadline.CopyFrom(timestamp(run.deadline))
         return request
@@ -385,6 +395,7 @@ def _outcome(run: JobRun, final: engine_pb2.GenerateResponse) -> common_pb2.Gene
         raise JobStopped("cancelled")
     outcome = run.choices.outcome(final.finish_reason)
     outcome.usage.CopyFrom(final.usage)
+    outcome.usage.completion_tokens += len(run.resume)  # made by the lost run, counted by this one
     outcome.experts.extend(final.experts)
     return outcome
 

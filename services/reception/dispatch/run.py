@@ -39,6 +39,9 @@ class JobRun:
     inference_started: float | None = None
     turn: TurnPolicy = field(default_factory=PlainTurn)  # a session's turn, or a plain job
     attempt: int = 0  # the job's runs so far, this one included (its record counts them)
+    # The output tokens this run goes on from, which an earlier run (whose engine was lost) already
+    # gave the job's readers; the engine sends only what follows (GenerateRequest.resume_token_ids).
+    resume: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.attempt = self.attempt or self.record.attempts

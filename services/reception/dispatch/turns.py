@@ -26,6 +26,10 @@ from services.reception.sessions import SessionStore, copy_sampling
 
 
 class TurnPolicy(Protocol):
+    # Whether a new run after a lost engine may go on from the output its caller already has
+    # (GenerateRequest.resume_token_ids), rather than start over from the prompt.
+    resumable: bool
+
     async def plan(
         self, route: Callable[[], Awaitable[common_pb2.ExpertPlan]], request: common_pb2.InferenceRequest
     ) -> common_pb2.ExpertPlan:
@@ -57,6 +61,8 @@ class TurnPolicy(Protocol):
 class PlainTurn:
     """A job on its own: the router plans it, any engine takes it, nothing settles after it."""
 
+    resumable = True
+
     async def plan(
         self, route: Callable[[], Awaitable[common_pb2.ExpertPlan]], request: common_pb2.InferenceRequest
     ) -> common_pb2.ExpertPlan:
@@ -85,6 +91,10 @@ class PlainTurn:
 
 class SessionTurn:
     """A turn of a session: `record` is the session's record as the turn began."""
+
+    # The engine keeps a turn's KV for the next one from the session's own history: a lost turn
+    # starts over from it rather than carry a prefix the session's record does not know.
+    resumable = False
 
     def __init__(self, store: SessionStore, record: session_state_pb2.SessionRecord, job_id: str) -> None:
         self.store = store
