@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from libs.auth.policy import Authenticator
@@ -23,6 +23,8 @@ from services.reception.http.errors import HttpError, as_http_error, error_respo
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
 from services.reception.http.rest import add_rest_routes
+
+PROBE_METHODS = ["GET", "HEAD"]
 
 
 def create_app(
@@ -88,35 +90,51 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_probes(app: FastAPI, capacity: Capacity, serving: Callable[[], bool]) -> None:
     """/livez (the process answers), /readyz (serving, as gRPC health says, and an engine is
-    registered) and /healthz (an engine is registered)."""
+    registered), /healthz (an engine is registered) and /health (vLLM's: /readyz's answer as a bare
+    status, no body). Each answers HEAD as GET (load balancers probe with either)."""
 
-    @app.get("/livez")
+    @app.api_route("/livez", methods=PROBE_METHODS)
     async def livez() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def ready() -> tuple[bool, bool, int]:
         engines = (await capacity.get()).engines
         up = serving()  # read after the await: the state at the answer, not before it
-        ready = up and engines > 0
+        return up and engines > 0, up, engines
+
+    @app.api_route("/readyz", methods=PROBE_METHODS)
+    async def readyz() -> JSONResponse:
+        is_ready, up, engines = await ready()
         return JSONResponse(
-            {"status": "ready" if ready else "not ready", "serving": up, "engines": engines},
-            status_code=200 if ready else 503,
+            {"status": "ready" if is_ready else "not ready", "serving": up, "engines": engines},
+            status_code=200 if is_ready else 503,
         )
 
-    @app.get("/healthz")
+    @app.api_route("/health", methods=PROBE_METHODS)
+    async def health() -> Response:
+        is_ready, _, _ = await ready()
+        return Response(status_code=200 if is_ready else 503)
+
+    @app.api_route("/healthz", methods=PROBE_METHODS)
     async def healthz() -> dict:
         engines = (await capacity.get()).engines
         return {"status": "ok" if engines > 0 else "degraded", "engines": engines}
 
 
 def _add_models(app: FastAPI, models: ServedModels) -> None:
+    """GET /v1/models and GET /v1/models/{id} (OpenAI's `models.retrieve`, `<base>:<expert>` ids
+    too): a model no engine serves is 404 with code `model_not_found`, as OpenAI answers."""
     started = int(time.time())
+
+    def entry(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        data = [
-            {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
-            for name in await models.names()
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [entry(name) for name in await models.names()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        if model_id not in await models.names():
+            raise HttpError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return entry(model_id)

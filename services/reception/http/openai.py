@@ -92,7 +92,11 @@ async def _sse(
                     case Restarted() if sent:
                         # The job started over on another engine: the text sent cannot be taken back.
                         yield _error(
-                            HttpError(503, "the job restarted after part of its output was streamed")
+                            HttpError(
+                                503,
+                                "the job restarted after part of its output was streamed",
+                                code="job_restarted",
+                            )
                         )
                         return
                     case Finished(result):

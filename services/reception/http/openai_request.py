@@ -32,7 +32,9 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         if body.best_of not in (None, 1):
             raise not_supported("best_of", f"best_of={body.best_of}")
     if body.stream_options is not None and not body.stream:
-        raise HttpError(400, "stream_options is only allowed with stream: true", "stream_options")
+        raise HttpError(
+            400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value"
+        )
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
@@ -97,7 +99,7 @@ def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     if isinstance(body, CompletionRequest):
         return body.logprobs
     if body.top_logprobs is not None and not body.logprobs:
-        raise HttpError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        raise HttpError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
@@ -107,7 +109,12 @@ def _role(role: str) -> str:
 
 def _text(message: Message, index: int) -> str:
     if message.content is None:
-        raise HttpError(400, "a message without content is not supported yet", f"messages[{index}].content")
+        raise HttpError(
+            400,
+            "a message without content is not supported yet",
+            f"messages[{index}].content",
+            "unsupported_parameter",
+        )
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)
