@@ -22,7 +22,9 @@ from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from services.reception.http.errors import HttpError, as_http_error, error_response, validation_error
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
+from services.reception.http.rejections import count_refusal
 from services.reception.http.rest import add_rest_routes
+from services.reception.metrics import ReceptionMetrics
 
 PROBE_METHODS = ["GET", "HEAD"]
 
@@ -35,11 +37,13 @@ def create_app(
     auth: Authenticator | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     serving: Callable[[], bool] = lambda: True,
+    metrics: ReceptionMetrics | None = None,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
     a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
-    the gRPC health service reports (False while Redis is unreachable or reception stops)."""
+    the gRPC health service reports (False while Redis is unreachable or reception stops);
+    `metrics` counts the refusals and the ignored fields (None: not counted)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -49,26 +53,33 @@ def create_app(
         dependencies=[Depends(authentication(auth, error_mapper))],
     )
     # Outside every route and dependency: no body is read past its bound, keyed or not.
-    app.add_middleware(BodyGuard, max_bytes=max_body_bytes)
-    _add_error_handlers(app)
+    app.add_middleware(
+        BodyGuard, max_bytes=max_body_bytes, on_refused=functools.partial(count_refusal, metrics)
+    )
+    _add_error_handlers(app, metrics)
     to_http_error = functools.partial(as_http_error, error_mapper=error_mapper)
     add_rest_routes(app, admission, to_http_error)
     _add_probes(app, capacity, serving)
     _add_models(app, models)
-    add_openai_routes(app, admission, to_http_error)
+    add_openai_routes(app, admission, to_http_error, metrics)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every refusal in OpenAI's error body: a bad body, an HttpError, no such path or method."""
+def _add_error_handlers(app: FastAPI, metrics: ReceptionMetrics | None) -> None:
+    """Every refusal in OpenAI's error body, counted (rejections.py): a bad body, an HttpError (a
+    refused field or key); then no such path or method."""
+
+    def refuse(error: HttpError) -> JSONResponse:
+        count_refusal(metrics, error)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return refuse(validation_error(exc))
 
     @app.exception_handler(HttpError)
     async def http_error(request: Request, exc: HttpError) -> JSONResponse:
-        return error_response(exc)
+        return refuse(exc)
 
     @app.exception_handler(HTTPException)
     async def unparsable_body(request: Request, exc: HTTPException) -> JSONResponse:
@@ -77,7 +88,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code != 400:
             return error_response(HttpError(exc.status_code, str(exc.detail)))
         reason = exc.__cause__ if exc.__cause__ is not None else exc.detail
-        return error_response(HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json"))
+        return refuse(HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json"))
 
     @app.exception_handler(404)
     async def no_route(request: Request, exc: Exception) -> JSONResponse:

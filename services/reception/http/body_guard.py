@@ -42,8 +42,10 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 class BodyGuard:
     """ASGI middleware over `app`: HTTP bodies bounded to `max_bytes` and MAX_JSON_DEPTH."""
 
-    def __init__(self, app: App, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: App, max_bytes: int, on_refused: Callable[[HttpError], None] = lambda _: None
+    ) -> None:
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,11 +63,11 @@ class BodyGuard:
             return
         if nested_deeper_than(body, MAX_JSON_DEPTH):
             message = f"the body is nested deeper than {MAX_JSON_DEPTH} levels (objects and arrays)"
-            await error_response(HttpError(400, message, None, "invalid_json"))(scope, receive, send)
+            await self._refuse(HttpError(400, message, None, "invalid_json"), scope, receive, send)
             return
         not_json = media_type_error(scope, body)
         if not_json is not None:
-            await error_response(not_json)(scope, receive, send)
+            await self._refuse(not_json, scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -96,6 +98,10 @@ class BodyGuard:
             "request_too_large",
             headers={"Connection": "close"},
         )
+        await self._refuse(error, scope, receive, send)
+
+    async def _refuse(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_refused(error)
         await error_response(error)(scope, receive, send)
 
 

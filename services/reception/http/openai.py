@@ -9,26 +9,44 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.core import Admission, Submitted
 from services.reception.http.calls import infer
 from services.reception.http.errors import HttpError, ToHttpError, error_response
+from services.reception.http.ignored_fields import report_ignored
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_response import Chunks, event, failure, response
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from services.reception.job_events import Delta, Finished, JobEvent, Restarted
+from services.reception.metrics import ReceptionMetrics
 
 
-def add_openai_routes(app: FastAPI, admission: Admission, to_http_error: ToHttpError) -> None:
+def add_openai_routes(
+    app: FastAPI, admission: Admission, to_http_error: ToHttpError, metrics: ReceptionMetrics | None = None
+) -> None:
+    """The two endpoints; the ignored fields a request carries are logged, counted in `metrics` and
+    named in the answer's header (ignored_fields.py), whatever the answer."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await _complete(admission, request, body, True, to_http_error)
+        answer = await _complete(admission, request, body, True, to_http_error)
+        return _with_headers(answer, report_ignored(body, metrics))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await _complete(admission, request, body, False, to_http_error)
+        answer = await _complete(admission, request, body, False, to_http_error)
+        return _with_headers(answer, report_ignored(body, metrics))
+
+
+def _with_headers(answer: Response | dict, headers: dict[str, str]) -> Response | dict:
+    if not headers:
+        return answer
+    if isinstance(answer, Response):
+        answer.headers.update(headers)
+        return answer
+    return JSONResponse(answer, headers=headers)
 
 
 async def _complete(

@@ -20,6 +20,7 @@ from services.reception.http.response_format import parse_response_format
 def _refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
+    _refuse_other_outputs(body)
     if isinstance(body, ChatCompletionRequest):
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(body, name) not in (None, [], "none"):
@@ -35,6 +36,14 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         raise HttpError(
             400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value"
         )
+
+
+def _refuse_other_outputs(body: SamplingFields) -> None:
+    """What asks for more than text from a model (ignoring it would answer another question)."""
+    if body.audio is not None:
+        raise not_supported("audio", "audio output")
+    if body.web_search_options is not None:
+        raise not_supported("web_search_options", "web search")
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.reception.http.body_text import Text
+from services.reception.http.ignored_fields import IgnoredFields
 
 INT32 = 2**31 - 1
 UINT64 = 2**64 - 1
@@ -33,8 +34,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
-    """The fields chat and completions share: OpenAI's, then vLLM-style extras."""
+class SamplingFields(IgnoredFields):
+    """The fields chat and completions share: the ignored ones (ignored_fields.py), OpenAI's, then
+    vLLM-style extras."""
 
     model: Text
     max_tokens: int | None = Field(None, le=INT32)
@@ -52,6 +54,8 @@ class SamplingFields(_Body):
     response_format: dict[str, Any] | None = None
     # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
     logit_bias: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # vLLM-style extras (extra_body in the openai client)
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = None
