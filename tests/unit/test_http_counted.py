@@ -126,3 +126,24 @@ def test_a_key_over_its_limits_is_counted_by_admission_for_both_fronts():
     with pytest.raises(ServiceError):
         asyncio.run(admission.admit(common_pb2.InferenceRequest(prompt="hi")))
     assert registry.get_sample_value("expert_reception_requests_rejected_total", {"field": "rate_limit"}) == 1
+
+
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"ignore_eos": False, "min_tokens": 0, "skip_special_tokens": True}, None),
+        ({"ignore_eos": True}, "ignore_eos"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ],
+)
+def test_vllms_extras_are_taken_at_the_value_that_changes_nothing_and_refused_by_name_otherwise(
+    counted, extra, refused
+):
+    http, _ = counted
+    response = http.post("/v1/completions", json={"model": "base", "prompt": "x", **extra})
+    if refused is None:
+        assert response.status_code == 200, response.text
+    else:
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (refused, "unsupported_parameter"), error

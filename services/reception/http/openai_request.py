@@ -39,11 +39,18 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _refuse_other_outputs(body: SamplingFields) -> None:
-    """What asks for more than text from a model (ignoring it would answer another question)."""
+    """What asks for more than text from a model, or for vLLM's sampling extras the request path
+    does not carry to the engine yet (ignoring either would answer another question)."""
     if body.audio is not None:
         raise not_supported("audio", "audio output")
     if body.web_search_options is not None:
         raise not_supported("web_search_options", "web search")
+    if body.ignore_eos:
+        raise not_supported("ignore_eos", "ignore_eos: true")
+    if body.min_tokens:
+        raise not_supported("min_tokens", f"min_tokens={body.min_tokens}")
+    if body.skip_special_tokens is False:
+        raise not_supported("skip_special_tokens", "skip_special_tokens: false")
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
