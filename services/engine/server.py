@@ -116,9 +116,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise unavailable("the engine is still loading its model")
         return self.engine
 
-    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[dict[str, str]]:
+    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[int] | list[dict[str, str]]:
         if model_input.HasField("text"):
             return model_input.text
+        if model_input.HasField("token_ids"):
+            return list(model_input.token_ids.ids)  # the engine checks each against the vocabulary
         messages = [{"role": m.role, "content": m.content} for m in model_input.conversation.messages]
         if not messages:
             raise invalid_argument("input", "neither text nor a conversation was given")

@@ -117,6 +117,8 @@ def param_of(field: str, body: object) -> str | None:
     base = head.group(0) if head else name
     if base == "user_id" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         base = "user"  # OpenAI's name; the REST API keeps the proto's
+    elif base == "prompt_token_ids" and isinstance(body, CompletionRequest):
+        base = "prompt"  # OpenAI's token-id prompt
     elif base == "prompt" and isinstance(body, ChatCompletionRequest):
         base = "messages"  # a chat has no prompt: an empty one is an empty conversation
     elif base == "max_tokens" and isinstance(body, ChatCompletionRequest):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from libs.gen.expert.v1 import common_pb2
 from libs.limits import SAMPLING_FIELDS
+from services.reception.http.body_text import is_encodable
 from services.reception.http.errors import HttpError, not_supported
 from services.reception.http.openai_schema import (
+    INT32,
     ChatCompletionRequest,
     CompletionRequest,
     Message,
@@ -79,13 +81,63 @@ def _chat_input(request: common_pb2.InferenceRequest, body: ChatCompletionReques
 
 
 def _prompt(request: common_pb2.InferenceRequest, body: CompletionRequest) -> int | None:
-    """A completion's one prompt onto the request, raw (no chat template); its token limit."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if len(prompts) != 1:
-        raise not_supported("prompt", "a list of several prompts (batched completions)")
-    request.prompt = prompts[0]
+    """A completion's first prompt onto the request, raw (no chat template), as text or token ids;
+    its token limit. The other prompts of a list are set on copies (completion_prompts.py)."""
+    set_prompt(request, prompts_of(body)[0])
     request.raw = True
     return body.max_tokens
+
+
+def set_prompt(request: common_pb2.InferenceRequest, prompt: str | list[int]) -> None:
+    """One prompt of a completions body onto its request: text, or token ids."""
+    request.ClearField("prompt_token_ids")
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt = ""
+        request.prompt_token_ids.extend(prompt)
+
+
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions body, each a string or token ids (OpenAI's four forms:
+    "text", ["text", ...], [1, 2], [[1, 2], ...]); anything else is refused naming the item."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(_is_token(t) for t in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if not prompt:
+        raise HttpError(400, "prompt: must not be an empty list", "prompt", "invalid_value")
+    return [_one_prompt(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+
+
+def _one_prompt(item: object, param: str) -> str | list[int]:
+    if isinstance(item, str):
+        if not is_encodable(item):
+            raise HttpError(
+                400, f"{param}: not valid Unicode text (a lone surrogate)", param, "invalid_value"
+            )
+        return item
+    if isinstance(item, list):
+        return _token_ids(item, param)
+    message = f"{param}: a prompt is a string or a list of token ids, got {type(item).__name__}"
+    raise HttpError(400, message, param, "invalid_type")
+
+
+def _token_ids(ids: list, param: str) -> list[int]:
+    """A list of token ids, each an integer in [0, 2^31 - 1] (below the vocabulary's size: the
+    engine checks that, naming the id); not empty."""
+    if not ids:
+        raise HttpError(400, f"{param}: must not be empty", param, "invalid_value")
+    for i, token in enumerate(ids):
+        if not _is_token(token) or not 0 <= token <= INT32:
+            message = f"{param}[{i}]: a token id is an integer in [0, {INT32}], got {token!r}"
+            raise HttpError(400, message, f"{param}[{i}]", "invalid_value")
+    return list(ids)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -98,7 +98,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]
+    # OpenAI's four forms: a string, strings, token ids, lists of token ids; a list is checked item
+    # by item in openai_request.prompts_of, so that an error names the item (`prompt[1][0]`)
+    prompt: Text | list[Any]
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
     suffix: Text | None = None
