@@ -48,6 +48,8 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         output_kind=OutputKind.DELTA,
         structured=to_structured(params.response_format),
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
     )
 
 

@@ -33,7 +33,7 @@ TASK_DEFAULTS = {
 DEFAULT = Tuning(temperature=0.6, max_tokens=2048, top_p=0.95, repetition_penalty=1.1)
 
 # Request fields copied to the generation parameters whenever the user set them.
-_OVERRIDES = (*SAMPLING_FIELDS, "max_tokens", "n", "logprobs")
+_OVERRIDES = (*SAMPLING_FIELDS, "max_tokens", "n", "logprobs", "ignore_eos", "skip_special_tokens")
 
 
 # Without a user max_tokens, no more than this (EXPERT_ROUTER_MAX_TOKENS_DEFAULT): the table's

@@ -291,6 +291,12 @@ def test_ignored_fields_pass_and_are_named_in_a_header(client, model):
     )
     assert raw.headers["x-expert-ignored-fields"] == "store, metadata, service_tier, reasoning_effort"
     assert raw.parse().choices[0].message.content is not None
+    # vLLM's extras the engine has travel through the plan to it (their effect: the engine's tests).
+    extras = {"ignore_eos": True, "skip_special_tokens": False}
+    past_eos = client.completions.create(
+        model=model, prompt="Hi", max_tokens=6, temperature=0.0, extra_body=extras
+    )
+    assert past_eos.usage.completion_tokens == 6 and past_eos.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=MESSAGES, extra_body={"max_token": 3})
     assert refused.value.code == "unknown_parameter" and refused.value.param == "max_token"

@@ -162,3 +162,13 @@ def test_a_users_float32_value_is_traced_as_the_shortest_decimal_that_reads_back
     assert getattr(request, field) != value or field == "seed"  # float32: 0.3 is 0.30000001192092896 here
     _, trace = tune_parameters(features(), request)
     assert trace[-1] == f"tuning: {field} = {shown} (user)"
+
+
+def test_the_users_ignore_eos_and_skip_special_tokens_go_into_the_plan():
+    request = common_pb2.InferenceRequest(prompt="x", ignore_eos=True, skip_special_tokens=False)
+    params, trace = tune_parameters(features(), request)
+    assert params.ignore_eos and params.HasField("skip_special_tokens") and not params.skip_special_tokens
+    assert "tuning: ignore_eos = True (user)" in trace
+    assert not tune_parameters(features(), common_pb2.InferenceRequest(prompt="x"))[0].HasField(
+        "skip_special_tokens"
+    )

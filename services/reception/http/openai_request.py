@@ -41,18 +41,14 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _refuse_other_outputs(body: SamplingFields) -> None:
-    """What asks for more than text from a model, or for vLLM's sampling extras the request path
-    does not carry to the engine yet (ignoring either would answer another question)."""
+    """What asks for more than text from a model, or for vLLM's `min_tokens`, which the engine does
+    not have yet (ignoring either would answer another question)."""
     if body.audio is not None:
         raise not_supported("audio", "audio output")
     if body.web_search_options is not None:
         raise not_supported("web_search_options", "web search")
-    if body.ignore_eos:
-        raise not_supported("ignore_eos", "ignore_eos: true")
     if body.min_tokens:
         raise not_supported("min_tokens", f"min_tokens={body.min_tokens}")
-    if body.skip_special_tokens is False:
-        raise not_supported("skip_special_tokens", "skip_special_tokens: false")
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
@@ -142,7 +138,7 @@ def _is_token(value: object) -> bool:
 
 def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest | CompletionRequest) -> None:
     """The sampling fields, `n`, the logprobs, the output format and the stop strings."""
-    for name in (*SAMPLING_FIELDS, "max_experts", "priority"):
+    for name in (*SAMPLING_FIELDS, "max_experts", "priority", "ignore_eos", "skip_special_tokens"):
         value = getattr(body, name)
         if value is not None:
             setattr(request, name, value)

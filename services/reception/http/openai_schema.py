@@ -60,10 +60,10 @@ class SamplingFields(IgnoredFields):
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    # vLLM's, not in the engine's path yet: accepted at the value that changes nothing (refused otherwise)
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0, le=INT32)
     skip_special_tokens: bool | None = None
+    # not in the engine yet: accepted at the value that changes nothing (0), refused otherwise
+    min_tokens: int | None = Field(None, ge=0, le=INT32)
     force_experts: list[Text] | None = None
     exclude_experts: list[Text] | None = None
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)

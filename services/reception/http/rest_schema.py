@@ -58,6 +58,8 @@ class JobBody(_Body):
     # OpenAI's shape plus the regex and grammar types, checked part by part in response_format.py
     response_format: dict[str, Any] | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] = []
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class InferBody(JobBody):
