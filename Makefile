@@ -103,6 +103,9 @@ chat: setup model
 	$(VENV)/bin/expertctl chat --model $(MODEL_DIR)
 
 # redis-server from the system's package manager (apt-get), as root or through password-less sudo.
+# apt-get waits up to APT_LOCK_TIMEOUT seconds for the dpkg lock another apt (an unattended upgrade)
+# holds, rather than failing at once.
+APT_LOCK_TIMEOUT ?= 300
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 && exit 0; \
 	hint="install it yourself (e.g. apt-get install redis-server, brew install redis)"; \
@@ -113,7 +116,7 @@ redis-server:
 	if ! command -v apt-get >/dev/null 2>&1; then \
 		echo "make: redis-server is missing and there is no apt-get here; $$hint." >&2; exit 1; fi; \
 	echo "make: installing redis-server with apt-get"; \
-	apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get"; \
+	apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_TIMEOUT)"; \
 	$$apt install -y -q redis-server || { $$apt update -q && $$apt install -y -q redis-server; } \
 		|| { echo "make: apt-get install redis-server failed; $$hint." >&2; exit 1; }; \
 	command -v redis-server >/dev/null 2>&1 \

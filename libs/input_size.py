@@ -10,7 +10,10 @@ TEMPLATE_OVERHEAD_BYTES = 64
 
 
 def input_bytes(model_input: common_pb2.ModelInput) -> int:
-    """The input's UTF-8 bytes plus what a chat template adds per message."""
+    """The input's UTF-8 bytes plus what a chat template adds per message (token ids: their count,
+    the exact number of tokens)."""
+    if model_input.HasField("token_ids"):
+        return len(model_input.token_ids.ids)
     if model_input.HasField("text"):
         return len(model_input.text.encode())
     messages = model_input.conversation.messages

@@ -48,6 +48,8 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         output_kind=OutputKind.DELTA,
         structured=to_structured(params.response_format),
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
     )
 
 
@@ -116,9 +118,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise unavailable("the engine is still loading its model")
         return self.engine
 
-    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[dict[str, str]]:
+    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[int] | list[dict[str, str]]:
         if model_input.HasField("text"):
             return model_input.text
+        if model_input.HasField("token_ids"):
+            return list(model_input.token_ids.ids)  # the engine checks each against the vocabulary
         messages = [{"role": m.role, "content": m.content} for m in model_input.conversation.messages]
         if not messages:
             raise invalid_argument("input", "neither text nor a conversation was given")

@@ -117,6 +117,7 @@ class Reception:
             auth=self.auth,
             max_body_bytes=config.http_max_body_bytes,
             serving=lambda: self.health.serving,  # /readyz and gRPC health: one flag (Redis, stopping)
+            metrics=self.metrics,
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port

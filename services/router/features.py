@@ -10,7 +10,19 @@ from dataclasses import dataclass
 
 from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
-CODE_KEYWORDS = ("function", "class", "import")
+# Code as it is written, not words about it: "the function of the liver", "a classic", "important"
+# and "import duties" are prose. Each alternative is a shape prose does not take.
+CODE_SHAPES = re.compile(
+    r"```"  # a fenced block
+    r"|^[ \t]*(?:import|from)[ \t]+[\w.]+[ \t]*(?:$|[ \t]+(?:import|as)\b)"  # an import line
+    r"|^[ \t]*#include[ \t]*[<\"]"  # a C include
+    r"|\bdef[ \t]+\w+[ \t]*\("  # a Python function
+    r"|\bfunction\b[ \t]*\w*[ \t]*\([^()\n]*\)[ \t]*\{"  # a JavaScript function
+    r"|\bclass[ \t]+[A-Z]\w*[ \t]*(?:\([^()\n]*\))?[ \t]*[:{]"  # a class header
+    r"|\b\w+\([^()\n]*\)[ \t]*\{|\([^()\n]*\)[ \t]*=>"  # a signature's body, an arrow function
+    r"|;[ \t]*$",  # a statement's end
+    re.MULTILINE,
+)
 
 # Checked in order; the first pattern that matches names the task.
 TASK_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -134,7 +146,7 @@ def extract_features(prompt: str, body: str | None = None) -> Features:
     return Features(
         language=detect_language(prompt),
         has_json="{" in prompt or "json" in lowered,
-        has_code=any(keyword in lowered for keyword in CODE_KEYWORDS),
+        has_code=CODE_SHAPES.search(prompt) is not None,
         task_type=classify_task(prompt),
     )
 

@@ -22,7 +22,11 @@ from services.router.tuning import DEFAULT_MAX_TOKENS_CEILING, tune_parameters
 
 def model_input(request: common_pb2.InferenceRequest) -> tuple[common_pb2.ModelInput, str]:
     """The engine's input and its text: the templated prompt, as is for a raw completion, otherwise
-    as the last user turn of the conversation (after any system message) for the chat template."""
+    as the last user turn of the conversation (after any system message) for the chat template;
+    token ids as they are (their text, for the trace and the logs, says how many there are)."""
+    if request.prompt_token_ids:
+        ids = common_pb2.TokenIds(ids=request.prompt_token_ids)
+        return common_pb2.ModelInput(token_ids=ids), f"<{len(ids.ids)} token ids>"
     body = request.body if request.HasField("body") else ""
     if request.HasField("template"):
         text = render_template(request.template, request.prompt, body)
@@ -183,7 +187,13 @@ def _features_trace(features: Features, prompt_features: Features, format_kind: 
 def _input_trace(request: common_pb2.InferenceRequest) -> str:
     return (
         "input: "
-        + ("raw completion" if request.raw else "chat template, as the last user turn")
+        + (
+            "token ids, completed as is"
+            if request.prompt_token_ids
+            else "raw completion"
+            if request.raw
+            else "chat template, as the last user turn"
+        )
         + (", template rendered" if request.HasField("template") else "")
         + (", body appended" if request.HasField("body") and not request.HasField("template") else "")
     )

@@ -4,6 +4,7 @@ the user's explicit values win."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from libs.gen.expert.v1 import common_pb2
@@ -32,7 +33,7 @@ TASK_DEFAULTS = {
 DEFAULT = Tuning(temperature=0.6, max_tokens=2048, top_p=0.95, repetition_penalty=1.1)
 
 # Request fields copied to the generation parameters whenever the user set them.
-_OVERRIDES = (*SAMPLING_FIELDS, "max_tokens", "n", "logprobs")
+_OVERRIDES = (*SAMPLING_FIELDS, "max_tokens", "n", "logprobs", "ignore_eos", "skip_special_tokens")
 
 
 # Without a user max_tokens, no more than this (EXPERT_ROUTER_MAX_TOKENS_DEFAULT): the table's
@@ -92,10 +93,19 @@ def tune_parameters(
     for name in _OVERRIDES:
         if request.HasField(name):
             setattr(params, name, getattr(request, name))
-            trace.append(f"tuning: {name} = {getattr(request, name)!r} (user)")
+            trace.append(f"tuning: {name} = {_shown(getattr(request, name))} (user)")
     return params, trace
 
 
-def _shown(value: float) -> str:
-    """A float32 field as the file wrote it (0.7, not 0.699999988079071)."""
-    return f"{value:.6g}"
+def _shown(value: float | int) -> str:
+    """A field's value as its sender wrote it: an integer as is, a float32 field as the shortest
+    decimal that reads back as the same float32 (0.3, not 0.30000001192092896, which is what the
+    float32 0.3 is as a Python float; 1e-05; 0.1234567)."""
+    if not isinstance(value, float):
+        return repr(value)
+    single = struct.pack("<f", value)
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        text = f"{value:.{digits}g}"
+        if struct.pack("<f", float(text)) == single:
+            return text
+    return repr(value)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from expert_system import ExpertClient
+from libs.engine.tokenizer.tokenizer import Tokenizer
 from tests.e2e.conftest import LONG, openai_client, ready_tiny_stack
 from tools.stack import LocalStack
 
@@ -240,3 +241,73 @@ def test_a_grpc_stream_that_hangs_up_still_cancels_its_job(stack, long_prompt):
         while time.monotonic() < deadline and (job := client.get_job(job_id)).status not in FINAL:
             time.sleep(0.1)
     assert job.status == "cancelled"
+
+
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_not_found(client, model):
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve(f"{model}:no-such-expert")
+    assert refused.value.code == "model_not_found"
+
+
+def test_token_id_prompts_and_lists_of_prompts_complete_each_prompt(client, model, tiny_llama):
+    ids = client.completions.create(model=model, prompt=[40, 41, 42], max_tokens=3, temperature=0.0)
+    assert len(ids.choices) == 1 and ids.usage.prompt_tokens == 3  # the ids as they are, nothing added
+    # The prompt's text and its token ids (the engine's own encoding) are the same prompt.
+    prompt = "Once upon a time"
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    encoded = tokenizer.encode(prompt)
+    text = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.0)
+    from_ids = client.completions.create(model=model, prompt=encoded, max_tokens=4, temperature=0.0)
+    assert from_ids.choices[0].text == text.choices[0].text
+    assert from_ids.usage.prompt_tokens == text.usage.prompt_tokens == len(encoded)
+    several = client.completions.create(
+        model=model, prompt=[prompt, "A cat", encoded], n=2, max_tokens=4, temperature=0.0
+    )
+    assert [c.index for c in several.choices] == list(range(6))  # prompt k's choice c is k * n + c
+    texts = [c.text for c in several.choices]
+    assert texts[0] == texts[1] == texts[4] == texts[5] == text.choices[0].text  # greedy: the same
+    assert several.usage.prompt_tokens == 2 * len(encoded) + len(tokenizer.encode("A cat"))
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_naming_it(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[["a"], [1, 10**6]], max_tokens=2)
+    assert refused.value.param == "prompt[0][0]"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=[[1, 2], [3, 10**6]], max_tokens=2)
+    assert refused.value.param == "prompt[1][1]", refused.value.body
+
+
+def test_ignored_fields_pass_and_are_named_in_a_header(client, model):
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=2,
+        store=True,
+        metadata={"run": "7"},
+        service_tier="auto",
+        extra_body={"reasoning_effort": "low"},
+    )
+    assert raw.headers["x-expert-ignored-fields"] == "store, metadata, service_tier, reasoning_effort"
+    assert raw.parse().choices[0].message.content is not None
+    # vLLM's extras the engine has travel through the plan to it (their effect: the engine's tests).
+    extras = {"ignore_eos": True, "skip_special_tokens": False}
+    past_eos = client.completions.create(
+        model=model, prompt="Hi", max_tokens=6, temperature=0.0, extra_body=extras
+    )
+    assert past_eos.usage.completion_tokens == 6 and past_eos.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=MESSAGES, extra_body={"max_token": 3})
+    assert refused.value.code == "unknown_parameter" and refused.value.param == "max_token"
+
+
+def test_probes_answer_head_and_a_body_that_is_not_json_is_415(stack):
+    base = stack.http_url()
+    with httpx.Client(base_url=base, timeout=30) as http:
+        for path in ("/livez", "/readyz", "/healthz", "/health"):
+            answer = http.head(path)
+            assert answer.status_code == 200 and answer.content == b"", path
+        assert http.get("/health").status_code == 200
+        form = http.post("/v1/completions", data={"model": "x", "prompt": "hi"})
+        assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"

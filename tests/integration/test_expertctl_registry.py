@@ -1,4 +1,4 @@
-"""`expertctl expert install` and `expertctl experts list|show|remove` against a real router process
+"""`expertctl expert install|list|show|remove` (also named `experts`) against a real router process
 (embedded Qdrant, the real encoder) and a real expert store: packages made with `expertctl expert
 keygen|pack`, refusals with a message and a non-zero status, and a registry that outlives a router
 restart."""
@@ -26,7 +26,7 @@ def setup(tiny_llama, tiny_checkpoints, tmp_path):
 
     def run(*args: str) -> int:
         options = ["--router", stack.target("router")]
-        if args[:2] == ("expert", "install"):
+        if args[1] == "install":
             options += [
                 "--store",
                 str(tmp_path / "store"),
@@ -52,9 +52,10 @@ def test_install_list_show_and_remove(setup, capsys):
     package = pack("json-parser")
     assert run("expert", "install", str(package)) == 0
     assert "json-parser@1.0.0 installed" in capsys.readouterr().out
-    assert run("expert", "install", str(package)) == 0  # the same package again: harmless
+    # The same package again, under the plural noun: harmless (`expert` and `experts` are one command).
+    assert run("experts", "install", str(package)) == 0
     assert "already in the store" in capsys.readouterr().out
-    assert run("experts", "list", "--json") == 0
+    assert run("expert", "list", "--json") == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert (listed["name"], listed["task_types"], listed["success_rate"]) == (
         "json-parser",

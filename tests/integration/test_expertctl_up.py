@@ -240,21 +240,23 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     # The banner's commands work exactly as printed, from where `up` was started.
     assert stdout.wait_for("Ctrl-C stops everything", 10)
     assert "Auth:    off (EXPERT_AUTH=required turns on API keys" in "".join(stdout.seen)
-    commands = [
-        line.strip()
-        for line in stdout.seen
-        if line.startswith("  ") and (" infer " in line or " stream " in line or " -c " in line)
-    ]
-    assert len(commands) == 3, stdout.seen
-    http_port = int(settings["EXPERT_RECEPTION_HTTP_PORT"])
-    curls = [line.strip() for line in stdout.seen if line.startswith("  curl ")]
-    assert len(curls) == 1 and f"http://127.0.0.1:{http_port}/v1/chat/completions" in curls[0], stdout.seen
-    for command in commands + curls:
+    # Every indented line is a command: each one, exactly as printed, answers.
+    commands = [line.strip() for line in stdout.seen if line.startswith("  ") and not line[2].isspace()]
+    assert len(commands) == 7, stdout.seen  # infer, stream, engines, python, 2 x buf curl, curl
+    answers = {}
+    for command in commands:
         done = subprocess.run(
             command, shell=True, env=_environment(), capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr)
-    assert json.loads(done.stdout)["object"] == "chat.completion", done.stdout  # the curl line's answer
+        answers[command] = done.stdout
+    http_port = int(settings["EXPERT_RECEPTION_HTTP_PORT"])
+    assert f"http://127.0.0.1:{http_port}/v1/chat/completions" in commands[-1], commands
+    assert json.loads(answers[commands[-1]])["object"] == "chat.completion"  # the curl line's answer
+    listed = next(c for c in commands if "--list-methods" in c)
+    assert "expert.v1.InferenceService/Infer" in answers[listed]
+    inferred = next(c for c in commands if c.endswith("/expert.v1.InferenceService/Infer"))
+    assert json.loads(answers[inferred])["result"]["status"] == "JOB_STATUS_COMPLETED"
 
     # Every listener is on 127.0.0.1 only: the services' gRPC and metrics ports, and Redis's.
     redis_port = int(_command_line(_child(process.pid, "redis-server")).split(":")[-1])

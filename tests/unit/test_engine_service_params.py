@@ -40,3 +40,12 @@ def test_the_engines_refusal_of_a_format_is_invalid_argument_naming_its_field():
     error = map_error(InvalidRequestError("structured", 'at 1(8): unknown name: "foo"'))
     assert error.code is grpc.StatusCode.INVALID_ARGUMENT
     assert error.violations == (("structured", 'at 1(8): unknown name: "foo"'),)
+
+
+def test_vllms_ignore_eos_and_skip_special_tokens_reach_the_engine_unset_as_vllms_defaults():
+    plain = sampling_params(common_pb2.GenerationParams(max_tokens=8))
+    assert (plain.ignore_eos, plain.skip_special_tokens) == (False, True)
+    asked = sampling_params(
+        common_pb2.GenerationParams(max_tokens=8, ignore_eos=True, skip_special_tokens=False)
+    )
+    assert (asked.ignore_eos, asked.skip_special_tokens) == (True, False)

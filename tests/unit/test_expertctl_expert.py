@@ -247,3 +247,18 @@ def test_a_refusal_in_a_real_process_prints_no_traceback(adapters, keys, tmp_pat
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith(f"expertctl: error: {out}: signature.json: signed by key ")
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_expert_and_experts_are_one_command_with_every_action():
+    from tools.expertctl.main import build_parser
+
+    parser = build_parser()
+    for action in (
+        ["install", "x.expert"],
+        ["list"],
+        ["show", "x"],
+        ["remove", "x"],
+        ["inspect", "x.expert"],
+    ):
+        singular, plural = (parser.parse_args([noun, *action]) for noun in ("expert", "experts"))
+        assert singular.handler is plural.handler, action

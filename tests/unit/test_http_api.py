@@ -250,3 +250,56 @@ def test_an_unreachable_key_store_is_503_not_a_traceback_and_the_probes_need_no_
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
     down = client.get("/v1/models", headers={"Authorization": "Bearer esk_0123456789ab_" + "x" * 43})
     assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_every_refusal_carries_a_code_and_a_body_that_is_not_json_is_415(parts):
+    _, _, http = parts
+    for response, status, code in [
+        (http.post("/v1/chat/completions", json={**CHAT, "stream_options": {}}), 400, "invalid_value"),
+        (http.post("/v1/chat/completions", json={**CHAT, "top_logprobs": 2}), 400, "invalid_value"),
+        (http.get("/v1/nothing"), 404, "not_found"),
+        (http.delete("/v1/models"), 405, "method_not_allowed"),
+        (
+            http.post("/v1/chat/completions", content=b"model=base", headers={"content-type": "text/plain"}),
+            415,
+            None,
+        ),
+        (http.post("/v1/completions", data={"model": "base", "prompt": "x"}), 415, None),
+        (http.post("/v1/completions", content=b'{"model": "base", "prompt": "x"}'), 415, None),
+    ]:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == (code or "unsupported_media_type")
+        assert error["type"] == "invalid_request_error"
+    says = http.post("/v1/completions", data={"model": "base"}).json()["error"]["message"]
+    assert "Content-Type: application/json" in says and "x-www-form-urlencoded" in says
+    # JSON under its +json names too, and an empty body (a cancel's POST) needs no Content-Type.
+    content = b'{"model": "base", "messages": [{"role": "user", "content": "hi"}]}'
+    json_ld = {"content-type": "application/ld+json; charset=utf-8"}
+    assert http.post("/v1/chat/completions", content=content, headers=json_ld).status_code == 200
+    assert http.post("/v1/chat/completions").json()["error"]["code"] != "unsupported_media_type"
+
+
+def test_every_probe_answers_head_and_health_is_vllms(parts):
+    _, capacity, http = parts
+    for path in ("/livez", "/readyz", "/healthz", "/health"):
+        assert http.head(path).status_code == 200, path
+    assert http.get("/health").status_code == 200 and http.get("/health").content == b""
+    capacity.engines = 0
+    assert http.head("/readyz").status_code == 503 and http.get("/health").status_code == 503
+    assert http.head("/health").status_code == 503 and http.head("/livez").status_code == 200
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_404_model_not_found(parts):
+    _, _, http = parts
+    for name in ("base", "base:json"):
+        model = http.get(f"/v1/models/{name}").json()
+        assert model["id"] == name and model["object"] == "model" and model["owned_by"] == "expert-system"
+    response = http.get("/v1/models/base:nope")
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "the model 'base:nope' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }

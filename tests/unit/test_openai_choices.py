@@ -242,5 +242,8 @@ def test_a_stream_whose_job_restarts_after_text_was_sent_ends_with_an_error_even
     admission, http = parts
     admission.restart = True
     events = _events(http.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}))
-    assert events[-1]["error"]["code"] is None and events[-1]["error"]["type"] == "service_unavailable_error"
+    assert (
+        events[-1]["error"]["code"] == "job_restarted"
+        and events[-1]["error"]["type"] == "service_unavailable_error"
+    )
     assert "[DONE]" not in events

@@ -354,3 +354,14 @@ def test_a_format_is_nfc_normalized_and_refuses_nul_bytes():
     assert list(problems(formatted(regex="a\x00"))) == [REGEX_FIELD]
     nul_name = problems(schema_format("{}", name="a\x00"))
     assert NAME_FIELD in nul_name
+
+
+def test_a_prompt_of_token_ids_stands_alone_and_fits_the_context():
+    assert problems(common_pb2.InferenceRequest(prompt_token_ids=[1, 2, 3], raw=True)) == {}
+    both = problems(request(prompt="Hi", prompt_token_ids=[1], template="{prompt}"))
+    assert set(both) == {"request.prompt", "request.template"}
+    assert problems(common_pb2.InferenceRequest(prompt_token_ids=[1, -4])) == {
+        "request.prompt_token_ids[1]": "must be >= 0, got -4"
+    }
+    too_long = problems(common_pb2.InferenceRequest(prompt_token_ids=[1] * 64), max_model_len=64)
+    assert too_long == {"request.prompt_token_ids": "64 tokens leave no room in the 64-token context"}

@@ -113,6 +113,7 @@ def test_every_field_maps_onto_the_request_under_its_proto_name():
         "messages": [{"role": "system", "content": "s"}],
         "raw": False,
         "json_schema": "{}",
+        "prompt_token_ids": [1, 2],
     }
     request = to_request(JobBody(**fields))
     assert to_json(request) == fields

@@ -146,3 +146,29 @@ def test_for_format_replaces_only_the_task_type():
     prompt = features("question_answering")
     assert for_format(prompt, None) is prompt
     assert for_format(prompt, "grammar") == Features("en", False, False, "structured_output")
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("temperature", 0.3, "0.3"),
+        ("top_p", 0.1234567, "0.1234567"),
+        ("min_p", 1e-05, "1e-05"),
+        ("seed", 7, "7"),
+    ],
+)
+def test_a_users_float32_value_is_traced_as_the_shortest_decimal_that_reads_back(field, value, shown):
+    request = common_pb2.InferenceRequest(prompt="x", **{field: value})
+    assert getattr(request, field) != value or field == "seed"  # float32: 0.3 is 0.30000001192092896 here
+    _, trace = tune_parameters(features(), request)
+    assert trace[-1] == f"tuning: {field} = {shown} (user)"
+
+
+def test_the_users_ignore_eos_and_skip_special_tokens_go_into_the_plan():
+    request = common_pb2.InferenceRequest(prompt="x", ignore_eos=True, skip_special_tokens=False)
+    params, trace = tune_parameters(features(), request)
+    assert params.ignore_eos and params.HasField("skip_special_tokens") and not params.skip_special_tokens
+    assert "tuning: ignore_eos = True (user)" in trace
+    assert not tune_parameters(features(), common_pb2.InferenceRequest(prompt="x"))[0].HasField(
+        "skip_special_tokens"
+    )

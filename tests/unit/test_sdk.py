@@ -62,6 +62,9 @@ ALL_FIELDS = {
     "model": "SmolLM2-135M-Instruct",
     "n": 2,
     "logprobs": 3,
+    "prompt_token_ids": [5, 6],
+    "ignore_eos": True,
+    "skip_special_tokens": False,
     # in OpenAI's shape (reception refuses it beside json_schema; the SDK sends what it is given)
     "response_format": {
         "type": "json_schema",

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_install:
             chosen = [b for b in built if args.with_draft or b.name != DRAFT]
             install([b.package for b in chosen], args.base, args.router)
-            print("installed: `expertctl experts list` shows them, `expertctl infer --trace` a choice")
+            print("installed: `expertctl expert list` shows them, `expertctl infer --trace` a choice")
     except BuildError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,11 @@
-"""`expertctl expert`: signing keys, and signed `.expert` packages built from PEFT adapters.
+"""`expertctl expert` (or `experts`: one command under both names, so neither is a typo): signing
+keys, signed `.expert` packages built from PEFT adapters, and the experts installed.
 
 `keygen` makes an ed25519 key pair, `pack` turns a PEFT adapter directory into a signed package,
 `verify` checks a package against a directory of trusted public keys (and optionally a base
-model), `inspect` shows what a package holds and how much memory its weights take.
+model), `inspect` shows what a package holds and how much memory its weights take, `train`
+trains one; `install`, `list`, `show` and `remove` are the experts installed in the store and
+registered with the router.
 """
 
 from __future__ import annotations
@@ -28,9 +31,13 @@ _TENSORS_SHOWN = 6
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `expert keygen|pack|verify|install|inspect|train` to the `expertctl` parser."""
+    """Add `expert keygen|pack|verify|install|inspect|train|list|show|remove` to the `expertctl`
+    parser, also named `experts`."""
     parser = subparsers.add_parser(
-        "expert", help="build, verify and inspect .expert packages", description=__doc__
+        "expert",
+        aliases=["experts"],
+        help="build, verify, inspect, install and list experts",
+        description=__doc__,
     )
     actions = parser.add_subparsers(dest="expert_action", required=True, metavar="ACTION")
 
@@ -77,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(handler=_verify)
 
     registry_cmd.add_install(actions)
+    registry_cmd.add_registry_actions(actions)
     train_cmd.add_train(actions)
 
     inspect = actions.add_parser("inspect", help="show a package's manifest, files, tensors and memory")

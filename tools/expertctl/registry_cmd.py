@@ -1,10 +1,10 @@
-"""`expertctl expert install` and `expertctl experts list|show|remove`: installed experts.
+"""`expertctl expert install|list|show|remove` (`experts` is the same command): installed experts.
 
 `install` verifies a package (signature against the trusted keys, the base model it must fit),
 stores it in the expert store by content hash, and registers it with the router, which indexes it
 for selection. Installing the same package again is harmless (it registers again); the same name
-and version with other content is refused. `experts` reads and changes the router's registry;
-`remove` also deletes the expert's packages from the store.
+and version with other content is refused. `list`, `show` and `remove` read and change the router's
+registry; `remove` also deletes the expert's packages from the store.
 """
 
 from __future__ import annotations
@@ -53,10 +53,8 @@ def add_install(actions: argparse._SubParsersAction) -> None:
     install.set_defaults(handler=_install)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """`experts list|show|remove`."""
-    parser = subparsers.add_parser("experts", help="the experts the router can select", description=__doc__)
-    actions = parser.add_subparsers(dest="experts_action", required=True, metavar="ACTION")
+def add_registry_actions(actions: argparse._SubParsersAction) -> None:
+    """`expert list|show|remove` (added to the `expert` command's actions)."""
     listing = actions.add_parser("list", help="every registered expert")
     _add_router_arguments(listing)
     listing.set_defaults(handler=_list)

@@ -173,6 +173,7 @@ def _ready_block(
         expertctl=local_command("expertctl"),
         python=local_command("python"),
         auth=auth,
+        buf=local_command("buf") if installed("buf") else None,
     )
 
 
@@ -201,10 +202,12 @@ def how_to_call(
     expertctl: str = "expertctl",
     python: str = "python",
     auth: str = "off",
+    buf: str | None = None,
 ) -> str:
-    """The block printed once the stack is up: the CLI, the SDK, grpcurl, the HTTP API (at `http`,
-    serving `model`; None: off), whether API keys are required (`auth`: EXPERT_AUTH), metrics and
-    logs. `expertctl` and `python` are how the user runs them from here (local_command)."""
+    """The block printed once the stack is up: the CLI, the SDK, `buf curl` (None: not installed),
+    the HTTP API (at `http`, serving `model`; None: off), whether API keys are required (`auth`:
+    EXPERT_AUTH), metrics and logs. `expertctl`, `python` and `buf` are how the user runs them from
+    here (local_command). Every indented line is a command that works as printed."""
     # --target only when a service is not where the clients look by default.
     to_reception = "" if reception == "127.0.0.1:50051" else f"--target {reception} "
     to_preparation = "" if preparation == "127.0.0.1:50053" else f" --target {preparation}"
@@ -223,11 +226,7 @@ def how_to_call(
         f"  {python} -c 'from expert_system import ExpertClient; "
         f'print({client}.infer(prompt="What is the capital of France?").text)\'',
         "",
-        "With grpcurl (server reflection is on):",
-        f"  grpcurl -plaintext {reception} list",
-        f'  grpcurl -plaintext -d \'{{"request": {{"prompt": "Hello"}}}}\' {reception} '
-        "expert.v1.InferenceService/Infer",
-        "",
+        *_buf_lines(buf, reception),
         *_http_lines(http, model),
         *_auth_lines(auth, expertctl, to_reception, to_preparation, log_dir.parent / "tls"),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
@@ -268,6 +267,21 @@ def _auth(settings: Mapping[str, str]) -> str:
         raise UsageError(str(error)) from None
 
 
+def _buf_lines(buf: str | None, reception: str) -> list[str]:
+    """Raw gRPC calls with `buf curl` (the venv's dev tools install it; grpcurl has no package to
+    install it from), over server reflection."""
+    if buf is None:
+        return []
+    grpc = f"{buf} curl --protocol grpc --http2-prior-knowledge"
+    return [
+        "Raw gRPC with buf curl (server reflection is on):",
+        f"  {grpc} --list-methods http://{reception}",
+        f'  {grpc} -d \'{{"request": {{"prompt": "Hello", "max_tokens": 16}}}}\' '
+        f"http://{reception}/expert.v1.InferenceService/Infer",
+        "",
+    ]
+
+
 def _http_lines(http: str | None, model: str) -> list[str]:
     if http is None:
         return []
@@ -279,6 +293,11 @@ def _http_lines(http: str | None, model: str) -> list[str]:
         f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         "",
     ]
+
+
+def installed(name: str) -> bool:
+    """Whether the program `name` is in this interpreter's environment or on PATH."""
+    return (Path(os.path.abspath(sys.executable)).parent / name).is_file() or shutil.which(name) is not None
 
 
 def local_command(name: str) -> str:

@@ -59,6 +59,12 @@ class RequestFields(TypedDict, total=False):
     # "json_schema": {"name", "schema", "strict", "description"}} (the schema a dict or JSON text),
     # {"type": "regex", "regex": ...}, {"type": "grammar", "grammar": ...}; {"type": "text"}: none.
     response_format: Mapping[str, Any]
+    # The prompt as token ids of the model's vocabulary, completed as they are (pass prompt="").
+    prompt_token_ids: Sequence[int]
+    # vLLM's: generate past the end-of-sequence token.
+    ignore_eos: bool
+    # vLLM's: False writes special tokens into the text (unset: they are left out).
+    skip_special_tokens: bool
     # A regex the whole output matches: response_format={"type": "regex", "regex": ...}.
     regex: str
     # A grammar in llguidance's Lark dialect: response_format={"type": "grammar", "grammar": ...}.
@@ -96,6 +102,8 @@ def _set_field(request: common_pb2.InferenceRequest, name: str, value: Any) -> N
     """One keyword's value into the request, in the field's own shape."""
     if name == "messages":
         request.messages.extend(_chat_message(i, m) for i, m in enumerate(value))
+    elif name == "prompt_token_ids":
+        _set_repeated(request, name, list(value))
     elif name in _REPEATED_STRINGS:
         # A lone string is one item, not a sequence of characters.
         items = [value] if isinstance(value, str) else list(value)

@@ -31,7 +31,7 @@ from services.reception.admission.validation import validate
 from services.reception.capacity import Capacity, served_model
 from services.reception.job_events import Finished, JobEvent
 from services.reception.jobs import FINAL, JobExpired, JobStore
-from services.reception.metrics import ReceptionMetrics
+from services.reception.metrics import REFUSED_RATE, ReceptionMetrics
 from services.reception.queue import JobQueue, stream
 
 log = get_logger(__name__)
@@ -122,7 +122,12 @@ class Admission:
         # The caller the credentials proved (gRPC interceptor or HTTP front); None with auth off.
         caller = current_caller()
         if self.limiter is not None:
-            await self.limiter.admit(caller)  # first: a key over its limit costs no more work
+            try:
+                await self.limiter.admit(caller)  # first: a key over its limit costs no more work
+            except ServiceError as exc:
+                if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.metrics.refused(REFUSED_RATE)
+                raise
         if isinstance(request, Undecodable):
             raise invalid_argument(
                 "request", f"not a valid request message ({request.reason}); text fields must be valid UTF-8"
@@ -158,7 +163,7 @@ class Admission:
             validate(request, model.max_model_len if model is not None else 0)
         except ServiceError as exc:
             for field, _ in exc.violations:
-                self.metrics.rejected.labels(field.split("[")[0]).inc()
+                self.metrics.refused(field)
             raise
         return started
 

@@ -102,8 +102,9 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     max_model_len is the fleet's context window (0 when no engine is known yet: the engine checks then).
     """
     problems = normalize(request)
-    if not request.prompt and not request.messages:
+    if not request.prompt and not request.messages and not request.prompt_token_ids:
         problems.append(("request.prompt", "Prompt cannot be empty"))
+    problems += _token_ids(request, max_model_len)
     if len(request.prompt) > MAX_PROMPT_CHARS:
         problems.append(
             ("request.prompt", f"Prompt too long ({len(request.prompt)} > {MAX_PROMPT_CHARS} characters)")
@@ -129,6 +130,35 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     problems += _format(request)
     if problems:
         raise invalid_arguments(problems)
+
+
+def _token_ids(request: common_pb2.InferenceRequest, max_model_len: int) -> list[tuple[str, str]]:
+    """A prompt given as token ids: alone (no text to render with it), each id a vocabulary index,
+    as many as the context holds. Whether each id is below the vocabulary's size is the engine's
+    check (it names `prompt_token_ids[i]` too): the fleet's capacity does not carry it."""
+    ids = request.prompt_token_ids
+    if not ids:
+        return []
+    given = {
+        "prompt": bool(request.prompt),
+        "messages": bool(request.messages),
+        "template": request.HasField("template"),
+        "body": request.HasField("body"),
+    }
+    problems = [
+        (f"request.{name}", "not with a prompt given as token ids (prompt_token_ids)")
+        for name, present in given.items()
+        if present
+    ]
+    negative = next((i for i, token in enumerate(ids) if token < 0), None)
+    if negative is not None:
+        problems.append((f"request.prompt_token_ids[{negative}]", f"must be >= 0, got {ids[negative]}"))
+    limit = min(max_model_len or MAX_PROMPT_CHARS, MAX_PROMPT_CHARS)
+    if len(ids) >= limit:
+        problems.append(
+            ("request.prompt_token_ids", f"{len(ids)} tokens leave no room in the {limit}-token context")
+        )
+    return problems
 
 
 def _sampling(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from libs.auth.policy import Authenticator
@@ -22,7 +22,11 @@ from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from services.reception.http.errors import HttpError, as_http_error, error_response, validation_error
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
+from services.reception.http.rejections import count_refusal
 from services.reception.http.rest import add_rest_routes
+from services.reception.metrics import ReceptionMetrics
+
+PROBE_METHODS = ["GET", "HEAD"]
 
 
 def create_app(
@@ -33,11 +37,13 @@ def create_app(
     auth: Authenticator | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     serving: Callable[[], bool] = lambda: True,
+    metrics: ReceptionMetrics | None = None,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
     a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
-    the gRPC health service reports (False while Redis is unreachable or reception stops)."""
+    the gRPC health service reports (False while Redis is unreachable or reception stops);
+    `metrics` counts the refusals and the ignored fields (None: not counted)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -47,26 +53,33 @@ def create_app(
         dependencies=[Depends(authentication(auth, error_mapper))],
     )
     # Outside every route and dependency: no body is read past its bound, keyed or not.
-    app.add_middleware(BodyGuard, max_bytes=max_body_bytes)
-    _add_error_handlers(app)
+    app.add_middleware(
+        BodyGuard, max_bytes=max_body_bytes, on_refused=functools.partial(count_refusal, metrics)
+    )
+    _add_error_handlers(app, metrics)
     to_http_error = functools.partial(as_http_error, error_mapper=error_mapper)
     add_rest_routes(app, admission, to_http_error)
     _add_probes(app, capacity, serving)
     _add_models(app, models)
-    add_openai_routes(app, admission, to_http_error)
+    add_openai_routes(app, admission, to_http_error, metrics)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every refusal in OpenAI's error body: a bad body, an HttpError, no such path or method."""
+def _add_error_handlers(app: FastAPI, metrics: ReceptionMetrics | None) -> None:
+    """Every refusal in OpenAI's error body, counted (rejections.py): a bad body, an HttpError (a
+    refused field or key); then no such path or method."""
+
+    def refuse(error: HttpError) -> JSONResponse:
+        count_refusal(metrics, error)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return refuse(validation_error(exc))
 
     @app.exception_handler(HttpError)
     async def http_error(request: Request, exc: HttpError) -> JSONResponse:
-        return error_response(exc)
+        return refuse(exc)
 
     @app.exception_handler(HTTPException)
     async def unparsable_body(request: Request, exc: HTTPException) -> JSONResponse:
@@ -75,7 +88,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code != 400:
             return error_response(HttpError(exc.status_code, str(exc.detail)))
         reason = exc.__cause__ if exc.__cause__ is not None else exc.detail
-        return error_response(HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json"))
+        return refuse(HttpError(400, f"the body is not valid JSON: {reason}", None, "invalid_json"))
 
     @app.exception_handler(404)
     async def no_route(request: Request, exc: Exception) -> JSONResponse:
@@ -88,35 +101,51 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_probes(app: FastAPI, capacity: Capacity, serving: Callable[[], bool]) -> None:
     """/livez (the process answers), /readyz (serving, as gRPC health says, and an engine is
-    registered) and /healthz (an engine is registered)."""
+    registered), /healthz (an engine is registered) and /health (vLLM's: /readyz's answer as a bare
+    status, no body). Each answers HEAD as GET (load balancers probe with either)."""
 
-    @app.get("/livez")
+    @app.api_route("/livez", methods=PROBE_METHODS)
     async def livez() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def ready() -> tuple[bool, bool, int]:
         engines = (await capacity.get()).engines
         up = serving()  # read after the await: the state at the answer, not before it
-        ready = up and engines > 0
+        return up and engines > 0, up, engines
+
+    @app.api_route("/readyz", methods=PROBE_METHODS)
+    async def readyz() -> JSONResponse:
+        is_ready, up, engines = await ready()
         return JSONResponse(
-            {"status": "ready" if ready else "not ready", "serving": up, "engines": engines},
-            status_code=200 if ready else 503,
+            {"status": "ready" if is_ready else "not ready", "serving": up, "engines": engines},
+            status_code=200 if is_ready else 503,
         )
 
-    @app.get("/healthz")
+    @app.api_route("/health", methods=PROBE_METHODS)
+    async def health() -> Response:
+        is_ready, _, _ = await ready()
+        return Response(status_code=200 if is_ready else 503)
+
+    @app.api_route("/healthz", methods=PROBE_METHODS)
     async def healthz() -> dict:
         engines = (await capacity.get()).engines
         return {"status": "ok" if engines > 0 else "degraded", "engines": engines}
 
 
 def _add_models(app: FastAPI, models: ServedModels) -> None:
+    """GET /v1/models and GET /v1/models/{id} (OpenAI's `models.retrieve`, `<base>:<expert>` ids
+    too): a model no engine serves is 404 with code `model_not_found`, as OpenAI answers."""
     started = int(time.time())
+
+    def entry(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        data = [
-            {"id": name, "object": "model", "created": started, "owned_by": "expert-system"}
-            for name in await models.names()
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [entry(name) for name in await models.names()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        if model_id not in await models.names():
+            raise HttpError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return entry(model_id)

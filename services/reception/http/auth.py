@@ -1,5 +1,5 @@
 """The HTTP front's credentials check: `Authorization: Bearer <key>` on every /v1 route (the probes
-/livez, /readyz and /healthz need none), decided by the same `Authenticator` as the gRPC API, so a
+/livez, /readyz, /healthz and /health need none), decided by the same `Authenticator` as the gRPC API, so a
 key means the same on both. A refusal is OpenAI's error body: 401 with code "invalid_api_key" for
 a missing, wrong or revoked key."""
 

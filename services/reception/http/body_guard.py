@@ -1,7 +1,8 @@
 """The first thing every HTTP request meets, before authentication and before any parser: its body is
 read into memory only up to `max_bytes` (413 as soon as one byte more is declared or arrives, with
-or without a Content-Length), and a JSON body nested deeper than MAX_JSON_DEPTH is refused (400)
-before a recursive parser sees it. The app then reads the body from what was kept.
+or without a Content-Length), a JSON body nested deeper than MAX_JSON_DEPTH is refused (400)
+before a recursive parser sees it, and a body that is not JSON by its Content-Type is refused (415,
+media_type.py). The app then reads the body from what was kept.
 
 An ASGI middleware rather than a FastAPI dependency: FastAPI reads and parses the whole body before
 any dependency runs, the API key check included. Nor FastAPI's `max_body_size` (Starlette's
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from services.reception.http.errors import HttpError, error_response
+from services.reception.http.media_type import media_type_error
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,8 +42,10 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 class BodyGuard:
     """ASGI middleware over `app`: HTTP bodies bounded to `max_bytes` and MAX_JSON_DEPTH."""
 
-    def __init__(self, app: App, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: App, max_bytes: int, on_refused: Callable[[HttpError], None] = lambda _: None
+    ) -> None:
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,7 +63,11 @@ class BodyGuard:
             return
         if nested_deeper_than(body, MAX_JSON_DEPTH):
             message = f"the body is nested deeper than {MAX_JSON_DEPTH} levels (objects and arrays)"
-            await error_response(HttpError(400, message, None, "invalid_json"))(scope, receive, send)
+            await self._refuse(HttpError(400, message, None, "invalid_json"), scope, receive, send)
+            return
+        not_json = media_type_error(scope, body)
+        if not_json is not None:
+            await self._refuse(not_json, scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -90,6 +98,10 @@ class BodyGuard:
             "request_too_large",
             headers={"Connection": "close"},
         )
+        await self._refuse(error, scope, receive, send)
+
+    async def _refuse(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_refused(error)
         await error_response(error)(scope, receive, send)
 
 

@@ -31,10 +31,10 @@ def first_undecodable(value: object, path: str) -> str | None:
     """The path (`path.key[0]`) of the first string or key in a JSON value that UTF-8 cannot hold;
     None when there is none. For the free-form parts of a body (a response format's schema)."""
     if isinstance(value, str):
-        return None if _is_encodable(value) else path
+        return None if is_encodable(value) else path
     if isinstance(value, dict):
         for key, item in value.items():
-            if not _is_encodable(key):
+            if not is_encodable(key):
                 return path
             found = first_undecodable(item, f"{path}.{key}")
             if found is not None:
@@ -47,7 +47,7 @@ def first_undecodable(value: object, path: str) -> str | None:
     return None
 
 
-def _is_encodable(text: str) -> bool:
+def is_encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -37,8 +37,23 @@ HTTP_STATUS = {
 }
 
 
+# The `code` of an error whose site names none: every error body carries a code, never null.
+DEFAULT_CODE = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
 class HttpError(Exception):
-    """An OpenAI error to answer with; `headers` go with it (Retry-After on a 429)."""
+    """An OpenAI error to answer with; `headers` go with it (Retry-After on a 429). `code` defaults
+    to the status's (DEFAULT_CODE), so no answer has a null code."""
 
     def __init__(
         self,
@@ -54,14 +69,16 @@ class HttpError(Exception):
         # Text the client sent (a field's name, a value) may hold lone surrogates, which no JSON
         # answer can carry: they are written as their escapes.
         self.message, self.param = printable(message), printable(param) if param is not None else None
-        self.status, self.code = status, code
+        self.status, self.code = status, code or DEFAULT_CODE.get(status, "internal")
         self.headers = headers or {}
         self.type = {
             400: "invalid_request_error",
             401: "invalid_request_error",
             403: "invalid_request_error",
             404: "invalid_request_error",
+            405: "invalid_request_error",
             413: "invalid_request_error",
+            415: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable_error",
         }.get(status, "server_error")
@@ -100,6 +117,8 @@ def param_of(field: str, body: object) -> str | None:
     base = head.group(0) if head else name
     if base == "user_id" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         base = "user"  # OpenAI's name; the REST API keeps the proto's
+    elif base == "prompt_token_ids" and isinstance(body, CompletionRequest):
+        base = "prompt"  # OpenAI's token-id prompt
     elif base == "prompt" and isinstance(body, ChatCompletionRequest):
         base = "messages"  # a chat has no prompt: an empty one is an empty conversation
     elif base == "max_tokens" and isinstance(body, ChatCompletionRequest):

@@ -9,26 +9,45 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.core import Admission, Submitted
 from services.reception.http.calls import infer
+from services.reception.http.completion_prompts import complete_prompts, per_prompt
 from services.reception.http.errors import HttpError, ToHttpError, error_response
+from services.reception.http.ignored_fields import report_ignored
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_response import Chunks, event, failure, response
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from services.reception.job_events import Delta, Finished, JobEvent, Restarted
+from services.reception.metrics import ReceptionMetrics
 
 
-def add_openai_routes(app: FastAPI, admission: Admission, to_http_error: ToHttpError) -> None:
+def add_openai_routes(
+    app: FastAPI, admission: Admission, to_http_error: ToHttpError, metrics: ReceptionMetrics | None = None
+) -> None:
+    """The two endpoints; the ignored fields a request carries are logged, counted in `metrics` and
+    named in the answer's header (ignored_fields.py), whatever the answer."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await _complete(admission, request, body, True, to_http_error)
+        answer = await _complete(admission, request, body, True, to_http_error)
+        return _with_headers(answer, report_ignored(body, metrics))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await _complete(admission, request, body, False, to_http_error)
+        answer = await _complete(admission, request, body, False, to_http_error)
+        return _with_headers(answer, report_ignored(body, metrics))
+
+
+def _with_headers(answer: Response | dict, headers: dict[str, str]) -> Response | dict:
+    if not headers:
+        return answer
+    if isinstance(answer, Response):
+        answer.headers.update(headers)
+        return answer
+    return JSONResponse(answer, headers=headers)
 
 
 async def _complete(
@@ -39,6 +58,9 @@ async def _complete(
     to_http_error: ToHttpError,
 ):
     inference = to_request(body)
+    several = per_prompt(body, inference) if isinstance(body, CompletionRequest) else None
+    if several is not None:
+        return await complete_prompts(admission, request, body, several, to_http_error)
     logprobs = inference.HasField("logprobs")
     if body.stream:
         return await _stream(admission, inference, body, chat, to_http_error)
@@ -92,7 +114,11 @@ async def _sse(
                     case Restarted() if sent:
                         # The job started over on another engine: the text sent cannot be taken back.
                         yield _error(
-                            HttpError(503, "the job restarted after part of its output was streamed")
+                            HttpError(
+                                503,
+                                "the job restarted after part of its output was streamed",
+                                code="job_restarted",
+                            )
                         )
                         return
                     case Finished(result):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from libs.gen.expert.v1 import common_pb2
 from libs.limits import SAMPLING_FIELDS
+from services.reception.http.body_text import is_encodable
 from services.reception.http.errors import HttpError, not_supported
 from services.reception.http.openai_schema import (
+    INT32,
     ChatCompletionRequest,
     CompletionRequest,
     Message,
@@ -20,6 +22,7 @@ from services.reception.http.response_format import parse_response_format
 def _refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
+    _refuse_other_outputs(body)
     if isinstance(body, ChatCompletionRequest):
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(body, name) not in (None, [], "none"):
@@ -32,7 +35,20 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         if body.best_of not in (None, 1):
             raise not_supported("best_of", f"best_of={body.best_of}")
     if body.stream_options is not None and not body.stream:
-        raise HttpError(400, "stream_options is only allowed with stream: true", "stream_options")
+        raise HttpError(
+            400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value"
+        )
+
+
+def _refuse_other_outputs(body: SamplingFields) -> None:
+    """What asks for more than text from a model, or for vLLM's `min_tokens`, which the engine does
+    not have yet (ignoring either would answer another question)."""
+    if body.audio is not None:
+        raise not_supported("audio", "audio output")
+    if body.web_search_options is not None:
+        raise not_supported("web_search_options", "web search")
+    if body.min_tokens:
+        raise not_supported("min_tokens", f"min_tokens={body.min_tokens}")
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.InferenceRequest:
@@ -61,18 +77,68 @@ def _chat_input(request: common_pb2.InferenceRequest, body: ChatCompletionReques
 
 
 def _prompt(request: common_pb2.InferenceRequest, body: CompletionRequest) -> int | None:
-    """A completion's one prompt onto the request, raw (no chat template); its token limit."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if len(prompts) != 1:
-        raise not_supported("prompt", "a list of several prompts (batched completions)")
-    request.prompt = prompts[0]
+    """A completion's first prompt onto the request, raw (no chat template), as text or token ids;
+    its token limit. The other prompts of a list are set on copies (completion_prompts.py)."""
+    set_prompt(request, prompts_of(body)[0])
     request.raw = True
     return body.max_tokens
 
 
+def set_prompt(request: common_pb2.InferenceRequest, prompt: str | list[int]) -> None:
+    """One prompt of a completions body onto its request: text, or token ids."""
+    request.ClearField("prompt_token_ids")
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt = ""
+        request.prompt_token_ids.extend(prompt)
+
+
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions body, each a string or token ids (OpenAI's four forms:
+    "text", ["text", ...], [1, 2], [[1, 2], ...]); anything else is refused naming the item."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(_is_token(t) for t in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if not prompt:
+        raise HttpError(400, "prompt: must not be an empty list", "prompt", "invalid_value")
+    return [_one_prompt(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+
+
+def _one_prompt(item: object, param: str) -> str | list[int]:
+    if isinstance(item, str):
+        if not is_encodable(item):
+            raise HttpError(
+                400, f"{param}: not valid Unicode text (a lone surrogate)", param, "invalid_value"
+            )
+        return item
+    if isinstance(item, list):
+        return _token_ids(item, param)
+    message = f"{param}: a prompt is a string or a list of token ids, got {type(item).__name__}"
+    raise HttpError(400, message, param, "invalid_type")
+
+
+def _token_ids(ids: list, param: str) -> list[int]:
+    """A list of token ids, each an integer in [0, 2^31 - 1] (below the vocabulary's size: the
+    engine checks that, naming the id); not empty."""
+    if not ids:
+        raise HttpError(400, f"{param}: must not be empty", param, "invalid_value")
+    for i, token in enumerate(ids):
+        if not _is_token(token) or not 0 <= token <= INT32:
+            message = f"{param}[{i}]: a token id is an integer in [0, {INT32}], got {token!r}"
+            raise HttpError(400, message, f"{param}[{i}]", "invalid_value")
+    return list(ids)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest | CompletionRequest) -> None:
     """The sampling fields, `n`, the logprobs, the output format and the stop strings."""
-    for name in (*SAMPLING_FIELDS, "max_experts", "priority"):
+    for name in (*SAMPLING_FIELDS, "max_experts", "priority", "ignore_eos", "skip_special_tokens"):
         value = getattr(body, name)
         if value is not None:
             setattr(request, name, value)
@@ -97,7 +163,7 @@ def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     if isinstance(body, CompletionRequest):
         return body.logprobs
     if body.top_logprobs is not None and not body.logprobs:
-        raise HttpError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        raise HttpError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
@@ -107,7 +173,12 @@ def _role(role: str) -> str:
 
 def _text(message: Message, index: int) -> str:
     if message.content is None:
-        raise HttpError(400, "a message without content is not supported yet", f"messages[{index}].content")
+        raise HttpError(
+            400,
+            "a message without content is not supported yet",
+            f"messages[{index}].content",
+            "unsupported_parameter",
+        )
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.reception.http.body_text import Text
+from services.reception.http.ignored_fields import IgnoredFields
 
 INT32 = 2**31 - 1
 UINT64 = 2**64 - 1
@@ -33,8 +34,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
-    """The fields chat and completions share: OpenAI's, then vLLM-style extras."""
+class SamplingFields(IgnoredFields):
+    """The fields chat and completions share: the ignored ones (ignored_fields.py), OpenAI's, then
+    vLLM-style extras."""
 
     model: Text
     max_tokens: int | None = Field(None, le=INT32)
@@ -52,10 +54,16 @@ class SamplingFields(_Body):
     response_format: dict[str, Any] | None = None
     # not supported yet: accepted only at the value that asks for nothing (refused otherwise)
     logit_bias: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # vLLM-style extras (extra_body in the openai client)
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    # not in the engine yet: accepted at the value that changes nothing (0), refused otherwise
+    min_tokens: int | None = Field(None, ge=0, le=INT32)
     force_experts: list[Text] | None = None
     exclude_experts: list[Text] | None = None
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)
@@ -90,7 +98,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]
+    # OpenAI's four forms: a string, strings, token ids, lists of token ids; a list is checked item
+    # by item in openai_request.prompts_of, so that an error names the item (`prompt[1][0]`)
+    prompt: Text | list[Any]
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
     suffix: Text | None = None

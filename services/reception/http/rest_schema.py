@@ -6,7 +6,7 @@ SDK and the OpenAI endpoints take it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,6 +57,9 @@ class JobBody(_Body):
     logprobs: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     # OpenAI's shape plus the regex and grammar types, checked part by part in response_format.py
     response_format: dict[str, Any] | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] = []
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class InferBody(JobBody):
