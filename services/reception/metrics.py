@@ -55,7 +55,7 @@ class ReceptionMetrics:
             "Jobs whose result was recorded without postproc (unreachable until the job's deadline): "
             "no validation, marked validation_skipped",
         )
-        self.redis_compactions = Counter(
+        self.redis_compactions = counter(
             "expert_reception_redis_compactions_total",
             "Rewrites of Redis's append-only file asked for after ended jobs' texts left Redis "
             "(EXPERT_STORE_REQUEST_TEXT=false), by outcome: rewritten, no_aof, refused",
