@@ -211,7 +211,7 @@ class LLMEngine:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per element of the weights and the KV cache."""
+        """Bytes per element of the weights (and of the KV cache unless it is int8)."""
         return torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod

@@ -72,7 +72,7 @@ def test_a_byte_budget_holds_more_int8_blocks_and_preparation_counts_their_bytes
         dtype: LLMEngine.from_pretrained(str(tiny_llama), kv_cache_bytes=budget, kv_cache_dtype=dtype)
         for dtype in ("auto", "int8")
     }
-    blocks = {name: e.kv.pool.num_blocks for name, e in engines.items()}
+    blocks = {name: e.runner.kv_cache.shape[2] for name, e in engines.items()}  # null block included
     assert blocks["int8"] >= 2 * blocks["auto"]
     for name, engine in engines.items():
         info = engine.model_info
@@ -136,7 +136,7 @@ def test_default_model_greedy_output_with_int8_kv(default_model):
         "The quick brown fox",
         "Water boils at a temperature of",
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = {}
     for dtype in ("auto", "int8"):
         engine = LLMEngine.from_pretrained(str(default_model), num_blocks=64, kv_cache_dtype=dtype)

@@ -72,6 +72,7 @@ def test_all_variables_together():
             kv_cache_bytes=1_000_000,
             memory_fraction=0.5,
             enable_prefix_caching=False,
+            kv_cache_dtype="int8",
         ),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, aging_seconds=0.25),
     )
