@@ -70,8 +70,8 @@ def kv_storage_dtype(setting: str, device: torch.device, dtype: torch.dtype, ops
     (native and torch); the Triton kernels and CUDA keep the model's dtype (float8 is a later step)."""
     if setting == "int8" and (device.type != "cpu" or ops.name == "triton"):
         raise ConfigError(
-            f"kv_cache_dtype: int8 is CPU-only (the native or torch kernels), not {ops.name} on "
-            f"{device.type}; leave it unset to keep K and V in the model's dtype"
+            f"kv_cache_dtype: int8 is CPU-only (EXPERT_KV_CACHE_DTYPE; the native or torch kernels), not "
+            f"{ops.name} on {device.type}; leave it unset to keep K and V in the model's dtype"
         )
     return kv_cache.storage_dtype(setting, dtype)
 

@@ -95,6 +95,19 @@ def test_greedy_output_mostly_equals_the_float_caches(tiny_engines):
     assert _agreement(int8, floats) >= 0.9
 
 
+def test_prefix_cache_hits_and_forked_choices_read_the_same_int8_blocks(tiny_engines):
+    """The scales travel inside the blocks: a prefix-cache hit and copy-on-write forks need nothing
+    new, and give what a fresh prefill gives."""
+    engine = tiny_engines["int8"]
+    prompt = list(range(3, 48))  # two full blocks and a partial one
+    first = engine.generate([prompt], GREEDY)[0]
+    again = engine.generate([prompt], GREEDY)[0]
+    assert again.metrics.num_cached_tokens >= 32 and again.token_ids == first.token_ids
+    three = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
+    forked = engine.generate([prompt], three)[0]
+    assert [c.token_ids for c in forked.outputs] == [first.token_ids] * 3
+
+
 @pytest.mark.skipif(not kernels_load(), reason="batch invariance is the native kernels' guarantee")
 def test_sixteen_prompts_together_equal_each_alone_bitwise(tiny_engines):
     engine = tiny_engines["int8"]
