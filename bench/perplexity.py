@@ -7,6 +7,7 @@ through the engine's own LM head. The perplexity is exp(mean negative log-likeli
 token after the first of each window.
 
     python bench/perplexity.py --model data/models/SmolLM2-135M-Instruct --quantization int4
+    python bench/perplexity.py --kv-cache-dtype int8      # K and V stored as 8-bit codes
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def windows(token_ids: list[int], window: int) -> list[list[int]]:
     ]
 
 
-def perplexity_engine(model: str, quantization: str | None, window: int):
-    """An engine that takes a whole window in one prefill step, with no prefix cache."""
+def perplexity_engine(model: str, quantization: str | None, window: int, kv_cache_dtype: str = "auto"):
+    """An engine that takes a whole window in one prefill step, with no prefix cache. The prefill's
+    attention reads the keys and values back from the cache, so an int8 cache is measured too."""
     from libs.engine import LLMEngine
 
     return LLMEngine.from_pretrained(
@@ -46,6 +48,7 @@ def perplexity_engine(model: str, quantization: str | None, window: int):
         max_num_batched_tokens=max(2048, window),
         num_blocks=2 * (window // 16 + 2),
         enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -85,13 +88,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/SmolLM2-135M-Instruct")
     parser.add_argument("--quantization", choices=("none", "int8", "int4"), default="none")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     parser.add_argument("--window", type=int, default=512)
     args = parser.parse_args()
-    engine = perplexity_engine(
-        args.model, None if args.quantization == "none" else args.quantization, args.window
-    )
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = perplexity_engine(args.model, quantization, args.window, args.kv_cache_dtype)
     value, count = perplexity(engine, text_token_ids(engine), args.window)
-    print(f"perplexity {value:.3f} over {count} tokens ({args.quantization})")
+    print(f"perplexity {value:.4f} over {count} tokens ({args.quantization}, KV cache {args.kv_cache_dtype})")
 
 
 if __name__ == "__main__":

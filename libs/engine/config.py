@@ -37,6 +37,9 @@ def canonical_dtype(value: Any) -> str:
     )
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size and how much memory to give it.
@@ -50,8 +53,15 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
+    # "auto": K and V in the model's dtype; "int8": 8-bit codes with a float32 scale per token and
+    # KV head (CPU only; libs/engine/kernels/csrc/kv_int8.h).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -220,6 +230,7 @@ class EngineConfig:
                 kv_cache_bytes=reader.integer("EXPERT_KV_CACHE_BYTES"),
                 memory_fraction=reader.number("EXPERT_KV_CACHE_MEMORY_FRACTION", 0.2),
                 enable_prefix_caching=reader.boolean("EXPERT_PREFIX_CACHING", True),
+                kv_cache_dtype=reader.text("EXPERT_KV_CACHE_DTYPE", "auto"),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=reader.integer("EXPERT_MAX_NUM_SEQS", 64),
@@ -252,6 +263,7 @@ ENV_VARIABLES = {
     "kv_cache_bytes": "EXPERT_KV_CACHE_BYTES",
     "memory_fraction": "EXPERT_KV_CACHE_MEMORY_FRACTION",
     "enable_prefix_caching": "EXPERT_PREFIX_CACHING",
+    "kv_cache_dtype": "EXPERT_KV_CACHE_DTYPE",
     "max_num_seqs": "EXPERT_MAX_NUM_SEQS",
     "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
     "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",

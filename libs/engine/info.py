@@ -24,6 +24,8 @@ class ModelInfo:
     head_dim: int
     dtype: str  # of the weights and the KV cache: "float32", "bfloat16" or "float16"
     dtype_bytes: int
+    kv_cache_dtype: str  # of the KV cache: the model's dtype, or "int8" (codes and a scale per row)
+    kv_bytes_per_block: int  # K and V of one block across all layers, as allocated (scales included)
     max_model_len: int  # the context window: prompt and output tokens of one sequence
     block_size: int  # tokens per KV block
     max_num_seqs: int  # sequences that run at once

@@ -13,10 +13,29 @@ from libs.engine.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+# An int8 cache row: head_dim codes, then the row's float32 scale (csrc/kv_int8.h).
+INT8_SCALE_BYTES = 4
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor's element type for EXPERT_KV_CACHE_DTYPE ("auto": the model's)."""
+    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+
+
+def row_elements(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Elements one token of one KV head takes: head_dim, plus the scale's bytes in an int8 cache."""
+    return model.head_dim + (INT8_SCALE_BYTES if dtype == torch.int8 else 0)
+
+
+def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers, in a cache of element type `dtype` (scales included)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * row_elements(model, dtype) * element
+
+
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of `block_size` tokens across all layers."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return model.kv_bytes_per_token(element) * block_size
+    return bytes_per_token(model, dtype) * block_size
 
 
 def available_memory(device: torch.device) -> int:
@@ -110,12 +129,14 @@ def plan_num_blocks(
 def allocate(
     num_blocks: int, model: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[layers, 2 (K, V), blocks, kv_heads, block_size, head_dim], zeroed so that padding reads zeros.
+    """[layers, 2 (K, V), blocks, kv_heads, block_size, row], zeroed so that padding reads zeros.
+    `row` is head_dim, or head_dim + 4 bytes in an int8 cache (codes, then the row's scale): a
+    block's scales travel with its codes, so copying a block (copy-on-write) copies both.
 
     On the host the cache lives in huge pages: attention reads it a 4 KB block-head at a time from
     scattered blocks, one TLB miss each with ordinary pages.
     """
-    shape = (model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, model.head_dim)
+    shape = (model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, row_elements(model, dtype))
     if device.type == "cpu":
         # Written once so that every page is resident now: short memory fails here, not mid-request.
         return host_memory.zeros(shape, dtype).zero_()

@@ -65,6 +65,17 @@ def graph_mode(setting: str, device: torch.device, ops: TorchOps) -> str | None:
     return "eager" if setting == "on" else None
 
 
+def kv_storage_dtype(setting: str, device: torch.device, dtype: torch.dtype, ops: TorchOps) -> torch.dtype:
+    """The KV cache's element type for the `kv_cache_dtype` setting. int8 is read by the CPU kernels
+    (native and torch); the Triton kernels and CUDA keep the model's dtype (float8 is a later step)."""
+    if setting == "int8" and (device.type != "cpu" or ops.name == "triton"):
+        raise ConfigError(
+            f"kv_cache_dtype: int8 is CPU-only (EXPERT_KV_CACHE_DTYPE; the native or torch kernels), not "
+            f"{ops.name} on {device.type}; leave it unset to keep K and V in the model's dtype"
+        )
+    return kv_cache.storage_dtype(setting, dtype)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # fp32 is the fast dtype on CPUs without bf16 units; bf16 is the GPU serving default.
@@ -98,18 +109,21 @@ class LLMEngine:
         )
         ops, reason = select_ops(config.kernels, self.model_config.head_dim, self.device, self.dtype)
         self.kernels = ops.name
+        self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.device, self.dtype, ops)
         self.model = self._load_model(ops)
 
         cache = config.cache
         num_blocks = kv_cache.plan_num_blocks(
             cache,
             self.model_config,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             config.scheduler.max_num_seqs * self.max_model_len,
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        tensor = kv_cache.allocate(num_blocks, self.model_config, cache.block_size, self.dtype, self.device)
+        tensor = kv_cache.allocate(
+            num_blocks, self.model_config, cache.block_size, self.kv_dtype, self.device
+        )
         self.experts = ExpertManager(self.model_config, config.adapters, self.device, self.dtype)
         self.runner = ModelRunner(
             self.model,
@@ -165,6 +179,10 @@ class LLMEngine:
             head_dim=self.model_config.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
             dtype_bytes=self.dtype_bytes,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_bytes_per_block=kv_cache.bytes_per_block(
+                self.model_config, config.cache.block_size, self.kv_dtype
+            ),
             max_model_len=self.max_model_len,
             block_size=config.cache.block_size,
             max_num_seqs=config.scheduler.max_num_seqs,
@@ -176,7 +194,7 @@ class LLMEngine:
 
     def _log_ready(self, kernels: str, reason: str, num_blocks: int, started: float) -> None:
         log.info(
-            "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d KV blocks of %d tokens; "
+            "engine ready: %s on %s/%s, linear weights %s, with %s (%s); %d %s KV blocks of %d tokens; "
             "max_model_len %d; %.1f s",
             self.model_config.architecture,
             self.device,
@@ -185,6 +203,7 @@ class LLMEngine:
             kernels,
             reason,
             num_blocks - 1,
+            str(self.kv_dtype).removeprefix("torch."),
             self.config.cache.block_size,
             self.max_model_len,
             time.monotonic() - started,
@@ -192,7 +211,7 @@ class LLMEngine:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per element of the weights and the KV cache."""
+        """Bytes per element of the weights (and of the KV cache unless it is int8)."""
         return torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod

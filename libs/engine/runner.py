@@ -52,7 +52,7 @@ class ModelRunner:
         self.model = model
         self.adapters = adapters
         self.device = model.device
-        self.kv_cache = kv_cache  # [layers, 2, blocks, kv_heads, block_size, head_dim]
+        self.kv_cache = kv_cache  # [layers, 2, blocks, kv_heads, block_size, head_dim (+ 4 if int8)]
         self.kv_caches = [(kv_cache[n, 0], kv_cache[n, 1]) for n in range(kv_cache.shape[0])]
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -402,6 +402,8 @@ def model_spec(engine: AsyncLLMEngine) -> common_pb2.ModelSpec:
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
         dtype_bytes=info.dtype_bytes,
+        kv_bytes_per_block=info.kv_bytes_per_block,
+        kv_cache_dtype=info.kv_cache_dtype,
         max_model_len=info.max_model_len,
         block_size=info.block_size,
         sampling_defaults=common_pb2.SamplingDefaults(**info.sampling_defaults),

@@ -108,7 +108,10 @@ def kv_blocks_needed(plan: common_pb2.ExpertPlan, model: common_pb2.ModelSpec) -
 
 
 def kv_bytes(blocks: int, model: common_pb2.ModelSpec) -> int:
-    """Bytes of K and V for `blocks` blocks: layers x KV heads x head dim x dtype bytes x 2, per token."""
+    """Bytes of K and V for `blocks` blocks: the engine's reported bytes per block (an int8 cache's
+    codes and scales), else layers x KV heads x head dim x dtype bytes x 2 per token."""
+    if model.kv_bytes_per_block > 0:
+        return blocks * model.kv_bytes_per_block
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes
     return blocks * model.block_size * per_token
 

@@ -33,6 +33,7 @@ VARIABLES = [
     ("EXPERT_KV_CACHE_BYTES", "1000000", "cache.kv_cache_bytes", 1_000_000),
     ("EXPERT_KV_CACHE_MEMORY_FRACTION", "0.5", "cache.memory_fraction", 0.5),
     ("EXPERT_PREFIX_CACHING", "false", "cache.enable_prefix_caching", False),
+    ("EXPERT_KV_CACHE_DTYPE", "int8", "cache.kv_cache_dtype", "int8"),
     ("EXPERT_MAX_NUM_SEQS", "8", "scheduler.max_num_seqs", 8),
     ("EXPERT_MAX_NUM_BATCHED_TOKENS", "512", "scheduler.max_num_batched_tokens", 512),
     ("EXPERT_SCHEDULER_AGING_SECONDS", "0.25", "scheduler.aging_seconds", 0.25),
@@ -71,6 +72,7 @@ def test_all_variables_together():
             kv_cache_bytes=1_000_000,
             memory_fraction=0.5,
             enable_prefix_caching=False,
+            kv_cache_dtype="int8",
         ),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, aging_seconds=0.25),
     )
@@ -144,6 +146,7 @@ OUT_OF_RANGE = [
     ("EXPERT_KV_CACHE_BYTES", "-5"),
     ("EXPERT_KV_CACHE_MEMORY_FRACTION", "0.99"),
     ("EXPERT_KV_CACHE_MEMORY_FRACTION", "0"),
+    ("EXPERT_KV_CACHE_DTYPE", "fp8"),
     ("EXPERT_MAX_NUM_SEQS", "0"),
     ("EXPERT_MAX_NUM_SEQS", "-3"),
     ("EXPERT_MAX_NUM_BATCHED_TOKENS", "0"),

@@ -161,8 +161,11 @@ class TorchOps:
         slots = slot_mapping[valid]
         block_size = k_cache.shape[2]
         blocks, offsets = slots // block_size, slots % block_size
-        k_cache[blocks, :, offsets] = k[valid]
-        v_cache[blocks, :, offsets] = v[valid]
+        k, v = k[valid], v[valid]
+        if k_cache.dtype == torch.int8:
+            k, v = quantize_kv_rows(k), quantize_kv_rows(v)
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
         return q
 
     def attention(
@@ -180,8 +183,11 @@ class TorchOps:
         hkv = k_cache.shape[1]
         padded_q = torch.cat([q, q.new_zeros(1, hq, d)])[state["query_index"]].transpose(1, 2)
         tables = state["block_tables"]
-        keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
-        values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
+        keys, values = k_cache[tables], v_cache[tables]  # [B, blocks, Hkv, block_size, row]
+        if k_cache.dtype == torch.int8:
+            keys, values = dequantize_kv_rows(keys, q.dtype), dequantize_kv_rows(values, q.dtype)
+        keys = keys.permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
+        values = values.permute(0, 2, 1, 3, 4).reshape(num_seqs, hkv, -1, d)
         out = F.scaled_dot_product_attention(
             padded_q, keys, values, attn_mask=state["mask"], scale=scale, enable_gqa=hq != hkv
         )
@@ -227,6 +233,24 @@ class TorchOps:
                 vector = table[slot].float()
                 factor = vector if weight == 1.0 else 1.0 + weight * (vector - 1.0)
                 y[start:end, col_offset : col_offset + n] *= factor
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., D] as the int8 cache stores them (csrc/kv_int8.h): [..., D + 4] int8, the codes
+    round(x / scale) (half to even) and then the float32 scale max|x| / 127, computed in float32
+    with the same roundings as the kernel, so both write the same bytes."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(x / divisor).clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 4] int8 cache rows back to [..., D] values in `dtype` (codes x scale)."""
+    codes, scale_bytes = rows[..., :-4], rows[..., -4:]
+    scale = scale_bytes.contiguous().view(torch.float32)  # [..., 1]
+    return (codes.float() * scale).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,14 @@
 // rotary embedding (rotate-half / NeoX layout, as HF Llama and Qwen use), returns the queries and
 // writes keys and values into the paged cache at each token's slot.
 //
-// One pass over the tokens replaces split + norm + rope + two scatter ops per layer.
+// One pass over the tokens replaces split + norm + rope + two scatter ops per layer. An int8 cache
+// (kv_int8.h) gets each row quantized on its way in.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
 
+#include "kv_int8.h"
 #include "vec.h"
 
 namespace expert {
@@ -49,8 +51,14 @@ at::Tensor rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& p
   TORCH_CHECK(D % (2 * kLanes) == 0, "rotary_embedding_and_cache: head_dim must be a multiple of 16");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rotary_embedding_and_cache: qkv");
   TORCH_CHECK(qkv.size(-1) == (Hq + 2 * Hkv) * D, "rotary_embedding_and_cache: qkv width");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == Hkv && k_cache.size(3) == D,
-              "rotary_embedding_and_cache: cache layout must be [blocks, kv_heads, block_size, head_dim]");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const int64_t row = int8_cache ? D + kKvScaleBytes : D;  // cache elements per token row
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == Hkv && k_cache.size(3) == row,
+              "rotary_embedding_and_cache: cache layout must be [blocks, kv_heads, block_size, head_dim] "
+              "(head_dim + 4 bytes for an int8 cache)");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8_cache || k_cache.scalar_type() == at::kFloat),
+              "rotary_embedding_and_cache: caches must both be float32 or both int8");
   TORCH_CHECK(cos_sin.size(1) == D, "rotary_embedding_and_cache: cos_sin width");
   const bool has_qn = q_norm.has_value() && q_norm->defined();
   const bool has_kn = k_norm.has_value() && k_norm->defined();
@@ -66,19 +74,21 @@ at::Tensor rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& p
   const float* qn = has_qn ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = has_kn ? k_norm->data_ptr<float>() : nullptr;
   float* qo = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  float* kc = int8_cache ? nullptr : k_cache.data_ptr<float>();
+  float* vc = int8_cache ? nullptr : v_cache.data_ptr<float>();
+  int8_t* kq = int8_cache ? k_cache.data_ptr<int8_t>() : nullptr;
+  int8_t* vq = int8_cache ? v_cache.data_ptr<int8_t>() : nullptr;
   const int64_t max_pos = cos_sin.size(0);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_embedding_and_cache: position out of range");
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tmp(D);
+    std::vector<float> tmp(D), rotated(D);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* row = src + t * (Hq + 2 * Hkv) * D;
+      const float* src_row = src + t * (Hq + 2 * Hkv) * D;
       const float* cos = cs + pp[t] * D;
       const float* sin = cos + D / 2;
       for (int64_t h = 0; h < Hq; ++h) {
-        const float* x = row + h * D;
+        const float* x = src_row + h * D;
         if (has_qn) { head_norm(x, qn, tmp.data(), D, feps); x = tmp.data(); }
         rotate(x, cos, sin, qo + (t * Hq + h) * D, D);
       }
@@ -86,12 +96,18 @@ at::Tensor rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& p
       if (slot < 0) continue;  // padding token: nothing to store
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((block * Hkv + h) * block_size + offset) * D;
-        const float* k = row + (Hq + h) * D;
+        const int64_t dst = ((block * Hkv + h) * block_size + offset) * row;
+        const float* k = src_row + (Hq + h) * D;
         if (has_kn) { head_norm(k, kn, tmp.data(), D, feps); k = tmp.data(); }
-        rotate(k, cos, sin, kc + dst, D);
-        const float* v = row + (Hq + Hkv + h) * D;
-        std::copy(v, v + D, vc + dst);
+        const float* v = src_row + (Hq + Hkv + h) * D;
+        if (int8_cache) {
+          rotate(k, cos, sin, rotated.data(), D);
+          kv_quantize_row(rotated.data(), D, kq + dst);
+          kv_quantize_row(v, D, vq + dst);
+        } else {
+          rotate(k, cos, sin, kc + dst, D);
+          std::copy(v, v + D, vc + dst);
+        }
       }
     }
   });

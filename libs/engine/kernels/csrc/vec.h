@@ -70,6 +70,10 @@ struct Vec {
   static inline Vec load_half(const uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }
+  // Eight int8 values widened to float32, exactly (the 8-bit KV cache's codes).
+  static inline Vec load_i8(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
 };
 
 #else
@@ -104,6 +108,11 @@ struct Vec {
   static inline Vec load_half(const uint16_t* p) {
     Vec r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = half_to_float(p[i]);
+    return r;
+  }
+  static inline Vec load_i8(const int8_t* p) {
+    Vec r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;
   }
 };
