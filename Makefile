@@ -55,10 +55,11 @@ $(MODEL_STAMP): tools/expertctl/model_cmd.py $(wildcard libs/engine/models/gguf/
 	touch $@
 
 # The tests start real redis-server processes, so `make test` installs it like `make run` does.
+# --durations: the 25 slowest tests end every log (CI's included), to show where the suite's time goes.
 test: setup model redis-server sdk-typescript
 	$(VENV)/bin/ruff check .
 	cd protos && ../$(VENV)/bin/buf lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: setup model
 	$(PY) bench/engine_throughput.py --model $(MODEL_DIR)

@@ -258,7 +258,12 @@ def run(main: Coroutine[Any, Any, None], *, service: str = "expert") -> NoReturn
         _log.error("service failed", error=str(error), exc_info=error)
         code = 1
     sys.stdout.flush()
-    sys.exit(code)
+    sys.stderr.flush()
+    # Skips the interpreter's teardown: the stop has closed what the service owns (its server,
+    # clients, index), and what is left is a garbage collection over torch's and the model's
+    # objects that takes one to three seconds per service and writes nothing. A stack stops its
+    # services one after the other, so those seconds added up in every stop.
+    os._exit(code)
 
 
 def _ensure_logging(service: str) -> None:

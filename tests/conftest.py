@@ -44,6 +44,18 @@ def tiny_llama(tiny_checkpoints: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_tiny_stack(tiny_llama, tmp_path_factory):
+    """One ready stack on the tiny model with the default settings (tests/e2e/conftest.py's
+    TINY_SETTINGS), started once for every module whose tests only send it requests: a stack costs
+    five service start-ups and a model load. A module whose tests kill, restart or reconfigure a
+    service, or count what its stack did since it started, takes a stack of its own."""
+    from tests.e2e.conftest import ready_tiny_stack
+
+    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("shared-stack")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     """The default SmolLM2 model converted by `make model`."""
     if not (DEFAULT_MODEL / "config.json").is_file():
@@ -84,9 +96,10 @@ def expert_stats(clean_redis_url: str):
 LONG = 1000  # tokens: about a second on the tiny model (its max_model_len is 1024)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def long_prompt(tiny_llama) -> str:
-    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token."""
+    """A raw prompt whose greedy continuation runs LONG tokens without an end-of-sequence token
+    (found once per session: the tiny model is the session's, and the search loads an engine)."""
     from libs.engine import LLMEngine, SamplingParams  # after TRITON_INTERPRET is set (above)
 
     engine = LLMEngine.from_pretrained(str(tiny_llama), max_model_len=1024, num_blocks=160)

@@ -11,7 +11,7 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.engine.tokenizer.tokenizer import Tokenizer
-from tests.e2e.conftest import LONG, openai_client, ready_tiny_stack
+from tests.e2e.conftest import LONG, openai_client
 from tools.stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -19,9 +19,8 @@ FINAL = ("cancelled", "completed", "failed", "timed_out")
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("openai-stack")) as stack:
-        yield stack
+def stack(shared_tiny_stack) -> LocalStack:
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")

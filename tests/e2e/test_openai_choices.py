@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from expert_system import ExpertClient
-from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tests.e2e.conftest import openai_client
 from tools.stack import LocalStack
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -18,9 +18,8 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("choices-stack")) as stack:
-        yield stack
+def stack(shared_tiny_stack) -> LocalStack:
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from expert_system import ExpertClient
-from tests.e2e.conftest import LONG, ready_tiny_stack, wait_rest_job
+from tests.e2e.conftest import LONG, wait_rest_job
 from tools.stack import LocalStack
 
 FINAL = ("cancelled", "completed", "failed", "timed_out")
@@ -17,9 +17,8 @@ QUESTION = {"prompt": "What is the capital of France?", "temperature": 0.0, "max
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("rest-stack")) as stack:
-        yield stack
+def stack(shared_tiny_stack) -> LocalStack:
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")

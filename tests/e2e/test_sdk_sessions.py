@@ -19,7 +19,6 @@ from expert_system import (
     StreamChunk,
     TurnEnd,
 )
-from tests.e2e.conftest import ready_tiny_stack
 
 MAX_NEW = 8
 # A format that allows no end before 300 tokens: the turn runs until it is cut or cancelled.
@@ -27,9 +26,8 @@ ENDLESS = "(ab ){300}"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("sdk-sessions")) as stack:
-        yield stack
+def stack(shared_tiny_stack):
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")

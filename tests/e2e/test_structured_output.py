@@ -19,7 +19,7 @@ import pytest
 
 from expert_system import ExpertClient, InvalidRequest
 from libs.structured_output import StructuredOutput, text_problem
-from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tests.e2e.conftest import openai_client
 from tools.stack import LocalStack
 
 PROMPT = "Is Paris the capital of France?"
@@ -71,9 +71,8 @@ OPENAI_FORMATS = {
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("structured-stack")) as stack:
-        yield stack
+def stack(shared_tiny_stack) -> LocalStack:
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import pytest
 
 from expert_system import ExpertClient
 from libs.gen.expert.v1 import session_pb2, session_pb2_grpc
-from tests.e2e.conftest import ready_tiny_stack
 from tests.helpers.ports import free_port
 from tools.expertctl.chat_cmd import RemoteChat
 from tools.expertctl.main import main
@@ -22,9 +21,8 @@ SETTINGS = ["--temperature", "0", "--max-tokens", "8", "--system", "Be brief."]
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("chat-target")) as stack:
-        yield stack
+def stack(shared_tiny_stack):
+    return shared_tiny_stack  # it only sends requests: the session's shared stack serves
 
 
 @pytest.fixture(scope="module")
