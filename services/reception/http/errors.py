@@ -20,6 +20,7 @@ from services.reception.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.reception.http.responses_schema import FIELD_NAMES as RESPONSES_FIELD_NAMES
 from services.reception.http.rest_schema import FIELD_NAMES as REST_FIELD_NAMES
 
 log = get_logger(__name__)
@@ -196,6 +197,9 @@ _UNDECODABLE = {
 }
 
 
+_KNOWN_FIELDS = FIELD_NAMES | REST_FIELD_NAMES | RESPONSES_FIELD_NAMES
+
+
 def _param(parts: list, unknown: bool) -> str:
     """The field a validation error's location names, as the client sent it (`messages[0].role`);
     pydantic's type tags (`function-after[…]`) left out, and an unknown field's own name kept."""
@@ -203,6 +207,6 @@ def _param(parts: list, unknown: bool) -> str:
     for i, part in enumerate(parts):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in FIELD_NAMES or part in REST_FIELD_NAMES or (unknown and i == len(parts) - 1):
+        elif part in _KNOWN_FIELDS or (unknown and i == len(parts) - 1):
             param += f".{part}" if param else part
     return param

@@ -106,3 +106,11 @@ async def _sse(
 
 def _error(error: HttpError) -> str:
     return event(error.body())
+
+
+async def chat_completion(
+    admission: Admission, request: Request, body: ChatCompletionRequest, to_http_error: ToHttpError
+) -> dict | StreamingResponse | JSONResponse:
+    """What `/v1/chat/completions` answers `body`: the completion, its stream, or the error
+    response. Other front ends (the Responses API) run their requests through it."""
+    return await _complete(admission, request, body, True, to_http_error)

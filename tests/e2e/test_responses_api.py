@@ -1,0 +1,203 @@
+"""OpenAI's Responses API (`/v1/responses`, docs/api.md#the-responses-api) against a real stack on
+the tiny model, through the official `openai` client: string and message input, instructions,
+`text.format` json_schema, the streamed events in order, `previous_response_id` continuing a
+stored conversation, `responses.retrieve`/`delete`, and refusals that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from libs.structured_output import StructuredOutput, text_problem
+from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tools.stack import LocalStack
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory) -> LocalStack:
+    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("responses-stack")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    with openai_client(stack) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_string_input_answers_one_message_with_usage_and_is_stored(client, model):
+    response = client.responses.create(
+        model=model, input="Name a colour.", max_output_tokens=6, temperature=0.0
+    )
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == model
+    assert response.status in ("completed", "incomplete")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.output_text == item.content[0].text and item.content[0].type == "output_text"
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 6
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    stored = client.responses.retrieve(response.id)
+    assert stored.model_dump() == response.model_dump()
+
+
+def test_messages_with_instructions_answer_as_the_same_chat_does(client, model):
+    conversation = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Say something short."},
+    ]
+    response = client.responses.create(
+        model=model, instructions="Be brief.", input=conversation, max_output_tokens=8, temperature=0.0
+    )
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi! How can I help?"},
+            {"role": "user", "content": "Say something short."},
+        ],
+        max_completion_tokens=8,
+        temperature=0.0,
+    )
+    assert response.instructions == "Be brief."
+    assert response.output_text == chat.choices[0].message.content  # one code path, greedy: one answer
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_json_schema_text_format_is_enforced(client, model):
+    response = client.responses.create(
+        model=model,
+        input="Is Paris in France?",
+        max_output_tokens=32,
+        temperature=0.0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}},
+    )
+    assert response.text.format.type == "json_schema"
+    output_format = StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
+    if response.status == "incomplete":  # the tiny model's whitespace ran to max_output_tokens
+        assert text_problem(output_format, response.output_text) == "ends before the format is complete"
+        return
+    assert response.status == "completed", response.output_text
+    jsonschema.validate(json.loads(response.output_text), ANSWER_SCHEMA)
+
+
+def test_stream_events_come_in_order_and_add_up_to_the_stored_response(client, model):
+    events = list(
+        client.responses.create(
+            model=model, input="Count to three.", max_output_tokens=10, temperature=0.0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas, kinds
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas) :][:3] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and len(kinds) == len(deltas) + 8
+    text = "".join(d.delta for d in deltas)
+    final = events[-1].response
+    assert events[-4].text == text and final.output_text == text and final.usage.output_tokens <= 10
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_previous_response_id_continues_the_stored_conversation(client, model):
+    first = client.responses.create(
+        model=model, input="My name is Ada.", max_output_tokens=5, temperature=0.0
+    )
+    second = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input="What is my name?",
+        max_output_tokens=5,
+        temperature=0.0,
+    )
+    assert second.previous_response_id == first.id
+    # The same conversation as a chat: the first turn, its answer, the new input.
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        max_completion_tokens=5,
+        temperature=0.0,
+    )
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+    assert second.output_text == chat.choices[0].message.content
+    third = client.responses.create(
+        model=model, previous_response_id=second.id, input="Thanks.", max_output_tokens=3, store=False
+    )
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as raised:  # store=False: nothing to continue from
+        client.responses.create(
+            model=model, previous_response_id=third.id, input="Again.", max_output_tokens=3
+        )
+    assert raised.value.body["param"] == "previous_response_id"
+    assert raised.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_deleted_response_is_gone(client, model):
+    response = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    deleted = client.responses.delete(response.id)
+    assert deleted is None  # the client returns nothing for a delete
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.retrieve(response.id)
+    assert raised.value.body["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"text": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}}}, "text.format.name"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        ({"background": True}, "background"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
+def test_refusals_name_the_field(client, model, fields, param):
+    body = {"model": model, "input": "Hi", "max_output_tokens": 4} | fields
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.post("/responses", body=body, cast_to=object)
+    error = raised.value.body
+    assert error["param"] == param, error
+    assert error["code"] and error["type"] == "invalid_request_error"
