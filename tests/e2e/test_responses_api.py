@@ -5,6 +5,7 @@ stored conversation, `responses.retrieve`/`delete`, and refusals that name the f
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -201,3 +202,141 @@ def test_refusals_name_the_field(client, model, fields, param):
     error = raised.value.body
     assert error["param"] == param, error
     assert error["code"] and error["type"] == "invalid_request_error"
+
+
+def _run_agent(stack: LocalStack, agent_for, prompt: str):
+    """Run the agent `agent_for(model)` makes on `prompt` with the OpenAI Agents SDK, its model our
+    `/v1/responses` (tracing off: nothing leaves the machine)."""
+    from agents import OpenAIResponsesModel, RunConfig, Runner
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=stack.http_url() + "/v1", api_key="unused", max_retries=0
+        ) as client:
+            model = (await client.models.list()).data[0].id
+            agent = agent_for(OpenAIResponsesModel(model=model, openai_client=client))
+            return await Runner.run(agent, prompt, max_turns=3, run_config=RunConfig(tracing_disabled=True))
+
+    return asyncio.run(run())
+
+
+def test_an_agents_sdk_agent_answers_through_the_responses_api(stack, client, model):
+    from agents import Agent, ModelSettings
+
+    settings = ModelSettings(max_tokens=8, temperature=0.0)
+    result = _run_agent(
+        stack,
+        lambda m: Agent(name="helper", instructions="Be brief.", model=m, model_settings=settings),
+        "Hello",
+    )
+    direct = client.responses.create(
+        model=model, instructions="Be brief.", input="Hello", max_output_tokens=8, temperature=0.0
+    )
+    assert result.final_output == direct.output_text  # greedy: the same answer, whoever asks
+
+
+# -- function tools (chat completions' tool calling, through the same path) ----------------------
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": CITY,
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_forced_tool_choice_answers_a_valid_function_call(client, model, choice):
+    response = client.responses.create(
+        model=model,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice=choice,
+        max_output_tokens=48,
+        temperature=0.0,
+    )
+    assert response.status == "completed", response.output
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and c.call_id for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), CITY)
+
+
+def test_a_streamed_call_sends_its_arguments_as_deltas(client, model):
+    events = list(
+        client.responses.create(
+            model=model,
+            input="Weather in Lyon?",
+            tools=[WEATHER],
+            tool_choice="required",
+            max_output_tokens=48,
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added and added[0].item.type == "function_call" and added[0].item.name == "get_weather"
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == arguments and jsonschema.validate(json.loads(arguments), CITY) is None
+    final = events[-1]
+    assert final.type == "response.completed" and final.response.output[0].arguments == arguments
+
+
+def test_the_tool_s_result_continues_the_conversation(client, model):
+    first = client.responses.create(
+        model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=48
+    )
+    call = next(item for item in first.output if item.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    follow_up = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input=[result],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0.0,
+    )
+    assert [item.type for item in follow_up.output] == ["message"]
+    assert follow_up.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    # The same turn replayed in full (as the Agents SDK sends it) answers the same.
+    replayed = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True), result],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0.0,
+    )
+    assert replayed.output_text == follow_up.output_text
+    assert replayed.usage.input_tokens == follow_up.usage.input_tokens
+
+
+def test_an_agents_sdk_agent_calls_its_function_tool(stack):
+    from agents import Agent, ModelSettings, function_tool
+
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"Sunny in {city}"
+
+    settings = ModelSettings(tool_choice="required", max_tokens=48, temperature=0.0)
+    result = _run_agent(
+        stack,
+        lambda m: Agent(
+            name="forecaster",
+            instructions="Use the tool.",
+            model=m,
+            model_settings=settings,
+            tools=[get_weather],
+            tool_use_behavior="stop_on_first_tool",
+        ),
+        "What is the weather in Paris?",
+    )
+    assert cities and result.final_output == f"Sunny in {cities[0]}"
