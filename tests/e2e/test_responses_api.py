@@ -131,10 +131,11 @@ def test_stream_events_come_in_order_and_add_up_to_the_stored_response(client, m
     assert client.responses.retrieve(final.id).output_text == text
 
 
+ADA = "My name is Ada and I live in a small town by the sea."
+
+
 def test_previous_response_id_continues_the_stored_conversation(client, model):
-    first = client.responses.create(
-        model=model, input="My name is Ada.", max_output_tokens=5, temperature=0.0
-    )
+    first = client.responses.create(model=model, input=ADA, max_output_tokens=5, temperature=0.0)
     second = client.responses.create(
         model=model,
         previous_response_id=first.id,
@@ -147,7 +148,7 @@ def test_previous_response_id_continues_the_stored_conversation(client, model):
     chat = client.chat.completions.create(
         model=model,
         messages=[
-            {"role": "user", "content": "My name is Ada."},
+            {"role": "user", "content": ADA},
             {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": "What is my name?"},
         ],
@@ -155,6 +156,8 @@ def test_previous_response_id_continues_the_stored_conversation(client, model):
         temperature=0.0,
     )
     assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+    # The first turn's prompt is the second's prefix: its full 16-token KV blocks are found cached.
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
     assert second.output_text == chat.choices[0].message.content
     third = client.responses.create(
         model=model, previous_response_id=second.id, input="Thanks.", max_output_tokens=3, store=False

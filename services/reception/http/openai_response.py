@@ -34,10 +34,15 @@ def failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
     return HttpError(status, result.error or "the job failed", param, code=name)
 
 
-def usage(result: common_pb2.InferenceResult) -> dict[str, int]:
+def usage(result: common_pb2.InferenceResult) -> dict[str, Any]:
     prompt = result.metrics.input_tokens
     completion = result.metrics.output_tokens or result.tokens_generated
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": result.metrics.cached_tokens},
+    }
 
 
 def finish_reason_name(reason: int) -> str:
