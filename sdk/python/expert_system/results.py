@@ -101,6 +101,7 @@ class InferenceMetrics:
     success: bool
     error: str
     validation_passed: bool
+    cached_tokens: int = 0  # of input_tokens, those the engine's prefix cache held
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ def metrics_from_proto(message: common_pb2.InferenceMetrics) -> InferenceMetrics
         success=message.success,
         error=message.error,
         validation_passed=message.validation_passed,
+        cached_tokens=message.cached_tokens,
     )
 
 
