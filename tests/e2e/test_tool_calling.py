@@ -11,9 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import langchain_core.messages as langchain_messages
+import langchain_core.tools as langchain_tools
+import langchain_openai
 import openai
+import pydantic
 import pytest
 
+from expert_system import ExpertClient, InvalidRequest
 from tests.e2e.conftest import openai_client, stack_env, wait_ready
 from tools.stack import LocalStack
 
@@ -177,6 +182,26 @@ def test_a_replayed_history_with_names_calls_and_results_is_accepted(oai):
     assert_valid_calls(answer.choices[0].message)
 
 
+def test_grpc_and_the_sdk_carry_tools_and_calls(stack):
+    with ExpertClient(stack.target("reception")) as client:
+        result = client.infer(
+            "What is 2 plus 3?",
+            tools=TOOLS,
+            tool_choice="add",
+            parallel_tool_calls=False,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+        )
+        choice = result.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.tool_calls) == 1
+        call = choice.tool_calls[0]
+        assert call.name == "add" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), ADD)
+        with pytest.raises(InvalidRequest) as refused:
+            client.infer("Hi", tools=TOOLS, tool_choice="nope")
+        assert [f for f, _ in refused.value.field_violations] == ["request.tool_choice.function"]
+
+
 def test_empty_tools_are_no_tools(oai):
     answer = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[], max_tokens=8
@@ -247,3 +272,67 @@ def test_required_and_named_calls_always_parse_and_validate(oai):
         results = list(pool.map(lambda r: _one_call(oai, *r), requests))
     failed = [prompt for prompt, ok in results if not ok]
     assert not failed, failed
+
+
+# LangChain's OpenAI chat model (langchain-openai) on the same stack: its tool binding, its
+# structured output by function calling, and an agent loop of two calls, each result fed back.
+
+
+@pytest.fixture(scope="module")
+def llm(stack):
+    return langchain_openai.ChatOpenAI(
+        base_url=stack.http_url() + "/v1",
+        api_key="unused",
+        model=MODEL,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        max_retries=0,
+    )
+
+
+@langchain_tools.tool
+def add(a: int, b: int) -> int:
+    """The sum of two integers."""
+    return a + b
+
+
+@langchain_tools.tool
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"21 degrees and sunny in {city}"
+
+
+class Forecast(pydantic.BaseModel):
+    """A weather forecast for a city."""
+
+    city: str = pydantic.Field(max_length=40)
+    degrees: int
+
+
+def test_langchain_bind_tools_invoke_returns_a_tool_call(llm):
+    message = llm.bind_tools([add, get_weather], tool_choice="required").invoke("What is 2 plus 3?")
+    assert message.tool_calls, message
+    call = message.tool_calls[0]
+    assert call["name"] in ("add", "get_weather") and call["id"].startswith("call_")
+    tool = {"add": add, "get_weather": get_weather}[call["name"]]
+    tool.args_schema.model_validate(call["args"])
+
+
+def test_langchain_structured_output_by_function_calling(llm):
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+
+
+def test_langchain_agent_loop_of_two_tool_calls(llm):
+    tools = {"add": add, "get_weather": get_weather}
+    caller = llm.bind_tools(list(tools.values()), tool_choice="required")
+    messages = [langchain_messages.HumanMessage("Add 2 and 3, then add 10 to the result.")]
+    for _ in range(2):
+        reply = caller.invoke(messages)
+        assert reply.tool_calls, reply
+        messages.append(reply)
+        for call in reply.tool_calls:
+            messages.append(tools[call["name"]].invoke(call))  # a ToolMessage with the call's id
+    final = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
+    assert not final.tool_calls and final.content
+    assert sum(isinstance(m, langchain_messages.ToolMessage) for m in messages) >= 2
