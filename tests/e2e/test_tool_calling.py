@@ -30,7 +30,11 @@ WEATHER = {
 }
 ADD = {
     "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    # bounded, so that a call always fits max_tokens (a small model may write digits without end)
+    "properties": {
+        "a": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+        "b": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+    },
     "required": ["a", "b"],
 }
 TOOLS = [
@@ -290,7 +294,13 @@ def llm(stack):
     )
 
 
-@langchain_tools.tool
+class AddArguments(pydantic.BaseModel):
+    # bounded, so that a call always fits max_tokens
+    a: int = pydantic.Field(ge=-1000000, le=1000000)
+    b: int = pydantic.Field(ge=-1000000, le=1000000)
+
+
+@langchain_tools.tool(args_schema=AddArguments)
 def add(a: int, b: int) -> int:
     """The sum of two integers."""
     return a + b
@@ -306,7 +316,7 @@ class Forecast(pydantic.BaseModel):
     """A weather forecast for a city."""
 
     city: str = pydantic.Field(max_length=40)
-    degrees: int
+    degrees: int = pydantic.Field(ge=-100, le=100)
 
 
 def test_langchain_bind_tools_invoke_returns_a_tool_call(llm):
