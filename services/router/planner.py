@@ -89,7 +89,7 @@ class Planner:
             reasoning_trace="\n".join(trace),
             features=_features_proto(features),
             fallback=not chosen,
-            prompt_bytes=input_bytes(model_in),
+            prompt_bytes=input_bytes(model_in, request.tools),
         )
         plan.router_latency_ms = (time.perf_counter() - started) * 1000
         return plan, selection
