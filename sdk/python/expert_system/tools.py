@@ -75,7 +75,15 @@ def tool_choice_into(request: common_pb2.InferenceRequest, choice: Any) -> None:
 
 def chat_message(index: int, message: Any) -> common_pb2.ChatMessage:
     """A chat message dict (role and content, and the tool fields) as its proto."""
-    if not isinstance(message, Mapping) or "role" not in message or not set(message) <= _MESSAGE_KEYS:
+    calls_only = (
+        isinstance(message, Mapping) and message.get("role") == "assistant" and message.get("tool_calls")
+    )
+    if (
+        not isinstance(message, Mapping)
+        or "role" not in message
+        or ("content" not in message and not calls_only)
+        or not set(message) <= _MESSAGE_KEYS
+    ):
         raise TypeError(
             f"messages[{index}]: expected a dict with 'role' and 'content' (and name, tool_call_id, "
             f"tool_calls), got {message!r}"
