@@ -1,8 +1,8 @@
 """Tool calls read out of a finished output, in its family's format (as vLLM's tool parsers do).
 
-An output is calls only when it starts the way a call starts and is nothing but well-formed calls;
-anything else (plain text, or calls cut short by max_tokens) is text. Under `required` or a named
-function the grammar leaves no other outcome than well-formed calls.
+An output is calls only when it starts the way a call starts and is nothing but well-formed calls
+(one cut short by max_tokens: the complete calls before the unfinished one); anything else is
+text. Under `required` or a named function the grammar leaves no other outcome than calls.
 """
 
 from __future__ import annotations
@@ -31,37 +31,39 @@ def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
-def parse_calls(family: ToolFamily, text: str) -> list[ParsedCall] | None:
-    """The calls `text` consists of, or None when it is not calls."""
+def parse_calls(family: ToolFamily, text: str, *, cut: bool = False) -> list[ParsedCall] | None:
+    """The calls `text` consists of, or None when it is not calls. A text `cut` short (by
+    max_tokens) keeps the complete calls before its unfinished one, as vLLM's parsers do; cut
+    inside its first call, it is text."""
     if not text.startswith(family.call_start):
         return None
     hermes = family.format == "hermes"
-    documents = _hermes_documents(text) if hermes else _json_documents(text, separator=";")
+    documents = _hermes_documents(text, cut) if hermes else _json_documents(text, ";", cut)
     if not documents:
         return None
     calls = [_call(document, family) for document in documents]
     return None if any(call is None for call in calls) else calls
 
 
-def _hermes_documents(text: str) -> list[str] | None:
+def _hermes_documents(text: str, cut: bool) -> list[str] | None:
     documents, position = [], 0
     while position < len(text):
         block = _HERMES_BLOCK.match(text, position)
         if block is None:
-            return None
+            return documents if cut else None
         documents.append(block.group(1))
         position = block.end()
     return documents
 
 
-def _json_documents(text: str, separator: str) -> list[str] | None:
+def _json_documents(text: str, separator: str, cut: bool) -> list[str] | None:
     """Consecutive JSON objects, separated by `separator` and whitespace."""
     decoder, documents, position = json.JSONDecoder(), [], 0
     while True:
         try:
             _, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
-            return None
+            return documents if cut else None
         documents.append(text[position:end])
         rest = text[end:].lstrip()
         if not rest:

@@ -29,14 +29,15 @@ from services.engine.tool_calls import RequestTools
 def _attach_calls(
     tools: RequestTools, responses: list[engine_pb2.GenerateResponse], texts: dict[int, list[str]]
 ) -> None:
-    """Gather each choice's text; a choice that ends (by its stop, not cut short) as tool calls
-    gets them on its last message, and finish_reason TOOL_CALLS."""
+    """Gather each choice's text; a choice that ends as tool calls gets them on its last message,
+    and finish_reason TOOL_CALLS (one cut at max_tokens: its complete calls, as vLLM reports them)."""
+    ends = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     for response in responses:
         pieces = texts.setdefault(response.index, [])
         pieces.append(response.text)
-        if response.finish_reason != common_pb2.FINISH_REASON_STOP:
+        if response.finish_reason not in ends:
             continue
-        calls = tools.calls("".join(pieces))
+        calls = tools.calls("".join(pieces), cut=response.finish_reason == common_pb2.FINISH_REASON_LENGTH)
         if calls:
             response.tool_calls.extend(calls)
             response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS

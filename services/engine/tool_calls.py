@@ -57,11 +57,12 @@ class RequestTools:
             field, _, message = str(exc).partition(": ")
             raise invalid_argument(f"input.{field}" if field else "input", message or str(exc)) from None
 
-    def calls(self, text: str) -> list[common_pb2.ToolCall]:
-        """The calls a finished choice's text consists of (none when it is text)."""
+    def calls(self, text: str, cut: bool = False) -> list[common_pb2.ToolCall]:
+        """The calls a finished choice's text consists of (none when it is text); `cut`: the text
+        ended at max_tokens, and its complete calls count."""
         if not self.enabled:
             return []
-        parsed = parse_calls(self.family, text) or []
+        parsed = parse_calls(self.family, text, cut=cut) or []
         return [
             common_pb2.ToolCall(id=new_call_id(), type="function", name=c.name, arguments=c.arguments)
             for c in parsed

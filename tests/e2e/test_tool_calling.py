@@ -110,7 +110,7 @@ def test_a_named_function_is_the_one_called(oai):
 def test_auto_chooses_a_call_where_one_is_needed(oai):
     # The default model (135M parameters) rarely calls under auto (bench/tool_choice_auto.py); a
     # prompt that starts the call for it does, greedily.
-    answer = chat(oai, "<tool_call> get_weather for Paris", tool_choice="auto")
+    answer = chat(oai, "<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
     assert_valid_calls(answer.choices[0].message)
 
@@ -123,7 +123,9 @@ def test_auto_answers_with_text_where_no_call_is_needed(oai):
 
 
 def test_streamed_calls_come_as_openai_deltas(oai):
-    stream = chat(oai, "What is the weather in Rome?", tool_choice="required", stream=True)
+    stream = chat(
+        oai, "What is the weather in Rome?", tool_choice="required", parallel_tool_calls=False, stream=True
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -149,7 +151,7 @@ def test_a_streamed_text_answer_is_content(oai):
 
 
 def test_the_tools_result_is_answered_in_a_follow_up_turn(oai):
-    first = chat(oai, "What is the weather in Paris?", tool_choice="required")
+    first = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
     history = [
         {"role": "user", "content": "What is the weather in Paris?", "name": "ann"},
@@ -322,7 +324,9 @@ class Forecast(pydantic.BaseModel):
 
 
 def test_langchain_bind_tools_invoke_returns_a_tool_call(llm):
-    message = llm.bind_tools([add, get_weather], tool_choice="required").invoke("What is 2 plus 3?")
+    message = llm.bind_tools([add, get_weather], tool_choice="required", parallel_tool_calls=False).invoke(
+        "What is 2 plus 3?"
+    )
     assert message.tool_calls, message
     call = message.tool_calls[0]
     assert call["name"] in ("add", "get_weather") and call["id"].startswith("call_")
@@ -337,7 +341,7 @@ def test_langchain_structured_output_by_function_calling(llm):
 
 def test_langchain_agent_loop_of_two_tool_calls(llm):
     tools = {"add": add, "get_weather": get_weather}
-    caller = llm.bind_tools(list(tools.values()), tool_choice="required")
+    caller = llm.bind_tools(list(tools.values()), tool_choice="required", parallel_tool_calls=False)
     messages = [langchain_messages.HumanMessage("Add 2 and 3, then add 10 to the result.")]
     for _ in range(2):
         reply = caller.invoke(messages)

@@ -122,6 +122,17 @@ def test_the_parsers_read_calls_and_leave_anything_else_as_text(family, text, ex
     assert parse_calls(family, text) == expected
 
 
+def test_a_text_cut_by_max_tokens_keeps_its_complete_calls():
+    whole = hermes_call("f", {"a": 1})
+    assert parse_calls(FALLBACK, whole + '\n<tool_call>\n{"name": "f", "argu', cut=True) == [
+        ParsedCall("f", '{"a": 1}')
+    ]
+    assert parse_calls(FALLBACK, '<tool_call>\n{"name": "f", "argu', cut=True) is None
+    assert parse_calls(LLAMA3, '{"name": "f", "parameters": {}}; {"name": "g"', cut=True) == [
+        ParsedCall("f", "{}")
+    ]
+
+
 def test_call_ids_are_openai_shaped_and_unique():
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
