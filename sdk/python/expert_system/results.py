@@ -15,6 +15,7 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from ._proto.expert.v1 import common_pb2
+from .tools import ToolCall, tool_call_from_proto
 
 JobStatusName = Literal[
     "unspecified",
@@ -28,7 +29,7 @@ JobStatusName = Literal[
     "cancelled",
     "timed_out",
 ]
-FinishReasonName = Literal["unspecified", "stop", "length", "abort", "timeout", "error"]
+FinishReasonName = Literal["unspecified", "stop", "length", "abort", "timeout", "error", "tool_calls"]
 
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
@@ -133,6 +134,8 @@ class Choice:
     tokens_generated: int
     logprobs: tuple[TokenLogprob, ...]
     validation: ValidationResult | None
+    # The calls the choice made (finish_reason "tool_calls"); empty for a text answer.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ def choice_from_proto(message: common_pb2.Choice) -> Choice:
         tokens_generated=message.tokens_generated,
         logprobs=tuple(token_logprob_from_proto(t) for t in message.logprobs),
         validation=validation_from_proto(message.validation) if message.HasField("validation") else None,
+        tool_calls=tuple(tool_call_from_proto(c) for c in message.tool_calls),
     )
 
 

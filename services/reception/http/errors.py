@@ -109,6 +109,10 @@ def param_of(field: str, body: object) -> str | None:
         base = "top_logprobs" if body.top_logprobs is not None else "logprobs"
     elif base == "force_experts" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         return _forced_param(rest, body)
+    elif base in ("tools", "tool_choice") and isinstance(body, ChatCompletionRequest):
+        # OpenAI's nesting: tools[i].function.name, tool_choice.function.name
+        rest = re.sub(r"^(\[\d+\])?\.(name|description|parameters|strict)$", r"\1.function.\2", rest)
+        rest = re.sub(r"^\.function$", ".function.name", rest)
     return base + rest
 
 
