@@ -1,7 +1,9 @@
 """OpenAI's Responses API (`/v1/responses`, docs/api.md#the-responses-api) against a real stack on
-the tiny model, through the official `openai` client: string and message input, instructions,
+the default model, through the official `openai` client: string and message input, instructions,
 `text.format` json_schema, the streamed events in order, `previous_response_id` continuing a
-stored conversation, `responses.retrieve`/`delete`, and refusals that name the field."""
+stored conversation, `responses.retrieve`/`delete`, refusals that name the field, function tools
+(forced calls, streamed arguments, the tool's result continuing the conversation) and the OpenAI
+Agents SDK running an agent with one function tool."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import openai
 import pytest
 
 from libs.structured_output import StructuredOutput, text_problem
-from tests.e2e.conftest import openai_client, ready_tiny_stack
+from tests.e2e.conftest import openai_client, stack_env, wait_ready
 from tools.stack import LocalStack
 
 ANSWER_SCHEMA = {
@@ -25,9 +27,18 @@ ANSWER_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory) -> LocalStack:
-    with ready_tiny_stack(tiny_llama, tmp_path_factory.mktemp("responses-stack")) as stack:
+def stack(default_model, tmp_path_factory) -> LocalStack:
+    """The default model: its forced tool calls end (a tiny random model's may run to max_tokens)."""
+    env = stack_env(
+        default_model, EXPERT_MAX_MODEL_LEN="2048", EXPERT_KV_NUM_BLOCKS="256", EXPERT_MAX_NUM_SEQS="2"
+    )
+    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("responses-stack"), env=env)
+    stack.start()
+    try:
+        wait_ready(stack)
         yield stack
+    finally:
+        stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +105,7 @@ def test_json_schema_text_format_is_enforced(client, model):
     )
     assert response.text.format.type == "json_schema"
     output_format = StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
-    if response.status == "incomplete":  # the tiny model's whitespace ran to max_output_tokens
+    if response.status == "incomplete":  # the model's whitespace ran to max_output_tokens
         assert text_problem(output_format, response.output_text) == "ends before the format is complete"
         return
     assert response.status == "completed", response.output_text

@@ -1,6 +1,7 @@
 """The Responses API's translation on its own (services/reception/http/responses_*.py): input items
 into OpenAI's chat-completions messages (assistant `tool_calls`, `tool` messages with
-`tool_call_id`), flat function tools and tool_choice into chat's nested shape, chat field names back
+`tool_call_id`), flat function tools and tool_choice into chat's nested shape (checked by the chat
+request model and its translation into the pipeline's request), chat field names back
 into the Responses API's, and a chat stream's chunks (text and `tool_calls` deltas, in OpenAI's
 chat-chunk shape) into the typed events, validated by the `openai` package's own event models."""
 
@@ -104,30 +105,13 @@ def test_an_input_item_we_cannot_carry_is_refused_by_its_part(value, param):
 
 def test_flat_function_tools_and_a_named_choice_take_chat_s_nested_shape():
     fields = {key: value for key, value in WEATHER.items() if key != "type"}
-    body = {
-        "tools": [WEATHER],
-        "tool_choice": {"type": "function", "name": "get_weather"},
-        "parallel_tool_calls": False,
-    }
-    chat = _chat_dict(_body(**body))
-    assert chat["tools"] == [{"type": "function", "function": fields}]
-    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-    assert chat["parallel_tool_calls"] is False
-
-
-def _chat_dict(body: ResponsesRequest) -> dict:
-    """The chat request as a dict, built by the same translation (without the chat model's checks,
-    which refuse tools until chat completions supports them)."""
-    import services.reception.http.responses_request as translation
-
-    captured = {}
-    original = translation.ChatCompletionRequest.model_validate
-    try:
-        translation.ChatCompletionRequest.model_validate = lambda chat: captured.update(chat)  # type: ignore[method-assign]
-        translation.chat_request(body, [])
-    finally:
-        translation.ChatCompletionRequest.model_validate = original  # type: ignore[method-assign]
-    return captured
+    body = _body(
+        tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False
+    )
+    chat, _ = chat_request(body, [])
+    assert chat.tools == [{"type": "function", "function": fields}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat.parallel_tool_calls is False
 
 
 def test_instructions_history_and_input_make_the_chat_with_its_limits():
@@ -300,3 +284,29 @@ def test_a_completion_with_tool_calls_becomes_function_call_items():
     assert call.type == "function_call" and call.call_id == "call_x" and call.name == "get_weather"
     assert response.id == "resp_job2" and response.status == "completed" and response.output_text == ""
     assert response.tools[0].name == "get_weather"
+
+
+def test_a_replayed_tool_turn_is_a_valid_chat_request_with_its_calls_and_result():
+    from services.reception.http.openai_request import to_request
+
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city":"Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    chat, _ = chat_request(_body(input=items, tools=[WEATHER], tool_choice="none"), [])
+    request = to_request(chat)  # the chat path's own translation into the pipeline's request
+    user, assistant, tool = request.messages
+    assert user.role == "user"
+    assert (assistant.role, assistant.tool_calls[0].id, assistant.tool_calls[0].name) == (
+        "assistant",
+        "call_1",
+        "get_weather",
+    )
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "sunny")
+    assert [t.name for t in request.tools] == ["get_weather"]
