@@ -66,6 +66,7 @@ def job_result(
             finish_reason=reason if stopped or not c.finish_reason else c.finish_reason,
             tokens_generated=c.tokens_generated,
             logprobs=c.logprobs,
+            tool_calls=[] if stopped else c.tool_calls,
         )
         for c in outcome.choices
     ]

@@ -17,6 +17,10 @@ MAX_EXPERTS = 10  # experts one request may use: forced, chosen by the router, o
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batch
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's logprobs
 MAX_TOKENS = 200_000  # the most tokens one request may ask to generate
+MAX_TOOLS = 128  # functions one request may offer (OpenAI's bound)
+MAX_TOOL_NAME_CHARS = 64  # a function's name: 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's rule)
+MAX_TOOL_DESCRIPTION_CHARS = 4_096  # shown to the model, so part of the prompt's cost
+MAX_TOOLS_BYTES = 64 * 1024  # every tool's parameter schema together: the grammar the engine compiles
 
 # The fields that pick tokens, named alike in InferenceRequest, SessionSampling, GenerationParams
 # and SamplingParams: a session's sampling, the user's overrides of the router's tuning and an

@@ -115,13 +115,13 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def format_problem(output: StructuredOutput) -> str | None:
+def format_problem(output: StructuredOutput, max_bytes: int = MAX_FORMAT_BYTES) -> str | None:
     """Why a format cannot be enforced (too long, not a schema, a regex or grammar that does not
     compile, a schema keyword the library does not implement), or None. Schema keywords are never
     ignored: llguidance refuses what it cannot enforce, and so does this check."""
     size = len(output.spec.encode())
-    if size > MAX_FORMAT_BYTES:
-        return f"at most {MAX_FORMAT_BYTES} bytes, got {size}"
+    if size > max_bytes:
+        return f"at most {max_bytes} bytes, got {size}"
     if output.kind in ("regex", "grammar") and not output.spec:
         return "must not be empty"
     try:

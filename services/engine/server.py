@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -22,6 +23,25 @@ from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.response_format import to_structured
 from services.engine.metrics import EngineMetrics
+from services.engine.tool_calls import RequestTools
+
+
+def _attach_calls(
+    tools: RequestTools, responses: list[engine_pb2.GenerateResponse], texts: dict[int, list[str]]
+) -> None:
+    """Gather each choice's text; a choice that ends as tool calls gets them on its last message,
+    and finish_reason TOOL_CALLS (one cut at max_tokens: its complete calls, as vLLM reports them)."""
+    ends = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    for response in responses:
+        pieces = texts.setdefault(response.index, [])
+        pieces.append(response.text)
+        if response.finish_reason not in ends:
+            continue
+        calls = tools.calls("".join(pieces), cut=response.finish_reason == common_pb2.FINISH_REASON_LENGTH)
+        if calls:
+            response.tool_calls.extend(calls)
+            response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -118,18 +138,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise unavailable("the engine is still loading its model")
         return self.engine
 
-    def _prompt(self, model_input: common_pb2.ModelInput) -> str | list[int] | list[dict[str, str]]:
+    def _prompt(
+        self, model_input: common_pb2.ModelInput, tools: RequestTools
+    ) -> str | list[int] | list[dict[str, Any]]:
         if model_input.HasField("text"):
             return model_input.text
         if model_input.HasField("token_ids"):
             return list(model_input.token_ids.ids)  # the engine checks each against the vocabulary
-        messages = [{"role": m.role, "content": m.content} for m in model_input.conversation.messages]
-        if not messages:
+        if not model_input.conversation.messages:
             raise invalid_argument("input", "neither text nor a conversation was given")
-        if self.engine.tokenizer.chat_template is None:
-            # A base model without a chat template completes the conversation's text.
-            return "\n\n".join(m["content"] for m in messages)
-        return messages
+        return tools.prompt(model_input.conversation.messages)
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -140,6 +158,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             (e.name + (f"@{e.version}" if e.version else ""), e.weight or 1.0) for e in request.experts
         ]
         params = sampling_params(request.params)
+        tools = RequestTools(self.engine.tokenizer, request.params)
+        if tools.enabled:  # reception refuses a response_format beside enabled tools
+            params.structured = tools.structured()
         # A format is compiled on an executor thread (cached by content) before the request joins
         # the batch: a slow schema holds neither the engine thread nor this event loop.
         await self.engine.compile_structured(params.structured)
@@ -153,7 +174,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 max_tokens=request.session.max_tokens,  # the engine cuts the reply to what it leaves
             )
         else:
-            prompt = self._prompt(request.input)
+            prompt = self._prompt(request.input, tools)
         stream = self.engine.add_request(
             request_id,
             prompt,
@@ -167,9 +188,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
         finished: set[int] = set()  # the choices whose finish_reason was sent
+        texts: dict[int, list[str]] = {}  # each choice's text so far, when it may be tool calls
         try:
             async for output in stream:
                 responses = self._responses(output, finished, expiry.expired, request.params.logprobs)
+                if tools.enabled:
+                    _attach_calls(tools, responses, texts)
                 if output.finished and turn_input:
                     responses[-1].session_input_token_ids.extend(turn_input)
                 for response in responses:

@@ -99,6 +99,7 @@ def _metrics(
         num_experts=len(experts),
         vram_peak_mb=request.kv_bytes_needed // (1 << 20),
         input_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
         output_tokens=outcome.completion_tokens,
         tokens_per_second=(outcome.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
         success=result.status == common_pb2.JOB_STATUS_COMPLETED,

@@ -25,6 +25,7 @@ from services.reception.dispatch.pipeline import Pipeline
 from services.reception.dispatch.stages import GrpcStages
 from services.reception.dispatch.turns import Turns
 from services.reception.http import HttpServer, ServedModels, create_app
+from services.reception.http.response_store import ResponseStore
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
 from services.reception.peers import Peers
@@ -118,6 +119,7 @@ class Reception:
             max_body_bytes=config.http_max_body_bytes,
             serving=lambda: self.health.serving,  # /readyz and gRPC health: one flag (Redis, stopping)
             metrics=self.metrics,
+            responses=ResponseStore(self.redis, config.job_ttl_s),
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port

@@ -13,6 +13,7 @@ from libs.input_size import input_bytes
 from libs.limits import MAX_EXPERTS
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, render_template
 from libs.response_format import from_request
+from libs.tools.request import calls_enabled, copy_tools
 from services.router.features import Features, extract_features, for_format
 from services.router.index import ExpertIndex
 from services.router.matching import PromptQuery
@@ -79,6 +80,14 @@ class Planner:
         )
         if output_format is not None:
             params.response_format.CopyFrom(output_format)
+        copy_tools(request, params)
+        if calls_enabled(params) and not request.HasField("repetition_penalty"):
+            # A call copies the tool's name and the user's values from the prompt: a penalty on
+            # the prompt's tokens would work against exactly those.
+            params.repetition_penalty = 1.0
+            tuning_trace.append(
+                "tuning: repetition_penalty 1.0 (tool calls copy names and values from the prompt)"
+            )
         model_in, text = model_input(request)
         trace = _reasoning_trace(request, features, prompt_features, format_kind, selection, tuning_trace)
         chosen = selection.chosen if selection else []
@@ -91,7 +100,7 @@ class Planner:
             reasoning_trace="\n".join(trace),
             features=_features_proto(features),
             fallback=not chosen,
-            prompt_bytes=input_bytes(model_in),
+            prompt_bytes=input_bytes(model_in, request.tools),
         )
         plan.router_latency_ms = (time.perf_counter() - started) * 1000
         return plan, selection

@@ -163,7 +163,7 @@ def test_a_bad_type_is_openais_error_not_fastapis(client, model):
     "extra, param",
     [
         ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),  # deprecated: tools replaces it
         ({"something_else": 1}, "something_else"),
     ],
 )

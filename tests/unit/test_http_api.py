@@ -80,7 +80,12 @@ def test_a_chat_answer_has_usage_and_a_timeout_finishes_with_length(parts):
     body = http.post("/v1/chat/completions", json=CHAT).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris"}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["id"] == "chatcmpl-j1" and body["expert_system"]["job_id"] == "j1"
 
 

@@ -70,6 +70,10 @@ ALL_FIELDS = {
         "type": "json_schema",
         "json_schema": {"name": "person", "schema": {"type": "object"}},
     },
+    # in OpenAI's shape, the parameters a dict (sent as JSON text)
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
 }
 # What ALL_FIELDS' response_format becomes on the wire.
 PERSON_FORMAT = common_pb2.ResponseFormat(
@@ -99,9 +103,15 @@ def test_every_keyword_reaches_its_proto_field(client, fakes):
     client.infer(prompt="Parse this JSON", **ALL_FIELDS)
     expected = common_pb2.InferenceRequest(
         prompt="Parse this JSON",
-        **{k: v for k, v in ALL_FIELDS.items() if k not in ("messages", "response_format")},
+        **{
+            k: v
+            for k, v in ALL_FIELDS.items()
+            if k not in ("messages", "response_format", "tools", "tool_choice")
+        },
         messages=[common_pb2.ChatMessage(role="system", content="Be brief.")],
         response_format=PERSON_FORMAT,
+        tools=[common_pb2.Tool(name="lookup", parameters='{"type": "object"}')],
+        tool_choice=common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED),
     )
     assert fakes.reception.last_request == expected
 

@@ -168,6 +168,14 @@ class Tokenizer:
         """Vocabulary strings of `ids` (None for an id outside the vocabulary)."""
         return [self._backend.id_to_token(i) for i in ids]
 
+    def template_source(self, *, tools: bool = False) -> str | None:
+        """The source of the template `apply_chat_template` renders with: the "tool_use" one when
+        tools are given and the checkpoint has one, else the default (None: no template)."""
+        sources = self._chat_template_sources
+        if tools and "tool_use" in sources:
+            return sources["tool_use"]
+        return sources.get("default")
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -64,6 +64,7 @@ from .session import (
     TurnUsage,
 )
 from .stream import AsyncInferStream, InferStream
+from .tools import ToolCall
 
 __all__ = [
     "AppliedExpert",
@@ -93,6 +94,7 @@ __all__ = [
     "SessionInfo",
     "StreamChunk",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "TurnEnd",
     "TurnFields",

@@ -15,11 +15,16 @@ from typing import Any, TypedDict
 from google.protobuf.message import Message
 
 from ._proto.expert.v1 import common_pb2
+from .tools import chat_message, tool_choice_into, tools_into
 
 
-class ChatMessageDict(TypedDict):
+class ChatMessageDict(TypedDict, total=False):
     role: str
     content: str
+    # OpenAI's tool fields: the participant's name, the call a tool result answers, an assistant's calls.
+    name: str
+    tool_call_id: str
+    tool_calls: Sequence[Mapping[str, Any]]
 
 
 class RequestFields(TypedDict, total=False):
@@ -69,6 +74,12 @@ class RequestFields(TypedDict, total=False):
     regex: str
     # A grammar in llguidance's Lark dialect: response_format={"type": "grammar", "grammar": ...}.
     grammar: str
+    # Functions the model may call, in OpenAI's shape (expert_system.tools).
+    tools: Sequence[Mapping[str, Any]]
+    # "none", "auto" (the default with tools), "required", or a function (its name, or OpenAI's dict).
+    tool_choice: str | Mapping[str, Any]
+    # False: at most one call per answer.
+    parallel_tool_calls: bool
 
 
 FIELD_NAMES = frozenset(RequestFields.__annotations__)
@@ -101,7 +112,11 @@ def build_request(caller: str, prompt: str, fields: Mapping[str, Any]) -> common
 def _set_field(request: common_pb2.InferenceRequest, name: str, value: Any) -> None:
     """One keyword's value into the request, in the field's own shape."""
     if name == "messages":
-        request.messages.extend(_chat_message(i, m) for i, m in enumerate(value))
+        request.messages.extend(chat_message(i, m) for i, m in enumerate(value))
+    elif name == "tools":
+        tools_into(request, value)
+    elif name == "tool_choice":
+        tool_choice_into(request, value)
     elif name == "prompt_token_ids":
         _set_repeated(request, name, list(value))
     elif name in _REPEATED_STRINGS:
@@ -176,10 +191,5 @@ def _set_repeated(request: common_pb2.InferenceRequest, name: str, items: list[A
         raise type(exc)(f"{name}: {exc}") from None
 
 
-def _chat_message(index: int, message: Any) -> common_pb2.ChatMessage:
-    if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-        raise TypeError(f"messages[{index}]: expected a dict with 'role' and 'content', got {message!r}")
-    try:
-        return common_pb2.ChatMessage(role=message["role"], content=message["content"])
-    except TypeError as exc:
-        raise TypeError(f"messages[{index}]: {exc}") from None
+# A chat message dict as its proto (sessions' messages too).
+_chat_message = chat_message

@@ -15,6 +15,7 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from ._proto.expert.v1 import common_pb2
+from .tools import ToolCall, tool_call_from_proto
 
 JobStatusName = Literal[
     "unspecified",
@@ -28,7 +29,7 @@ JobStatusName = Literal[
     "cancelled",
     "timed_out",
 ]
-FinishReasonName = Literal["unspecified", "stop", "length", "abort", "timeout", "error"]
+FinishReasonName = Literal["unspecified", "stop", "length", "abort", "timeout", "error", "tool_calls"]
 
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
@@ -101,6 +102,7 @@ class InferenceMetrics:
     success: bool
     error: str
     validation_passed: bool
+    cached_tokens: int = 0  # of input_tokens, those the engine's prefix cache held
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Choice:
     tokens_generated: int
     logprobs: tuple[TokenLogprob, ...]
     validation: ValidationResult | None
+    # The calls the choice made (finish_reason "tool_calls"); empty for a text answer.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,7 @@ def metrics_from_proto(message: common_pb2.InferenceMetrics) -> InferenceMetrics
         success=message.success,
         error=message.error,
         validation_passed=message.validation_passed,
+        cached_tokens=message.cached_tokens,
     )
 
 
@@ -259,6 +264,7 @@ def choice_from_proto(message: common_pb2.Choice) -> Choice:
         tokens_generated=message.tokens_generated,
         logprobs=tuple(token_logprob_from_proto(t) for t in message.logprobs),
         validation=validation_from_proto(message.validation) if message.HasField("validation") else None,
+        tool_calls=tuple(tool_call_from_proto(c) for c in message.tool_calls),
     )
 
 

@@ -22,6 +22,7 @@ from libs.limits import API_BOUNDS, MAX_EXPERTS, sampling_problems
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
 from libs.response_format import from_request, to_structured
 from libs.structured_output import MAX_FORMAT_BYTES, format_problem
+from services.reception.admission.tools import tool_problems
 
 # Bounds of what one request may hold (docs/design.md#input-limits): each keeps a request's cost
 # in memory and time proportional to what a legitimate request needs.
@@ -128,6 +129,7 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
     problems += _input_size(request)
     problems += _limits(request, max_model_len)
     problems += _format(request)
+    problems += tool_problems(request, _schema)
     if problems:
         raise invalid_arguments(problems)
 

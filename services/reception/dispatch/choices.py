@@ -16,6 +16,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
 
 
 class Choices:
@@ -34,6 +35,7 @@ class Choices:
         choice.logprobs.extend(response.logprobs)
         if response.finish_reason:
             choice.finish_reason = response.finish_reason
+        choice.tool_calls.extend(response.tool_calls)
         if not (response.text or response.logprobs):
             return None
         if response.text:
@@ -70,6 +72,7 @@ class Choices:
                 finish_reason=c.finish_reason or finish_reason,
                 tokens_generated=c.tokens,
                 logprobs=c.logprobs,
+                tool_calls=c.tool_calls,
             )
             for index, c in sorted(self._choices.items())
         ]

@@ -19,6 +19,7 @@ import grpc
 from libs.errors import is_client_error
 from libs.gen.expert.v1 import common_pb2, engine_pb2, preparation_pb2, session_state_pb2
 from libs.response_format import from_request
+from libs.tools.request import copy_tools
 from services.reception.dispatch.choices import Choices
 from services.reception.dispatch.errors import JobFailed
 from services.reception.jobs import JobRecord
@@ -202,6 +203,7 @@ def turn_plan(
     output_format = from_request(request)
     if output_format is not None:
         params.response_format.CopyFrom(output_format)
+    copy_tools(request, params)
     plan.ClearField("model_input")
     experts = ", ".join(f"{e.name}@{e.version}" for e in plan.experts) or "none (the base model)"
     plan.reasoning_trace = (

@@ -1,6 +1,7 @@
-"""The FastAPI app: the probes, `/v1/models`, the REST API's `/v1/infer` and `/v1/jobs` (rest.py) and
-OpenAI's chat and completions endpoints (openai.py), all over the admission core (admission/core.py:
-admission, validation, the job record, the queue and the job's events); errors in OpenAI's shape."""
+"""The FastAPI app: the probes, `/v1/models`, the REST API's `/v1/infer` and `/v1/jobs` (rest.py),
+OpenAI's chat and completions endpoints (openai.py) and its Responses API (responses.py), all over
+the admission core (admission/core.py: admission, validation, the job record, the queue and the
+job's events); errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from services.reception.http.errors import HttpError, as_http_error, error_respo
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
 from services.reception.http.rejections import count_refusal
+from services.reception.http.response_store import ResponseStore
+from services.reception.http.responses import add_responses_routes
 from services.reception.http.rest import add_rest_routes
 from services.reception.metrics import ReceptionMetrics
 
@@ -38,12 +41,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     serving: Callable[[], bool] = lambda: True,
     metrics: ReceptionMetrics | None = None,
+    responses: ResponseStore | None = None,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
     a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
     the gRPC health service reports (False while Redis is unreachable or reception stops);
-    `metrics` counts the refusals and the ignored fields (None: not counted)."""
+    `metrics` counts the refusals and the ignored fields (None: not counted);
+    `responses` keeps the Responses API's stored responses (None: none are stored)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -62,6 +67,7 @@ def create_app(
     _add_probes(app, capacity, serving)
     _add_models(app, models)
     add_openai_routes(app, admission, to_http_error, metrics)
+    add_responses_routes(app, admission, responses, to_http_error)
     return app
 
 

@@ -20,6 +20,7 @@ from services.reception.http.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.reception.http.responses_schema import FIELD_NAMES as RESPONSES_FIELD_NAMES
 from services.reception.http.rest_schema import FIELD_NAMES as REST_FIELD_NAMES
 
 log = get_logger(__name__)
@@ -127,6 +128,10 @@ def param_of(field: str, body: object) -> str | None:
         base = "top_logprobs" if body.top_logprobs is not None else "logprobs"
     elif base == "force_experts" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         return _forced_param(rest, body)
+    elif base in ("tools", "tool_choice") and isinstance(body, ChatCompletionRequest):
+        # OpenAI's nesting: tools[i].function.name, tool_choice.function.name
+        rest = re.sub(r"^(\[\d+\])?\.(name|description|parameters|strict)$", r"\1.function.\2", rest)
+        rest = re.sub(r"^\.function$", ".function.name", rest)
     return base + rest
 
 
@@ -215,6 +220,9 @@ _UNDECODABLE = {
 }
 
 
+_KNOWN_FIELDS = FIELD_NAMES | REST_FIELD_NAMES | RESPONSES_FIELD_NAMES
+
+
 def _param(parts: list, unknown: bool) -> str:
     """The field a validation error's location names, as the client sent it (`messages[0].role`);
     pydantic's type tags (`function-after[…]`) left out, and an unknown field's own name kept."""
@@ -222,6 +230,6 @@ def _param(parts: list, unknown: bool) -> str:
     for i, part in enumerate(parts):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in FIELD_NAMES or part in REST_FIELD_NAMES or (unknown and i == len(parts) - 1):
+        elif part in _KNOWN_FIELDS or (unknown and i == len(parts) - 1):
             param += f".{part}" if param else part
     return param

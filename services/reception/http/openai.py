@@ -87,7 +87,11 @@ async def _stream(
         await events.aclose()
         return error_response(to_http_error(exc, body))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    chunks = Chunks(submitted.submission.job_id, body, chat, include_usage, inference.n or 1)
+    calls = bool(inference.tools) and not (
+        inference.tool_choice.WhichOneof("choice") == "mode"
+        and inference.tool_choice.mode == common_pb2.TOOL_CHOICE_MODE_NONE
+    )
+    chunks = Chunks(submitted.submission.job_id, body, chat, include_usage, inference.n or 1, calls)
     return StreamingResponse(
         _sse(events, chunks, body, to_http_error),
         media_type="text/event-stream",
@@ -109,8 +113,9 @@ async def _sse(
             async for job_event in events:
                 match job_event:
                     case Delta(delta) if delta.text or delta.logprobs:
-                        sent = True
-                        yield chunks.delta(delta)
+                        for line in chunks.delta(delta):
+                            sent = True
+                            yield line
                     case Restarted() if sent:
                         # The job started over on another engine: the text sent cannot be taken back.
                         yield _error(
@@ -121,6 +126,8 @@ async def _sse(
                             )
                         )
                         return
+                    case Restarted():
+                        chunks.discard()
                     case Finished(result):
                         failed = failure(result, body)
                         for line in [_error(failed)] if failed is not None else chunks.ending(result):
@@ -132,3 +139,11 @@ async def _sse(
 
 def _error(error: HttpError) -> str:
     return event(error.body())
+
+
+async def chat_completion(
+    admission: Admission, request: Request, body: ChatCompletionRequest, to_http_error: ToHttpError
+) -> dict | StreamingResponse | JSONResponse:
+    """What `/v1/chat/completions` answers `body`: the completion, its stream, or the error
+    response. Other front ends (the Responses API) run their requests through it."""
+    return await _complete(admission, request, body, True, to_http_error)

@@ -16,6 +16,7 @@ from services.reception.http.openai_schema import (
     Message,
     SamplingFields,
 )
+from services.reception.http.openai_tools import add_tools, message_tool_fields
 from services.reception.http.response_format import parse_response_format
 
 
@@ -23,10 +24,6 @@ def _refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
     _refuse_other_outputs(body)
-    if isinstance(body, ChatCompletionRequest):
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if getattr(body, name) not in (None, [], "none"):
-                raise not_supported(name, f"{name} (tool calling)")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise not_supported("echo", "echo")
@@ -72,7 +69,10 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
 def _chat_input(request: common_pb2.InferenceRequest, body: ChatCompletionRequest) -> int | None:
     """A chat's messages onto the request; its token limit (max_completion_tokens first)."""
     for i, message in enumerate(body.messages):
-        request.messages.append(common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i)))
+        chat_message = common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i))
+        message_tool_fields(message, chat_message, i)
+        request.messages.append(chat_message)
+    add_tools(request, body)
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
 
@@ -172,6 +172,8 @@ def _role(role: str) -> str:
 
 
 def _text(message: Message, index: int) -> str:
+    if message.content is None and message.role == "assistant" and message.tool_calls:
+        return ""  # an assistant's turn that only calls tools
     if message.content is None:
         raise HttpError(
             400,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from libs.gen.expert.v1 import common_pb2
@@ -18,6 +18,7 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_TIMEOUT: "length",  # cut short by timeout_ms: a limit, like max_tokens
     common_pb2.FINISH_REASON_ABORT: "abort",  # cancelled (CancelJob) while it ran
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -34,10 +35,15 @@ def failure(result: common_pb2.InferenceResult, body) -> HttpError | None:
     return HttpError(status, result.error or "the job failed", param, code=name)
 
 
-def usage(result: common_pb2.InferenceResult) -> dict[str, int]:
+def usage(result: common_pb2.InferenceResult) -> dict[str, Any]:
     prompt = result.metrics.input_tokens
     completion = result.metrics.output_tokens or result.tokens_generated
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": result.metrics.cached_tokens},
+    }
 
 
 def finish_reason_name(reason: int) -> str:
@@ -87,7 +93,7 @@ def response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: boo
     for c in result_choices(result):
         choice: dict[str, Any] = {"index": c.index}
         if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["message"] = chat_message(c)
             choice["logprobs"] = chat_logprobs(c.logprobs) if logprobs else None
         else:
             choice["text"] = c.text
@@ -106,6 +112,21 @@ def response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: boo
     }
 
 
+def chat_message(choice: common_pb2.Choice) -> dict[str, Any]:
+    """A chat choice's message: its text, or (content null) the tool calls it made."""
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": choice.text}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [tool_call(call) for call in choice.tool_calls],
+    }
+
+
+def tool_call(call: common_pb2.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def event(data: dict[str, Any]) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -115,12 +136,16 @@ class Chunks:
     """The server-sent chunks of one streamed chat or completions answer (one choice per chunk,
     named by its index), for the job `job_id`; `n` choices."""
 
-    def __init__(self, job_id: str, body, chat: bool, include_usage: bool, n: int) -> None:
+    def __init__(
+        self, job_id: str, body, chat: bool, include_usage: bool, n: int, calls: bool = False
+    ) -> None:
         self.body, self.chat, self.include_usage = body, chat, include_usage
         self.created = int(time.time())
         self.kind, prefix = _kind(chat, streamed=True)
         self.id = prefix + job_id
         self.offsets = dict.fromkeys(range(n), 0)  # completions' text_offset: each choice's text so far
+        # With tools the model may call, a choice's text is held while it may still be calls.
+        self.held = HeldText(n) if calls else None
 
     def opening(self) -> Iterator[str]:
         """Chat's first chunk of each choice, which names the role (completions have none)."""
@@ -128,21 +153,45 @@ class Chunks:
             for index in self.offsets:
                 yield event(self._chunk(index, "", role=True))
 
-    def delta(self, delta: common_pb2.ChoiceDelta) -> str:
-        """A choice's new text and logprobs."""
+    def delta(self, delta: common_pb2.ChoiceDelta) -> list[str]:
+        """The events of a choice's new text and logprobs: none while the text may be tool calls."""
+        released = [delta] if self.held is None else self.held.add(delta)
+        return [self._delta_event(d) for d in released]
+
+    def discard(self) -> None:
+        """Forget the text held back (the job started over)."""
+        if self.held is not None:
+            self.held = HeldText(len(self.offsets))
+
+    def _delta_event(self, delta: common_pb2.ChoiceDelta) -> str:
         data = self._chunk(delta.index, delta.text, logprobs=list(delta.logprobs))
         advance = sum(len(t.token) for t in delta.logprobs)
         self.offsets[delta.index] = self.offsets.get(delta.index, 0) + advance
         return event(data)
 
     def ending(self, result: common_pb2.InferenceResult) -> Iterator[str]:
-        """Each choice's finish chunk, the usage chunk if asked for, and `data: [DONE]`."""
+        """Each choice's held text or tool calls, its finish chunk, the usage chunk if asked for,
+        and `data: [DONE]`."""
         for c in result_choices(result):
+            if c.tool_calls:
+                yield from (event(self._calls_chunk(c.index, part)) for part in call_deltas(c.tool_calls))
+            elif self.held is not None:
+                yield from (self._delta_event(d) for d in self.held.release(c.index))
             finished = self._chunk(c.index, None if self.chat else "", finish_reason_name(c.finish_reason))
             yield event({**finished, "expert_system": extra(result)})
         if self.include_usage:
             yield event(self._head() | {"choices": [], "usage": usage(result)})
         yield "data: [DONE]\n\n"
+
+    def _calls_chunk(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        data = self._head() | {
+            "choices": [
+                {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+            ]
+        }
+        if self.include_usage:
+            data["usage"] = None
+        return data
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.body.model}
@@ -168,3 +217,50 @@ class Chunks:
         if self.include_usage:
             data["usage"] = None
         return data
+
+
+# The arguments of a streamed call go out in pieces of this many characters, after the chunk that
+# names the call (as OpenAI streams them: id, type and name first, then the arguments' fragments).
+ARGUMENT_PIECE_CHARS = 32
+
+# What every tool-call output starts with, in any family's format (libs/tools/families.py).
+CALL_STARTS = ("<tool_call>", "{")
+
+
+def call_deltas(calls: Sequence[common_pb2.ToolCall]) -> Iterator[list[dict[str, Any]]]:
+    """The `tool_calls` deltas of a choice's calls, in OpenAI's order."""
+    for k, call in enumerate(calls):
+        yield [
+            {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        ]
+        for start in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS):
+            piece = call.arguments[start : start + ARGUMENT_PIECE_CHARS]
+            yield [{"index": k, "function": {"arguments": piece}}]
+
+
+class HeldText:
+    """Each choice's deltas, held back while its text may still be tool calls (it is empty, or
+    starts like a call); released at once when the text cannot be calls, and at the end when it
+    turned out not to be. Calls are sent from the result, parsed, never from the raw text."""
+
+    def __init__(self, n: int) -> None:
+        self._held: dict[int, list[common_pb2.ChoiceDelta]] = {i: [] for i in range(n)}
+        self._text: dict[int, str] = dict.fromkeys(range(n), "")
+        self._free: set[int] = set()  # the choices known to be text
+
+    def add(self, delta: common_pb2.ChoiceDelta) -> list[common_pb2.ChoiceDelta]:
+        """The deltas to send now."""
+        index = delta.index
+        if index in self._free:
+            return [delta]
+        self._held.setdefault(index, []).append(delta)
+        text = self._text.get(index, "") + delta.text
+        self._text[index] = text
+        if any(start.startswith(text) or text.startswith(start) for start in CALL_STARTS):
+            return []
+        self._free.add(index)
+        return self.release(index)
+
+    def release(self, index: int) -> list[common_pb2.ChoiceDelta]:
+        held, self._held[index] = self._held.get(index, []), []
+        return held

@@ -28,6 +28,11 @@ class TextPart(_Body):
 class Message(_Body):
     role: Text
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    # a tool result: the call it answers
+    tool_call_id: Text | None = None
+    # an assistant's calls, checked part by part in openai_tools.py (the errors name the part)
+    tool_calls: list[Any] | None = None
 
 
 class StreamOptions(_Body):
@@ -91,8 +96,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, le=INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=-INT32, le=INT32)
+    # checked part by part in openai_tools.py (the errors name the part)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 

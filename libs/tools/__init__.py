@@ -1,0 +1,3 @@
+"""Tool calling (docs/api.md#tool-calling): the model families' call formats, the grammar that
+enforces a call, the parser that reads calls out of a finished text, and the rendering of tools,
+calls and results into a conversation for a chat template."""

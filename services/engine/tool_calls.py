@@ -1,0 +1,69 @@
+"""A request's tools in the engine (docs/api.md#tool-calling): the conversation rendered with them
+(through the model's template, or the fallback rendering), the grammar that enforces a call in the
+model family's format, and the calls parsed out of each finished choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+from libs.errors import invalid_argument
+from libs.gen.expert.v1 import common_pb2
+from libs.structured_output import StructuredOutput
+from libs.tools.families import family_of
+from libs.tools.grammar import FunctionSpec, parameters_schema, tool_grammar
+from libs.tools.parsing import new_call_id, parse_calls
+from libs.tools.rendering import conversation, template_messages, template_tools
+from libs.tools.request import allows_text, callable_tools, calls_enabled
+
+
+class RequestTools:
+    """The tools of one Generate call (none at all is the common case and changes nothing)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: common_pb2.GenerationParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.family = family_of(tokenizer.template_source(tools=bool(params.tools)))
+        self.enabled = calls_enabled(params)
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar of the calls the request allows (None when it allows none)."""
+        if not self.enabled:
+            return None
+        functions = [
+            FunctionSpec(t.name, parameters_schema(t.parameters)) for t in callable_tools(self.params)
+        ]
+        grammar = tool_grammar(
+            self.family,
+            functions,
+            allow_text=allows_text(self.params),
+            parallel=self.params.parallel_tool_calls,
+        )
+        return StructuredOutput("grammar", grammar)
+
+    def prompt(self, messages: Any) -> list[dict[str, Any]] | list[int] | str:
+        """The engine's prompt for a conversation: messages for the template, or (when the template
+        is given tools) the rendered token ids. Raises INVALID_ARGUMENT for a conversation the
+        template refuses."""
+        rendered = template_messages(messages)
+        if self.tokenizer.chat_template is None:  # a base model completes the conversation's text
+            return "\n\n".join(m.get("content", "") for m in conversation(self.family, rendered, [])[0])
+        chat, tools = conversation(self.family, rendered, template_tools(self.params.tools))
+        if tools is None:
+            return chat
+        try:
+            return self.tokenizer.encode_chat(chat, tools=tools)
+        except ChatTemplateError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise invalid_argument(f"input.{field}" if field else "input", message or str(exc)) from None
+
+    def calls(self, text: str, cut: bool = False) -> list[common_pb2.ToolCall]:
+        """The calls a finished choice's text consists of (none when it is text); `cut`: the text
+        ended at max_tokens, and its complete calls count."""
+        if not self.enabled:
+            return []
+        parsed = parse_calls(self.family, text, cut=cut) or []
+        return [
+            common_pb2.ToolCall(id=new_call_id(), type="function", name=c.name, arguments=c.arguments)
+            for c in parsed
+        ]

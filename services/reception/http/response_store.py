@@ -1,0 +1,46 @@
+"""Stored responses of the Responses API (`store: true`, the default) in Redis: each one's record
+(`expert:response:{id}`, JSON) holds the response as it was answered, the conversation that led to
+it with its answer (chat messages: what `previous_response_id` continues), and the API key that
+made it. Records expire after EXPERT_JOB_TTL_SECONDS, as job records do. A response is only seen by
+the key that made it (with auth off, by everyone): another key gets NOT_FOUND, as for an id that
+never existed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from redis.asyncio import Redis
+
+from libs.auth.policy import current_caller
+
+PREFIX = "expert:response:"
+
+
+def current_owner() -> str:
+    """Whose responses the current call sees: its API key's id ("" with auth off)."""
+    caller = current_caller()
+    return caller.key_id if caller is not None and caller.key_id is not None else ""
+
+
+class ResponseStore:
+    def __init__(self, redis: Redis, ttl_s: int) -> None:
+        self.redis, self.ttl_s = redis, ttl_s
+
+    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], owner: str) -> None:
+        record = {"owner": owner, "response": response, "conversation": conversation}
+        await self.redis.set(PREFIX + response["id"], json.dumps(record, ensure_ascii=False), ex=self.ttl_s)
+
+    async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
+        """The record of `response_id` if `owner` made it (None: none, or another's)."""
+        raw = await self.redis.get(PREFIX + response_id)
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return record if record["owner"] == owner else None
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        """Delete `owner`'s response `response_id`; whether there was one."""
+        if await self.get(response_id, owner) is None:
+            return False
+        return bool(await self.redis.delete(PREFIX + response_id))

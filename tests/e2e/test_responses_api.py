@@ -1,0 +1,341 @@
+"""OpenAI's Responses API (`/v1/responses`, docs/api.md#the-responses-api) against a real stack on
+the default model, through the official `openai` client: string and message input, instructions,
+`text.format` json_schema, the streamed events in order, `previous_response_id` continuing a
+stored conversation, `responses.retrieve`/`delete`, refusals that name the field, function tools
+(forced calls, streamed arguments, the tool's result continuing the conversation) and the OpenAI
+Agents SDK running an agent with one function tool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from libs.structured_output import StructuredOutput, text_problem
+from tests.e2e.conftest import openai_client, stack_env, wait_ready
+from tools.stack import LocalStack
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def stack(default_model, tmp_path_factory) -> LocalStack:
+    """The default model: its forced tool calls end (a tiny random model's may run to max_tokens)."""
+    env = stack_env(
+        default_model, EXPERT_MAX_MODEL_LEN="2048", EXPERT_KV_NUM_BLOCKS="256", EXPERT_MAX_NUM_SEQS="2"
+    )
+    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("responses-stack"), env=env)
+    stack.start()
+    try:
+        wait_ready(stack)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    with openai_client(stack) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_string_input_answers_one_message_with_usage_and_is_stored(client, model):
+    response = client.responses.create(
+        model=model, input="Name a colour.", max_output_tokens=6, temperature=0.0
+    )
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == model
+    assert response.status in ("completed", "incomplete")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.output_text == item.content[0].text and item.content[0].type == "output_text"
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 6
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    stored = client.responses.retrieve(response.id)
+    assert stored.model_dump() == response.model_dump()
+
+
+def test_messages_with_instructions_answer_as_the_same_chat_does(client, model):
+    conversation = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Say something short."},
+    ]
+    response = client.responses.create(
+        model=model, instructions="Be brief.", input=conversation, max_output_tokens=8, temperature=0.0
+    )
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi! How can I help?"},
+            {"role": "user", "content": "Say something short."},
+        ],
+        max_completion_tokens=8,
+        temperature=0.0,
+    )
+    assert response.instructions == "Be brief."
+    assert response.output_text == chat.choices[0].message.content  # one code path, greedy: one answer
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_json_schema_text_format_is_enforced(client, model):
+    response = client.responses.create(
+        model=model,
+        input="Is Paris in France?",
+        max_output_tokens=32,
+        temperature=0.0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}},
+    )
+    assert response.text.format.type == "json_schema"
+    output_format = StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
+    if response.status == "incomplete":  # the model's whitespace ran to max_output_tokens
+        assert text_problem(output_format, response.output_text) == "ends before the format is complete"
+        return
+    assert response.status == "completed", response.output_text
+    jsonschema.validate(json.loads(response.output_text), ANSWER_SCHEMA)
+
+
+def test_stream_events_come_in_order_and_add_up_to_the_stored_response(client, model):
+    events = list(
+        client.responses.create(
+            model=model, input="Count to three.", max_output_tokens=10, temperature=0.0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas, kinds
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas) :][:3] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and len(kinds) == len(deltas) + 8
+    text = "".join(d.delta for d in deltas)
+    final = events[-1].response
+    assert events[-4].text == text and final.output_text == text and final.usage.output_tokens <= 10
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+ADA = "My name is Ada and I live in a small town by the sea."
+
+
+def test_previous_response_id_continues_the_stored_conversation(client, model):
+    first = client.responses.create(model=model, input=ADA, max_output_tokens=5, temperature=0.0)
+    second = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input="What is my name?",
+        max_output_tokens=5,
+        temperature=0.0,
+    )
+    assert second.previous_response_id == first.id
+    # The same conversation as a chat: the first turn, its answer, the new input.
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "user", "content": ADA},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        max_completion_tokens=5,
+        temperature=0.0,
+    )
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+    # The first turn's prompt is the second's prefix: its full 16-token KV blocks are found cached.
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
+    assert second.output_text == chat.choices[0].message.content
+    third = client.responses.create(
+        model=model, previous_response_id=second.id, input="Thanks.", max_output_tokens=3, store=False
+    )
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as raised:  # store=False: nothing to continue from
+        client.responses.create(
+            model=model, previous_response_id=third.id, input="Again.", max_output_tokens=3
+        )
+    assert raised.value.body["param"] == "previous_response_id"
+    assert raised.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_deleted_response_is_gone(client, model):
+    response = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    deleted = client.responses.delete(response.id)
+    assert deleted is None  # the client returns nothing for a delete
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.retrieve(response.id)
+    assert raised.value.body["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"text": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}}}, "text.format.name"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        ({"background": True}, "background"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
+def test_refusals_name_the_field(client, model, fields, param):
+    body = {"model": model, "input": "Hi", "max_output_tokens": 4} | fields
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.post("/responses", body=body, cast_to=object)
+    error = raised.value.body
+    assert error["param"] == param, error
+    assert error["code"] and error["type"] == "invalid_request_error"
+
+
+def _run_agent(stack: LocalStack, agent_for, prompt: str):
+    """Run the agent `agent_for(model)` makes on `prompt` with the OpenAI Agents SDK, its model our
+    `/v1/responses` (tracing off: nothing leaves the machine)."""
+    from agents import OpenAIResponsesModel, RunConfig, Runner
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=stack.http_url() + "/v1", api_key="unused", max_retries=0
+        ) as client:
+            model = (await client.models.list()).data[0].id
+            agent = agent_for(OpenAIResponsesModel(model=model, openai_client=client))
+            return await Runner.run(agent, prompt, max_turns=3, run_config=RunConfig(tracing_disabled=True))
+
+    return asyncio.run(run())
+
+
+def test_an_agents_sdk_agent_answers_through_the_responses_api(stack, client, model):
+    from agents import Agent, ModelSettings
+
+    settings = ModelSettings(max_tokens=64, temperature=0.0)
+    result = _run_agent(
+        stack,
+        lambda m: Agent(name="helper", instructions="Be brief.", model=m, model_settings=settings),
+        "Hello",
+    )
+    direct = client.responses.create(
+        model=model, instructions="Be brief.", input="Hello", max_output_tokens=64, temperature=0.0
+    )
+    assert result.final_output == direct.output_text  # greedy: the same answer, whoever asks
+
+
+# -- function tools (chat completions' tool calling, through the same path) ----------------------
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": CITY,
+}
+
+
+def test_a_streamed_call_sends_its_arguments_as_deltas(client, model):
+    events = list(
+        client.responses.create(
+            model=model,
+            input="Weather in Lyon?",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=48,
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added and added[0].item.type == "function_call" and added[0].item.name == "get_weather"
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == arguments and jsonschema.validate(json.loads(arguments), CITY) is None
+    final = events[-1]
+    assert final.type == "response.completed" and final.response.output[0].arguments == arguments
+
+
+def test_the_tool_s_result_continues_the_conversation(client, model):
+    first = client.responses.create(
+        model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=48
+    )
+    assert first.status == "completed", first.output
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and jsonschema.validate(json.loads(call.arguments), CITY) is None
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    follow_up = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input=[result],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0.0,
+    )
+    assert [item.type for item in follow_up.output] == ["message"]
+    assert follow_up.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    # The same turn replayed in full (as the Agents SDK sends it) answers the same.
+    replayed = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True), result],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0.0,
+    )
+    assert replayed.output_text == follow_up.output_text
+    assert replayed.usage.input_tokens == follow_up.usage.input_tokens
+
+
+def test_an_agents_sdk_agent_calls_its_function_tool(stack):
+    from agents import Agent, ModelSettings, function_tool
+
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"Sunny in {city}"
+
+    settings = ModelSettings(tool_choice="required", max_tokens=48, temperature=0.0)
+    result = _run_agent(
+        stack,
+        lambda m: Agent(
+            name="forecaster",
+            instructions="Use the tool.",
+            model=m,
+            model_settings=settings,
+            tools=[get_weather],
+            tool_use_behavior="stop_on_first_tool",
+        ),
+        "What is the weather in Paris?",
+    )
+    assert cities and result.final_output == f"Sunny in {cities[0]}"

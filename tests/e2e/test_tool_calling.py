@@ -1,0 +1,354 @@
+"""Tool calling (docs/api.md#tool-calling) against a real stack on the default model, with the real
+`openai` client and `langchain-openai`: required, named and auto calls, text under auto, streamed
+tool_calls deltas, a follow-up turn with the tool's result, a replayed history with `name`,
+`tool_calls` and `tool_call_id`, the refusals that name their part, and the validity of 50 of our
+prompts' required and named calls (each parses and validates against its function's schema)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import langchain_core.messages as langchain_messages
+import langchain_core.tools as langchain_tools
+import langchain_openai
+import openai
+import pydantic
+import pytest
+
+from expert_system import ExpertClient, InvalidRequest
+from tests.e2e.conftest import openai_client, stack_env, wait_ready
+from tools.stack import LocalStack
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+ADD = {
+    "type": "object",
+    # bounded, so that a call always fits max_tokens (a small model may write digits without end)
+    "properties": {
+        "a": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+        "b": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+    },
+    "required": ["a", "b"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "add", "description": "The sum of two integers", "parameters": ADD},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+MAX_TOKENS = 80
+
+
+@pytest.fixture(scope="module")
+def stack(default_model, tmp_path_factory) -> LocalStack:
+    """The default model, with room for 8 sequences at once (the validity run is batched)."""
+    env = stack_env(
+        default_model, EXPERT_MAX_MODEL_LEN="2048", EXPERT_KV_NUM_BLOCKS="512", EXPERT_MAX_NUM_SEQS="8"
+    )
+    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("tool-stack"), env=env)
+    stack.start()
+    wait_ready(stack)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(stack) -> openai.OpenAI:
+    return openai_client(stack)
+
+
+def chat(oai: openai.OpenAI, content: str, **fields):
+    return oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        tools=TOOLS,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        **fields,
+    )
+
+
+def assert_valid_calls(message, names=SCHEMAS) -> None:
+    assert message.content is None
+    assert message.tool_calls
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_makes_a_valid_call(oai):
+    answer = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert_valid_calls(choice.message)
+    assert len(choice.message.tool_calls) == 1
+
+
+def test_a_named_function_is_the_one_called(oai):
+    answer = chat(oai, "What is 2 plus 3?", tool_choice={"type": "function", "function": {"name": "add"}})
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(answer.choices[0].message, names={"add"})
+
+
+def test_auto_chooses_a_call_where_one_is_needed(oai):
+    # The default model (135M parameters) rarely calls under auto (bench/tool_choice_auto.py); a
+    # prompt that starts the call for it does, greedily.
+    answer = chat(oai, "<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
+    assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
+    assert_valid_calls(answer.choices[0].message)
+
+
+def test_auto_answers_with_text_where_no_call_is_needed(oai):
+    answer = chat(oai, "Say hello to me.")  # tool_choice defaults to auto with tools
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.tool_calls is None and choice.message.content
+
+
+def test_streamed_calls_come_as_openai_deltas(oai):
+    stream = chat(
+        oai, "What is the weather in Rome?", tool_choice="required", parallel_tool_calls=False, stream=True
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            assert not choice.delta.content  # a call's text is never streamed as content
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"arguments": ""})
+                if delta.id:  # the first delta of a call names it
+                    assert "name" not in call and delta.type == "function"
+                    call.update(id=delta.id, name=delta.function.name)
+                call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and calls
+    for call in calls.values():
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_streamed_text_answer_is_content(oai):
+    stream = chat(oai, "Say hello to me.", stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text and "<tool_call>" not in text
+
+
+def test_the_tools_result_is_answered_in_a_follow_up_turn(oai):
+    first = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?", "name": "ann"},
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees and sunny"},
+    ]
+    answer = oai.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=MAX_TOKENS
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content
+
+
+def test_a_replayed_history_with_names_calls_and_results_is_accepted(oai):
+    history = [
+        {"role": "system", "content": "You are terse.", "name": "policy"},
+        {"role": "user", "content": "Add 2 and 3.", "name": "ann"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": "5"},
+        {"role": "assistant", "content": "The sum is 5."},
+        {"role": "user", "content": "And 4 plus 4?", "name": "ann"},
+    ]
+    answer = oai.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS
+    )
+    assert_valid_calls(answer.choices[0].message)
+
+
+def test_grpc_and_the_sdk_carry_tools_and_calls(stack):
+    with ExpertClient(stack.target("reception")) as client:
+        result = client.infer(
+            "What is 2 plus 3?",
+            tools=TOOLS,
+            tool_choice="add",
+            parallel_tool_calls=False,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+        )
+        choice = result.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.tool_calls) == 1
+        call = choice.tool_calls[0]
+        assert call.name == "add" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), ADD)
+        with pytest.raises(InvalidRequest) as refused:
+            client.infer("Hi", tools=TOOLS, tool_choice="nope")
+        assert [f for f, _ in refused.value.field_violations] == ["request.tool_choice.function"]
+
+
+def test_empty_tools_are_no_tools(oai):
+    answer = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[], max_tokens=8
+    )
+    assert answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_part(stack, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields}
+    answer = httpx.post(stack.http_url() + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["code"], error
+
+
+# 50 requests of ours: 25 prompts, each with tool_choice required and with its function named.
+VALIDITY_PROMPTS = [
+    *(
+        f"What is the weather in {city}?"
+        for city in ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Perth")
+    ),
+    *(f"Is it raining in {city} today?" for city in ("Rome", "Berlin", "Madrid", "Seoul")),
+    *(f"What is {a} plus {b}?" for a, b in ((2, 3), (10, 32), (7, 8), (100, 1), (-4, 9), (0, 0))),
+    *(f"Add {a} and {b} for me." for a, b in ((5, 5), (12, 30), (99, 1))),
+    "I need the temperature in Nairobi in fahrenheit.",
+    "Sum up 17 and 25.",
+    "Tell me a joke.",
+    "Hello there!",
+]
+
+
+def _one_call(oai: openai.OpenAI, prompt: str, tool_choice) -> tuple[str, bool]:
+    answer = chat(oai, prompt, tool_choice=tool_choice, temperature=0.7, parallel_tool_calls=False)
+    message = answer.choices[0].message
+    try:
+        names = {tool_choice["function"]["name"]} if isinstance(tool_choice, dict) else set(SCHEMAS)
+        assert_valid_calls(message, names)
+        return prompt, answer.choices[0].finish_reason == "tool_calls"
+    except (AssertionError, jsonschema.ValidationError, json.JSONDecodeError, TypeError):
+        return prompt, False
+
+
+def test_required_and_named_calls_always_parse_and_validate(oai):
+    named = [{"type": "function", "function": {"name": "add" if i % 2 else "get_weather"}} for i in range(25)]
+    requests = [(p, "required") for p in VALIDITY_PROMPTS] + list(zip(VALIDITY_PROMPTS, named, strict=True))
+    assert len(requests) == 50
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda r: _one_call(oai, *r), requests))
+    failed = [prompt for prompt, ok in results if not ok]
+    assert not failed, failed
+
+
+# LangChain's OpenAI chat model (langchain-openai) on the same stack: its tool binding, its
+# structured output by function calling, and an agent loop of two calls, each result fed back.
+
+
+@pytest.fixture(scope="module")
+def llm(stack):
+    return langchain_openai.ChatOpenAI(
+        base_url=stack.http_url() + "/v1",
+        api_key="unused",
+        model=MODEL,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        max_retries=0,
+    )
+
+
+class AddArguments(pydantic.BaseModel):
+    # bounded, so that a call always fits max_tokens
+    a: int = pydantic.Field(ge=-1000000, le=1000000)
+    b: int = pydantic.Field(ge=-1000000, le=1000000)
+
+
+@langchain_tools.tool(args_schema=AddArguments)
+def add(a: int, b: int) -> int:
+    """The sum of two integers."""
+    return a + b
+
+
+@langchain_tools.tool
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"21 degrees and sunny in {city}"
+
+
+class Forecast(pydantic.BaseModel):
+    """A weather forecast for a city."""
+
+    city: str = pydantic.Field(max_length=40)
+    degrees: int = pydantic.Field(ge=-100, le=100)
+
+
+def test_langchain_bind_tools_invoke_returns_a_tool_call(llm):
+    message = llm.bind_tools([add, get_weather], tool_choice="required", parallel_tool_calls=False).invoke(
+        "What is 2 plus 3?"
+    )
+    assert message.tool_calls, message
+    call = message.tool_calls[0]
+    assert call["name"] in ("add", "get_weather") and call["id"].startswith("call_")
+    tool = {"add": add, "get_weather": get_weather}[call["name"]]
+    tool.args_schema.model_validate(call["args"])
+
+
+def test_langchain_structured_output_by_function_calling(llm):
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+
+
+def test_langchain_agent_loop_of_two_tool_calls(llm):
+    tools = {"add": add, "get_weather": get_weather}
+    caller = llm.bind_tools(list(tools.values()), tool_choice="required", parallel_tool_calls=False)
+    messages = [langchain_messages.HumanMessage("Add 2 and 3, then add 10 to the result.")]
+    for _ in range(2):
+        reply = caller.invoke(messages)
+        assert reply.tool_calls, reply
+        messages.append(reply)
+        for call in reply.tool_calls:
+            messages.append(tools[call["name"]].invoke(call))  # a ToolMessage with the call's id
+    final = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
+    assert not final.tool_calls and final.content
+    assert sum(isinstance(m, langchain_messages.ToolMessage) for m in messages) >= 2
