@@ -55,6 +55,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
     structured: StructuredOutput | None = None
+    # Speculative decoding for this request: True/False, or None for the engine's setting
+    # (EXPERT_SPECULATIVE). True on an engine without a drafter decodes as usual.
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -97,6 +100,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"expected true or false, got {getattr(self, name)!r}")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise InvalidRequestError(
+                "speculative", f"expected true, false or unset, got {self.speculative!r}"
+            )
         if not isinstance(self.output_kind, OutputKind):
             raise InvalidRequestError("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

@@ -11,6 +11,7 @@ from libs.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from libs.engine.adapters.registry import ExpertUse, LoadedExpert
     from libs.engine.grammar import GrammarMatcher
+    from libs.engine.speculative import SpeculationState
 
 _MASK64 = (1 << 64) - 1
 _seq_ids = itertools.count()
@@ -107,6 +108,10 @@ class Sequence:
         self.num_pending_forks = params.n if index == 0 else 1
         # The session this sequence is a turn of (SessionTable.begin_turn): kept, not freed, at its end.
         self.session_id: str | None = None
+        # Speculative decoding: drafted tokens sit at the end of token_ids during the step that
+        # verifies them (so the step computes them like a prompt chunk), and are taken off after it.
+        self.num_draft_tokens = 0
+        self.speculation: SpeculationState | None = None  # adaptive K, made by the Speculator
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +119,25 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, drafts under verification included (see `draft_token_ids`)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    def add_draft(self, draft: list[int]) -> None:
+        """Put drafted tokens after the real ones for the step that verifies them."""
+        self.token_ids.extend(draft)
+        self.num_draft_tokens = len(draft)
+
+    def discard_draft(self) -> list[int]:
+        """Take the drafts off again (after their step, or when the sequence is preempted)."""
+        draft = self.draft_token_ids
+        if self.num_draft_tokens:
+            del self.token_ids[-self.num_draft_tokens :]
+            self.num_draft_tokens = 0
+        return draft
 
     @property
     def output_token_ids(self) -> list[int]:
