@@ -9,8 +9,8 @@ from typing import Any
 from libs.config import ConfigError, EnvReader
 
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
-QUANTIZATIONS = ("int8", "int4")
-SPECULATIVE_DRAFTERS = ("off", "ngram")  # libs/engine/speculative.py  # libs/engine/quant.py; kept here so config needs no torch
+QUANTIZATIONS = ("int8", "int4")  # libs/engine/quant.py; kept here so config needs no torch
+SPECULATIVE_DRAFTERS = ("off", "ngram")  # libs/engine/speculative.py
 
 # dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
 DTYPE_NAMES = {

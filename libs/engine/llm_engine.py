@@ -431,7 +431,9 @@ class LLMEngine:
         self._seqs.pop(seq.seq_id, None)
         return True
 
-    def _append_verified(self, seq: Sequence, request: Request, sampled: list[SampledToken], now: float) -> None:
+    def _append_verified(
+        self, seq: Sequence, request: Request, sampled: list[SampledToken], now: float
+    ) -> None:
         """The kept drafts and the token after them, one by one, as ordinary decoding would have
         produced them: a stop (token, string, format, max_tokens) drops whatever follows it."""
         request.metrics.num_draft_tokens_accepted += len(sampled) - 1

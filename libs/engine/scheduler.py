@@ -251,7 +251,9 @@ class Scheduler:
         step.add(seq, num_new)
         return _ADMITTED
 
-    def on_step_done(self, output: SchedulerOutput, sampled: dict[int, list[int]] | None = None) -> dict[int, int]:
+    def on_step_done(
+        self, output: SchedulerOutput, sampled: dict[int, list[int]] | None = None
+    ) -> dict[int, int]:
         """Account for the tokens the step computed and publish completed blocks for reuse.
 
         A sequence that verified drafts counts only its last real token as computed here and gives
