@@ -48,6 +48,7 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         output_kind=OutputKind.DELTA,
         structured=to_structured(params.response_format),
+        speculative=params.speculative if params.HasField("speculative") else None,
     )
 
 
@@ -239,6 +240,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     queue_ms=(m.queue_time or 0.0) * 1000,
                     ttft_ms=(m.ttft or 0.0) * 1000,
                     decode_ms=(m.decode_time or 0.0) * 1000,
+                    draft_tokens=m.num_draft_tokens,
+                    accepted_draft_tokens=m.num_draft_tokens_accepted,
                 )
             )
             last.experts.extend(

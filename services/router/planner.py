@@ -75,6 +75,8 @@ class Planner:
         )
         if output_format is not None:
             params.response_format.CopyFrom(output_format)
+        if request.HasField("speculative"):
+            params.speculative = request.speculative
         model_in, text = model_input(request)
         trace = _reasoning_trace(request, features, prompt_features, format_kind, selection, tuning_trace)
         chosen = selection.chosen if selection else []
