@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,6 @@ from libs.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from libs.engine.adapters.registry import ExpertUse, LoadedExpert
     from libs.engine.grammar import GrammarMatcher
-    from libs.engine.speculative import SpeculationState
 
 _MASK64 = (1 << 64) - 1
 _seq_ids = itertools.count()
@@ -53,6 +53,18 @@ def derive_seed(seed: int, index: int) -> int:
 
 def output_seed(request_seed: int, index: int) -> int:
     return request_seed if index == 0 else derive_seed(request_seed, index)
+
+
+@dataclass
+class SpeculationState:
+    """A sequence's adaptive draft length and its recent acceptance (speculative.py keeps it)."""
+
+    k: int
+    acceptance: float = 1.0  # running average of accepted / drafted
+    pause: int = 0  # steps left without drafting
+    backoff: int = 8  # the next pause; doubled each time the sequence falls back again
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Sequence:

@@ -21,7 +21,7 @@ import numpy as np
 
 from libs.engine.config import SPECULATIVE_DRAFTERS
 from libs.engine.outputs import SpeculativeStats
-from libs.engine.sequence import Sequence
+from libs.engine.sequence import Sequence, SpeculationState
 
 DRAFTERS = SPECULATIVE_DRAFTERS
 NGRAM_MAX = 4
@@ -30,8 +30,7 @@ NGRAM_MIN = 2
 # its recent steps) stops drafting for a while, decoding one token per step as without speculation.
 MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_DECAY = 0.7  # weight of the past in the running average
-BACKOFF_STEPS = 8  # first pause; doubled each time the sequence falls back again, up to MAX_BACKOFF
-MAX_BACKOFF = 128
+MAX_BACKOFF = 128  # the longest pause (SpeculationState.backoff doubles up to it)
 
 
 @dataclass
@@ -46,18 +45,6 @@ class DrafterStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
-
-
-@dataclass
-class SpeculationState:
-    """A sequence's adaptive draft length and its recent acceptance."""
-
-    k: int
-    acceptance: float = 1.0
-    pause: int = 0  # steps left without drafting
-    backoff: int = BACKOFF_STEPS
-    drafted: int = 0
-    accepted: int = 0
 
 
 def ngram_proposal(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:

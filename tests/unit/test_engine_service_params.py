@@ -40,3 +40,11 @@ def test_the_engines_refusal_of_a_format_is_invalid_argument_naming_its_field():
     error = map_error(InvalidRequestError("structured", 'at 1(8): unknown name: "foo"'))
     assert error.code is grpc.StatusCode.INVALID_ARGUMENT
     assert error.violations == (("structured", 'at 1(8): unknown name: "foo"'),)
+
+
+def test_the_speculative_flag_reaches_the_engine_unset_true_or_false():
+    assert sampling_params(common_pb2.GenerationParams(max_tokens=8)).speculative is None
+    for flag in (True, False):
+        assert (
+            sampling_params(common_pb2.GenerationParams(max_tokens=8, speculative=flag)).speculative is flag
+        )
