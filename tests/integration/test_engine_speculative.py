@@ -179,6 +179,29 @@ def test_preemption_under_a_small_pool_stays_exact(tiny_llama, engines):
     _assert_blocks_returned(small)
 
 
+def test_expert_requests_stay_exact_beside_plain_ones(engines, tiny_llama, tmp_path_factory):
+    from tests.helpers.experts import Publisher
+    from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
+
+    root = tmp_path_factory.mktemp("spec-experts")
+    publisher = Publisher.create(root / "publisher")
+    adapters = {
+        "lora": write_lora_adapter(tiny_llama, root / "lora", seed=1),
+        "ia3": write_ia3_adapter(tiny_llama, root / "ia3", seed=3),
+    }
+    packages = [publisher.pack(d, tiny_llama, root / f"{n}.expert", n) for n, d in adapters.items()]
+    for engine in engines:
+        for package in packages:
+            engine.load_expert(package, publisher.trusted)
+    experts = [[("lora", 1.0)], None, [("lora", 0.5), ("ia3", 1.0)], None, [("ia3", 1.0)], None, None]
+    ordinary, speculative = engines
+    before = _drafted(speculative)
+    got = speculative.generate(PROMPTS, GREEDY, experts=experts)
+    assert _results(got) == _results(ordinary.generate(PROMPTS, GREEDY, experts=experts))
+    assert _drafted(speculative)[1] > before[1]
+    _assert_blocks_returned(speculative)
+
+
 # -- the distribution ---------------------------------------------------------------------------------
 
 
