@@ -16,8 +16,9 @@ from libs.engine.config import EngineConfig
 from libs.engine.errors import InvalidRequestError
 from libs.engine.llm_engine import LLMEngine
 from libs.engine.sampling_params import SamplingParams
+from libs.engine.sequence import Sequence
 from libs.engine.sessions import SessionRef
-from libs.engine.speculative import accepted_prefix, ngram_proposal
+from libs.engine.speculative import Speculator, accepted_prefix, ngram_proposal
 from libs.structured_output import StructuredOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -76,6 +77,25 @@ def test_accepted_prefix_stops_at_the_first_differing_sample():
     assert accepted_prefix([4, 5, 6], [4, 5, 7, 1]) == 2
     assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
     assert accepted_prefix([4], [3, 4]) == 0
+
+
+def test_k_adapts_and_low_acceptance_falls_back_to_ordinary_decoding():
+    spec = Speculator("ngram", 4)
+    seq = Sequence("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=100), request_seed=0)
+    assert spec.propose(seq, room=10, max_model_len=64) == [3, 1, 2]  # what followed "1 2"
+    spec.record(seq, 3, 3)
+    assert seq.speculation.k == 4
+    spec.record(seq, 4, 1)
+    assert seq.speculation.k == 2  # one more than it kept
+    for _ in range(3):  # nothing kept: the running average drops below the threshold
+        spec.record(seq, 1, 0)
+    assert spec.stats.fallbacks == 1
+    pause = seq.speculation.pause
+    assert pause > 0
+    assert [spec.propose(seq, 10, 64) for _ in range(pause)] == [[]] * pause  # ordinary decoding
+    assert spec.propose(seq, 10, 64) != []  # then it tries again
+    assert spec.propose(seq, room=0, max_model_len=64) == []
+    assert spec.propose(seq, room=10, max_model_len=seq.num_tokens + 1) == []  # no room in the context
 
 
 def test_settings_are_checked_by_name():
