@@ -264,6 +264,13 @@ class KVCacheManager:
             self.pool.register(self.pool.blocks[seq.block_table[i]], hashes[i])
         self._registered[seq.seq_id] = num_full
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past those `num_tokens` tokens need (the slots of rejected drafts)."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; the first write into a shared one copies it."""
         child.block_table = list(parent.block_table)

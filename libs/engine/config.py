@@ -10,6 +10,7 @@ from libs.config import ConfigError, EnvReader
 
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
 QUANTIZATIONS = ("int8", "int4")  # libs/engine/quant.py; kept here so config needs no torch
+SPECULATIVE_DRAFTERS = ("off", "ngram")  # libs/engine/speculative.py
 
 # dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
 DTYPE_NAMES = {
@@ -80,8 +81,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     aging_seconds: float = 2.0  # one priority level gained per this many seconds of waiting
     max_sessions: int = 256  # sessions whose KV the engine keeps between turns (sessions.py)
+    # Speculative decoding (speculative.py): the drafter ("off" or "ngram") and the most tokens a
+    # sequence drafts per step.
+    speculative: str = "off"
+    speculative_k: int = 4
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_DRAFTERS:
+            raise ConfigError(
+                f"speculative: expected one of {', '.join(SPECULATIVE_DRAFTERS)}, got {self.speculative!r}"
+            )
+        if not 1 <= self.speculative_k <= 16:
+            raise ConfigError(f"speculative_k: must be in [1, 16], got {self.speculative_k}")
         if self.max_sessions < 0:
             raise ConfigError(f"max_sessions: must be >= 0 (0 refuses sessions), got {self.max_sessions}")
         if self.max_num_seqs < 1:
@@ -237,6 +248,8 @@ class EngineConfig:
                 max_num_batched_tokens=reader.integer("EXPERT_MAX_NUM_BATCHED_TOKENS", 2048),
                 aging_seconds=reader.number("EXPERT_SCHEDULER_AGING_SECONDS", 2.0),
                 max_sessions=reader.integer("EXPERT_MAX_SESSIONS", 256),
+                speculative=reader.text("EXPERT_SPECULATIVE", "off"),
+                speculative_k=reader.integer("EXPERT_SPECULATIVE_K", 4),
             ),
             adapters=AdapterConfig(
                 host_bytes=reader.integer("EXPERT_ADAPTER_HOST_BYTES", 2 << 30),
@@ -268,6 +281,8 @@ ENV_VARIABLES = {
     "max_num_batched_tokens": "EXPERT_MAX_NUM_BATCHED_TOKENS",
     "aging_seconds": "EXPERT_SCHEDULER_AGING_SECONDS",
     "max_sessions": "EXPERT_MAX_SESSIONS",
+    "speculative": "EXPERT_SPECULATIVE",
+    "speculative_k": "EXPERT_SPECULATIVE_K",
     "host_bytes": "EXPERT_ADAPTER_HOST_BYTES",
     "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
     "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",

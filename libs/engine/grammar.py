@@ -53,6 +53,15 @@ class GrammarMatcher:
         in an error state for good)."""
         return self._matcher.consume_token(token_id)
 
+    def validate(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in a row from here, the format allows (nothing is consumed)."""
+        return self._matcher.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (drafts consumed only to compute masks)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     def fork(self) -> GrammarMatcher:
         """An independent copy at the same place, for a sibling output of an n > 1 request."""
         return GrammarMatcher(self._matcher.deep_copy())

@@ -35,6 +35,7 @@ from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import Sequence, SequenceStatus
 from libs.engine.sessions import SessionRef, SessionTable, turn_max_tokens
+from libs.engine.speculative import Speculator
 from libs.engine.tokenizer import Tokenizer
 from libs.experts.manifest import BaseModelIdentity
 
@@ -135,8 +136,17 @@ class LLMEngine:
             self.experts.device_tier,
         )
         self.sessions = SessionTable(self.kv, config.scheduler.max_sessions)
+        sched = config.scheduler
+        self.speculator = (
+            None if sched.speculative == "off" else Speculator(sched.speculative, sched.speculative_k)
+        )
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, adapters=self.experts.device_tier, sessions=self.sessions
+            sched,
+            self.kv,
+            adapters=self.experts.device_tier,
+            sessions=self.sessions,
+            speculator=self.speculator,
+            max_model_len=self.max_model_len,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._builder = self._request_builder()
@@ -395,9 +405,9 @@ class LLMEngine:
             return outputs
         self._on_scheduled(plan)
         samples = self.runner.execute(plan)
-        self.scheduler.on_step_done(plan)
+        kept = self.scheduler.on_step_done(plan, {i: [t.token_id for t in ts] for i, ts in samples.items()})
         self._counters["steps"] += 1
-        touched = self._append_samples(samples)
+        touched = self._append_samples(samples, kept)
         return outputs + self._collect_outputs(touched)
 
     def _on_scheduled(self, plan: SchedulerOutput) -> None:
@@ -407,32 +417,57 @@ class LLMEngine:
             request = self._requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+            request.metrics.num_draft_tokens += seq.num_draft_tokens
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._counters["prompt_tokens"] += min(
                     num_new, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
 
-    def _append_samples(self, samples: dict[int, list[SampledToken]]) -> dict[str, Request]:
+    def _append_samples(
+        self, samples: dict[int, list[SampledToken]], kept: dict[int, int]
+    ) -> dict[str, Request]:
         """Appends each sequence's sampled tokens, finishing those that stop; returns the requests
-        that progressed."""
+        that progressed. `kept`: for a sequence that verified drafts, how many it keeps (its
+        samples are then one per position: the kept drafts, then the token after them)."""
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq_id, sampled in samples.items():
             seq = self._seqs[seq_id]
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
+            if seq_id in kept:
+                self._append_verified(seq, request, sampled[: kept[seq_id] + 1], now)
+                continue
             targets = [seq]
             if len(sampled) > 1:  # the first sample of an n > 1 request: fork the other outputs
                 targets += self._fork(seq, request, len(sampled))
             for target, sample in zip(targets, sampled, strict=True):
-                target.append_token(sample.token_id)
-                self._counters["generation_tokens"] += 1
-                status = request.on_token(target, sample, now)
-                if status is not None:
-                    self.scheduler.finish(target, status)
-                    request.mark_finished(target, status, now)
-                    self._seqs.pop(target.seq_id, None)
+                self._append_one(target, request, sample, now)
         return touched
+
+    def _append_one(self, seq: Sequence, request: Request, sample: SampledToken, now: float) -> bool:
+        """Append one token; True if it ended the sequence."""
+        seq.append_token(sample.token_id)
+        self._counters["generation_tokens"] += 1
+        status = request.on_token(seq, sample, now)
+        if status is None:
+            return False
+        self.scheduler.finish(seq, status)
+        request.mark_finished(seq, status, now)
+        self._seqs.pop(seq.seq_id, None)
+        return True
+
+    def _append_verified(
+        self, seq: Sequence, request: Request, sampled: list[SampledToken], now: float
+    ) -> None:
+        """The kept drafts and the token after them, one by one, as ordinary decoding would have
+        produced them: a stop (token, string, format, max_tokens) drops whatever follows it."""
+        request.metrics.num_draft_tokens_accepted += len(sampled) - 1
+        for i, sample in enumerate(sampled):
+            if self._append_one(seq, request, sample, now):
+                return
+            if i < len(sampled) - 1:
+                self.scheduler.draft_kept(seq)
 
     def _fork(self, seq: Sequence, request: Request, n: int) -> list[Sequence]:
         """The other n - 1 outputs of an n > 1 request, forked from its prompt's sequence."""
@@ -535,6 +570,7 @@ class LLMEngine:
             num_steps_total=self._counters["steps"],
             experts=self.experts.stats(),
             sessions=self.sessions.stats(),
+            speculative=None if self.speculator is None else self.speculator.snapshot(),
         )
 
 

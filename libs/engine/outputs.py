@@ -46,6 +46,9 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: drafted tokens verified, and of those the ones kept in the output.
+    num_draft_tokens: int = 0
+    num_draft_tokens_accepted: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
 
     @property
@@ -164,6 +167,21 @@ class ExpertStats:
 
 
 @dataclass(frozen=True)
+class SpeculativeStats:
+    """Speculative decoding's counters, for the drafter the engine runs."""
+
+    drafter: str
+    drafted_tokens_total: int
+    accepted_tokens_total: int
+    verify_steps_total: int  # sequence-steps that verified drafts
+    fallbacks_total: int  # times a sequence paused drafting for low acceptance
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens_total / self.drafted_tokens_total if self.drafted_tokens_total else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine for the service layer's metrics (vLLM's gauge/counter set)."""
 
@@ -185,3 +203,4 @@ class EngineStats:
     num_steps_total: int
     experts: ExpertStats | None = None
     sessions: SessionStats | None = None
+    speculative: SpeculativeStats | None = None  # None: the engine does not speculate

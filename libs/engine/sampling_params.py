@@ -55,6 +55,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
     structured: StructuredOutput | None = None
+    # Speculative decoding for this request: True/False, or None for the engine's setting
+    # (EXPERT_SPECULATIVE). True on an engine without a drafter decodes as usual.
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -94,9 +97,10 @@ class SamplingParams:
             problem = _TOKEN_ID.problem(token)
             if problem is not None:
                 raise InvalidRequestError(f"stop_token_ids[{i}]", problem)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(name, f"expected true or false, got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "speculative" and value is None):
+                raise InvalidRequestError(name, f"expected true or false, got {value!r}")
         if not isinstance(self.output_kind, OutputKind):
             raise InvalidRequestError("output_kind", f"expected an OutputKind, got {self.output_kind!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

@@ -25,6 +25,7 @@ from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import SchedulerConfig
 from libs.engine.sequence import Sequence, SequenceStatus
 from libs.engine.sessions import SessionTable
+from libs.engine.speculative import Speculator, accepted_prefix
 
 _ADMITTED, _NO_BLOCKS, _NO_ROOM = object(), object(), object()  # how an admission went
 
@@ -77,8 +78,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         adapters: AdapterResidency | None = None,
         sessions: SessionTable | None = None,
+        speculator: Speculator | None = None,
+        max_model_len: int = 1 << 30,
     ) -> None:
         self.config = config
+        self.speculator = speculator  # drafts for decoding sequences (speculative.py), or None
+        self.max_model_len = max_model_len
         self.kv = kv
         self.clock = clock
         self.adapters = adapters  # needed only when sequences carry experts
@@ -135,6 +140,7 @@ class Scheduler:
             self.adapters.release(seq.adapter_experts)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.discard_draft()
         self.running.remove(seq)
         self._release_adapters(seq)
         self.kv.free(seq)
@@ -157,12 +163,14 @@ class Scheduler:
         ordered = sorted(self.running, key=key)
         decoding = [s for s in ordered if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in ordered if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        for place, seq in enumerate(decoding + prefilling):
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, step.budget)
             if num_new == 0:
                 continue
+            if place < len(decoding):  # drafts only from budget the decodes after it do not need
+                num_new += self._draft(seq, step.budget - (len(decoding) - place))
             while not self.kv.allocate_slots(seq, num_new):
                 if self._evict_idle_session():
                     continue
@@ -176,6 +184,18 @@ class Scheduler:
         if not step.preempted:  # after making room by preemption, admitting would only churn
             self._admit(key, priority, step)
         return SchedulerOutput(list(step.scheduled.values()), self.kv.take_copies(), step.preempted)
+
+    def _draft(self, seq: Sequence, room: int) -> int:
+        """Give a decoding sequence drafted tokens to verify this step, when its drafter proposes
+        some and the pool has their slots (never preempting for them); returns how many."""
+        spec = self.speculator
+        if spec is None or room <= 0 or not spec.wants(seq):
+            return 0
+        draft = spec.propose(seq, room, self.max_model_len)
+        if not draft or not self.kv.allocate_slots(seq, 1 + len(draft)):
+            return 0
+        seq.add_draft(draft)
+        return len(draft)
 
     def _preempt_in_step(self, victim: Sequence, step: _Step) -> None:
         self._preempt(victim)
@@ -231,9 +251,31 @@ class Scheduler:
         step.add(seq, num_new)
         return _ADMITTED
 
-    def on_step_done(self, output: SchedulerOutput) -> None:
-        """Account for the tokens the step computed and publish completed blocks for reuse."""
+    def on_step_done(
+        self, output: SchedulerOutput, sampled: dict[int, list[int]] | None = None
+    ) -> dict[int, int]:
+        """Account for the tokens the step computed and publish completed blocks for reuse.
+
+        A sequence that verified drafts counts only its last real token as computed here and gives
+        up the blocks past the ones its kept tokens need; each kept draft counts as computed when
+        the engine appends it (`draft_kept`). `sampled`: seq_id -> the tokens sampled at each of
+        its positions (needed for the sequences that drafted). Returns seq_id -> kept drafts."""
+        kept: dict[int, int] = {}
         for seq, num_new in output.scheduled:
-            if seq.status == SequenceStatus.RUNNING:
-                seq.num_computed_tokens += num_new
-                self.kv.register_computed_blocks(seq)
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.num_draft_tokens:
+                draft = seq.discard_draft()
+                accepted = accepted_prefix(draft, sampled[seq.seq_id])
+                self.speculator.record(seq, len(draft), accepted)
+                kept[seq.seq_id] = accepted
+                num_new = 1
+                self.kv.trim(seq, seq.num_tokens + accepted + 1)
+            seq.num_computed_tokens += num_new
+            self.kv.register_computed_blocks(seq)
+        return kept
+
+    def draft_kept(self, seq: Sequence) -> None:
+        """A verified draft was appended (and did not end the sequence): its KV is in the cache."""
+        seq.num_computed_tokens += 1
+        self.kv.register_computed_blocks(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,18 @@ def derive_seed(seed: int, index: int) -> int:
 
 def output_seed(request_seed: int, index: int) -> int:
     return request_seed if index == 0 else derive_seed(request_seed, index)
+
+
+@dataclass
+class SpeculationState:
+    """A sequence's adaptive draft length and its recent acceptance (speculative.py keeps it)."""
+
+    k: int
+    acceptance: float = 1.0  # running average of accepted / drafted
+    pause: int = 0  # steps left without drafting
+    backoff: int = 8  # the next pause; doubled each time the sequence falls back again
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Sequence:
@@ -107,6 +120,10 @@ class Sequence:
         self.num_pending_forks = params.n if index == 0 else 1
         # The session this sequence is a turn of (SessionTable.begin_turn): kept, not freed, at its end.
         self.session_id: str | None = None
+        # Speculative decoding: drafted tokens sit at the end of token_ids during the step that
+        # verifies them (so the step computes them like a prompt chunk), and are taken off after it.
+        self.num_draft_tokens = 0
+        self.speculation: SpeculationState | None = None  # adaptive K, made by the Speculator
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +131,25 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, drafts under verification included (see `draft_token_ids`)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    def add_draft(self, draft: list[int]) -> None:
+        """Put drafted tokens after the real ones for the step that verifies them."""
+        self.token_ids.extend(draft)
+        self.num_draft_tokens = len(draft)
+
+    def discard_draft(self) -> list[int]:
+        """Take the drafts off again (after their step, or when the sequence is preempted)."""
+        draft = self.draft_token_ids
+        if self.num_draft_tokens:
+            del self.token_ids[-self.num_draft_tokens :]
+            self.num_draft_tokens = 0
+        return draft
 
     @property
     def output_token_ids(self) -> list[int]:

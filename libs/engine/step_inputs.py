@@ -14,7 +14,7 @@ garbage that no sampled row reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -121,22 +121,46 @@ def attention_metadata(
 
 @dataclass
 class SampleRows:
-    """The rows to sample: one per sequence whose last token was computed, n for a forking one."""
+    """The rows to sample: one per sequence whose last token was computed, n for a forking one, and
+    one per position for a sequence verifying drafts (its last real token and each draft)."""
 
     rows: list[int]  # flat token index of each sampled row
     seqs: list[Sequence]
     seeds: list[int]
+    # Per row, how many of its sequence's drafts come before it (0 for every ordinary row): the
+    # row samples output position (real outputs + offset) after those drafts.
+    offsets: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.offsets:
+            self.offsets = [0] * len(self.rows)
 
     @classmethod
     def of(cls, scheduled: list[tuple[Sequence, int]], qsl: np.ndarray) -> SampleRows:
-        out = cls([], [], [])
+        out = cls([], [], [], [])
         for b, (seq, num_new) in enumerate(scheduled):
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
+            if seq.num_computed_tokens + num_new != seq.num_tokens:
+                continue
+            end = int(qsl[b + 1]) - 1
+            drafts = seq.num_draft_tokens
+            if drafts:
+                for offset in range(drafts + 1):
+                    out._add(end - drafts + offset, seq, seq.seed, offset)
+            else:
                 for seed in seq.sample_seeds():
-                    out.rows.append(int(qsl[b + 1]) - 1)
-                    out.seqs.append(seq)
-                    out.seeds.append(seed)
+                    out._add(end, seq, seed, 0)
         return out
+
+    def _add(self, row: int, seq: Sequence, seed: int, offset: int) -> None:
+        self.rows.append(row)
+        self.seqs.append(seq)
+        self.seeds.append(seed)
+        self.offsets.append(offset)
+
+    def output_tokens(self, i: int) -> list[int]:
+        """The output tokens before row i's position (its sequence's real ones and earlier drafts)."""
+        seq = self.seqs[i]
+        return seq.output_token_ids[: seq.num_output_tokens - seq.num_draft_tokens + self.offsets[i]]
 
 
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -183,13 +207,17 @@ def fill_sampling_fields(views: dict[str, np.ndarray], sample: SampleRows, vocab
     seeds = np.array(sample.seeds, dtype=np.uint64)
     views["seed_lo"][:] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.int64)
     views["seed_hi"][:] = (seeds >> np.uint64(32)).astype(np.int64)
-    views["step"][:] = np.fromiter((q.num_output_tokens for q in seqs), np.int64, s)
+    views["step"][:] = np.fromiter(
+        (q.num_output_tokens - q.num_draft_tokens + o for q, o in zip(seqs, sample.offsets, strict=True)),
+        np.int64,
+        s,
+    )
     if "repetition_penalty" in views:
         for name in _PENALTIES:
             views[name][:] = np.fromiter((getattr(p, name) for p in params), np.float32, s)
         lists = (
             [q.prompt_token_ids for q in seqs],
-            [q.output_token_ids for q in seqs],
+            [sample.output_tokens(i) for i in range(s)],
             [list(q.penalty_exempt_ids) for q in seqs],
         )
         for name, rows in zip(_PADDED_TOKENS, lists, strict=True):
@@ -198,14 +226,27 @@ def fill_sampling_fields(views: dict[str, np.ndarray], sample: SampleRows, vocab
             for i, r in enumerate(rows):
                 out[i, : len(r)] = r
     if "constrained_rows" in views:
-        constrained = [i for i, q in enumerate(seqs) if q.grammar is not None]
-        views["constrained_rows"][:] = constrained
-        bitmask = torch.from_numpy(views["allowed_tokens"])
-        for row, i in enumerate(constrained):
-            if row and seqs[i] is seqs[constrained[row - 1]]:
-                bitmask[row] = bitmask[row - 1]
-            else:
-                seqs[i].grammar.fill(bitmask, row)
+        _fill_masks(views, sample)
+
+
+def _fill_masks(views: dict[str, np.ndarray], sample: SampleRows) -> None:
+    """The constrained rows' bitmasks from their matchers. The n rows of a forking sequence share
+    one mask; a verifying sequence's matcher steps over each draft to give the next row its mask,
+    then rolls back, so it only ever advances over tokens the output keeps (Request.on_token)."""
+    seqs, offsets = sample.seqs, sample.offsets
+    constrained = [i for i, q in enumerate(seqs) if q.grammar is not None]
+    views["constrained_rows"][:] = constrained
+    bitmask = torch.from_numpy(views["allowed_tokens"])
+    for row, i in enumerate(constrained):
+        seq, offset = seqs[i], offsets[i]
+        if offset:
+            seq.grammar.accept(seq.draft_token_ids[offset - 1])
+        if row and offset == 0 and seq is seqs[constrained[row - 1]]:
+            bitmask[row] = bitmask[row - 1]
+        else:
+            seq.grammar.fill(bitmask, row)
+        if offset and offset == seq.num_draft_tokens:
+            seq.grammar.rollback(offset)
 
 
 def sampling_batch(views: dict[str, torch.Tensor], sample: SampleRows) -> SamplingBatch:

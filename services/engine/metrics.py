@@ -74,6 +74,15 @@ class EngineMetrics:
             "Session turns that recomputed their history (evicted, diverged, new_here)",
             ["reason"],
         )
+        self.draft_tokens = Counter(
+            "expert_engine_spec_decode_draft_tokens_total", "Tokens drafted and verified", ["drafter"]
+        )
+        self.accepted_tokens = Counter(
+            "expert_engine_spec_decode_accepted_tokens_total", "Drafted tokens the outputs kept", ["drafter"]
+        )
+        self.acceptance = Gauge(
+            "expert_engine_spec_decode_acceptance_rate", "Accepted / drafted tokens since start", ["drafter"]
+        )
         self._last: EngineStats | None = None
 
     def observe_request(self, m: RequestMetrics, finished_reason: str) -> None:
@@ -119,7 +128,19 @@ class EngineMetrics:
             self.expert_bytes.labels("device").set(stats.experts.device_bytes)
         if stats.sessions is not None:
             self._update_sessions(stats.sessions, last.sessions if last else None)
+        if stats.speculative is not None:
+            self._update_speculative(stats.speculative, last.speculative if last else None)
         self._last = stats
+
+    def _update_speculative(self, now, before) -> None:
+        drafter = now.drafter
+        for counter, total, previous in (
+            (self.draft_tokens, now.drafted_tokens_total, before.drafted_tokens_total if before else 0),
+            (self.accepted_tokens, now.accepted_tokens_total, before.accepted_tokens_total if before else 0),
+        ):
+            if total > previous:
+                counter.labels(drafter).inc(total - previous)
+        self.acceptance.labels(drafter).set(now.acceptance_rate)
 
     def _update_sessions(self, now, before) -> None:
         self.sessions.set(now.sessions)

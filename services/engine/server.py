@@ -70,6 +70,7 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         structured=to_structured(params.response_format),
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        speculative=params.speculative if params.HasField("speculative") else None,
     )
 
 
@@ -268,6 +269,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     queue_ms=(m.queue_time or 0.0) * 1000,
                     ttft_ms=(m.ttft or 0.0) * 1000,
                     decode_ms=(m.decode_time or 0.0) * 1000,
+                    draft_tokens=m.num_draft_tokens,
+                    accepted_draft_tokens=m.num_draft_tokens_accepted,
                 )
             )
             last.experts.extend(

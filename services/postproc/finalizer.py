@@ -108,6 +108,8 @@ def _metrics(
         queue_latency_ms=request.queue_latency_ms,
         ttft_ms=usage.ttft_ms,
         reception_latency_ms=request.reception_latency_ms,
+        draft_tokens=usage.draft_tokens,
+        accepted_draft_tokens=usage.accepted_draft_tokens,
     )
 
 

@@ -88,6 +88,8 @@ class Planner:
             tuning_trace.append(
                 "tuning: repetition_penalty 1.0 (tool calls copy names and values from the prompt)"
             )
+        if request.HasField("speculative"):
+            params.speculative = request.speculative
         model_in, text = model_input(request)
         trace = _reasoning_trace(request, features, prompt_features, format_kind, selection, tuning_trace)
         chosen = selection.chosen if selection else []

@@ -49,3 +49,11 @@ def test_vllms_ignore_eos_and_skip_special_tokens_reach_the_engine_unset_as_vllm
         common_pb2.GenerationParams(max_tokens=8, ignore_eos=True, skip_special_tokens=False)
     )
     assert (asked.ignore_eos, asked.skip_special_tokens) == (True, False)
+
+
+def test_the_speculative_flag_reaches_the_engine_unset_true_or_false():
+    assert sampling_params(common_pb2.GenerationParams(max_tokens=8)).speculative is None
+    for flag in (True, False):
+        assert (
+            sampling_params(common_pb2.GenerationParams(max_tokens=8, speculative=flag)).speculative is flag
+        )

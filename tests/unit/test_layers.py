@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"block_manager", "adapters.batch", "step_inputs"},
     {"sessions"},
     {"outputs"},
+    {"speculative"},
     {"scheduler", "models.decoder", "adapters.manager", "info", "streams"},
     {"runner", "request"},
     {"request_builder"},
