@@ -47,7 +47,12 @@ def test_each_prompt_is_a_job_and_its_choices_are_numbered_prompt_by_prompt(part
         (2, "[5, 6]/0"),
         (3, "[5, 6]/1"),
     ]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    assert body["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 8,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["expert_system"]["job_ids"] == ["j1", "j2"]
     assert [c["index"] for c in body["expert_system"]["validation"]] == [0, 1, 2, 3]
     first, second = admission.requests

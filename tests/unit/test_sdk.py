@@ -65,6 +65,7 @@ ALL_FIELDS = {
     "prompt_token_ids": [5, 6],
     "ignore_eos": True,
     "skip_special_tokens": False,
+    "speculative": True,
     # in OpenAI's shape (reception refuses it beside json_schema; the SDK sends what it is given)
     "response_format": {
         "type": "json_schema",

@@ -70,6 +70,8 @@ class RequestFields(TypedDict, total=False):
     ignore_eos: bool
     # vLLM's: False writes special tokens into the text (unset: they are left out).
     skip_special_tokens: bool
+    # Speculative decoding on (True) or off (False) for this request; unset: the engine's setting.
+    speculative: bool
     # A regex the whole output matches: response_format={"type": "regex", "regex": ...}.
     regex: str
     # A grammar in llguidance's Lark dialect: response_format={"type": "grammar", "grammar": ...}.

@@ -101,6 +101,14 @@ def _for_prompt(error: HttpError, index: int) -> HttpError:
     return error
 
 
+def _summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usages' sum, field by field, into nested details (`prompt_tokens_details`) too."""
+    return {
+        name: _summed([u[name] for u in usages]) if isinstance(value, dict) else sum(u[name] for u in usages)
+        for name, value in usages[0].items()
+    }
+
+
 def merged(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """One completions answer from each prompt's: the first's id and creation time, every choice
     renumbered (prompt k's choice c as k * n + c), the usage summed, every job named."""
@@ -110,7 +118,7 @@ def merged(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
         for k, answer in enumerate(answers)
         for choice in answer["choices"]
     ]
-    merged_answer["usage"] = {name: sum(a["usage"][name] for a in answers) for name in answers[0]["usage"]}
+    merged_answer["usage"] = _summed([a["usage"] for a in answers])
     validation = [
         {**check, "index": k * n + check["index"]}
         for k, answer in enumerate(answers)

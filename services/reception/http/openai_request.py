@@ -138,7 +138,8 @@ def _is_token(value: object) -> bool:
 
 def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest | CompletionRequest) -> None:
     """The sampling fields, `n`, the logprobs, the output format and the stop strings."""
-    for name in (*SAMPLING_FIELDS, "max_experts", "priority", "ignore_eos", "skip_special_tokens"):
+    extras = ("max_experts", "priority", "ignore_eos", "skip_special_tokens", "speculative")
+    for name in (*SAMPLING_FIELDS, *extras):
         value = getattr(body, name)
         if value is not None:
             setattr(request, name, value)

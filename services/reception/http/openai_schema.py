@@ -66,6 +66,7 @@ class SamplingFields(IgnoredFields):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    speculative: bool | None = None
     skip_special_tokens: bool | None = None
     # not in the engine yet: accepted at the value that changes nothing (0), refused otherwise
     min_tokens: int | None = Field(None, ge=0, le=INT32)

@@ -60,6 +60,7 @@ class JobBody(_Body):
     prompt_token_ids: list[Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] = []
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    speculative: bool | None = None
 
 
 class InferBody(JobBody):
