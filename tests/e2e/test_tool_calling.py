@@ -74,13 +74,9 @@ def oai(stack) -> openai.OpenAI:
 
 
 def chat(oai: openai.OpenAI, content: str, **fields):
+    fields = {"temperature": 0.0, "max_tokens": MAX_TOKENS, **fields}
     return oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": content}],
-        tools=TOOLS,
-        temperature=0.0,
-        max_tokens=MAX_TOKENS,
-        **fields,
+        model=MODEL, messages=[{"role": "user", "content": content}], tools=TOOLS, **fields
     )
 
 
