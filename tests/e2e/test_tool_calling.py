@@ -70,7 +70,9 @@ def stack(default_model, tmp_path_factory) -> LocalStack:
 
 @pytest.fixture(scope="module")
 def oai(stack) -> openai.OpenAI:
-    return openai_client(stack)
+    # A generous timeout: the validity run queues 50 requests behind 8 engine slots, and each
+    # request's time includes its wait.
+    return openai_client(stack).with_options(timeout=1800)
 
 
 def chat(oai: openai.OpenAI, content: str, **fields):
@@ -268,6 +270,7 @@ def _one_call(oai: openai.OpenAI, prompt: str, tool_choice) -> tuple[str, bool]:
         return prompt, False
 
 
+@pytest.mark.timeout(1500)  # 50 generations: minutes on a busy 2-core machine
 def test_required_and_named_calls_always_parse_and_validate(oai):
     named = [{"type": "function", "function": {"name": "add" if i % 2 else "get_weather"}} for i in range(25)]
     requests = [(p, "required") for p in VALIDITY_PROMPTS] + list(zip(VALIDITY_PROMPTS, named, strict=True))
@@ -291,6 +294,7 @@ def llm(stack):
         temperature=0.0,
         max_tokens=MAX_TOKENS,
         max_retries=0,
+        timeout=1800,
     )
 
 
