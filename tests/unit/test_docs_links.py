@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", REPO / "sdk/python/README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    REPO / "sdk/python/README.md",
+    REPO / "sdk/typescript/README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
+# Generated or installed code: the stubs and the TypeScript SDK's dependencies (thousands of files).
+_NOT_OURS = {"gen", "_proto", "node_modules", "dist"}
 CODE = [
     p
     for root in ("services", "libs", "tools", "sdk", "protos", "bench", "tests")
     for p in sorted((REPO / root).rglob("*"))
-    if p.suffix in (".py", ".proto") and not {"gen", "_proto"} & set(p.relative_to(REPO).parts)
+    if p.suffix in (".py", ".proto", ".ts") and not _NOT_OURS & set(p.relative_to(REPO).parts)
     if p != Path(__file__).resolve()  # it names what it looks for
 ]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
