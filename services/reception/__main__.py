@@ -119,7 +119,8 @@ class Reception:
             max_body_bytes=config.http_max_body_bytes,
             serving=lambda: self.health.serving,  # /readyz and gRPC health: one flag (Redis, stopping)
             metrics=self.metrics,
-            responses=ResponseStore(self.redis, config.job_ttl_s),
+            # Without store_text no response is kept: its conversation would outlive its job.
+            responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
