@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 PREFIX = "esk_"
 KEY_PREFIX = "expert:apikey:"
 KEY_IDS = "expert:apikeys"
-INFER, ADMIN = "infer", "admin"
-SCOPES = (INFER, ADMIN)
+INFER, ADMIN, TRAIN = "infer", "admin", "train"
+SCOPES = (INFER, ADMIN, TRAIN)
 # KEYS: the key's hash, the set of ids; ARGV: id, then field, value pairs -> 1, or 0 if the id is taken
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -61,7 +61,7 @@ class KeyRecord:
 
     key_id: str
     name: str
-    scope: str  # "infer" or "admin" (admin includes infer)
+    scope: str  # "infer", "train" or "admin" (train and admin include infer; admin includes train)
     rate_limit: int  # requests per minute; 0: no limit
     token_limit: int  # generated tokens per minute; 0: no limit
     created_at: float

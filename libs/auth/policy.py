@@ -2,7 +2,8 @@
 
 Every RPC is one of:
 - PUBLIC: anyone (grpc.health, reflection);
-- INFER: an API key of scope infer or admin;
+- INFER: an API key of any scope;
+- TRAIN: an API key of scope train or admin (training files and training jobs);
 - ADMIN: an API key of scope admin (registering experts, managing keys);
 - INTERNAL: only the internal token (the services' calls to each other).
 The internal token allows everything. A service without a key store (no Redis: the engine,
@@ -19,16 +20,20 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from libs.auth.config import AuthConfig
-from libs.auth.keys import ADMIN, KeyStore
+from libs.auth.keys import ADMIN, TRAIN, KeyStore
 from libs.errors import permission_denied, unauthenticated
 
 
 class Access(enum.Enum):
     PUBLIC = "public"
     INFER = "infer"
+    TRAIN = "train"
     ADMIN = "admin"
     INTERNAL = "internal"
 
+
+# The key scopes each level above INFER admits (INFER admits every key).
+_SCOPES_ALLOWED = {Access.TRAIN: (TRAIN, ADMIN), Access.ADMIN: (ADMIN,)}
 
 # Health checks and reflection: probes and tools must reach them without credentials.
 PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -45,7 +50,7 @@ class Caller:
     """Who is calling: a service with the internal token (key_id None), or an API key."""
 
     key_id: str | None
-    scope: str  # "internal", "admin" or "infer"
+    scope: str  # "internal", "admin", "train" or "infer"
     rate_limit: int = 0  # requests per minute; 0: no limit
     token_limit: int = 0  # generated tokens per minute; 0: no limit
 
@@ -121,9 +126,10 @@ class Authenticator:
         caller = await self._verify(bearer)
         if caller is None:
             raise unauthenticated("invalid or revoked API key")
-        if access is Access.ADMIN and caller.scope != ADMIN:
+        allowed = _SCOPES_ALLOWED.get(access)
+        if allowed is not None and caller.scope not in allowed:
             raise permission_denied(
-                f"API key {caller.key_id} has scope {caller.scope}; this method needs admin"
+                f"API key {caller.key_id} has scope {caller.scope}; this method needs {access.value}"
             )
         return caller
 

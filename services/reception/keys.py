@@ -10,7 +10,7 @@ import re
 
 import grpc
 
-from libs.auth.keys import ADMIN, INFER, KeyRecord, KeyStore
+from libs.auth.keys import ADMIN, INFER, TRAIN, KeyRecord, KeyStore
 from libs.auth.policy import Access, methods
 from libs.errors import invalid_argument, invalid_arguments, not_found
 from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
@@ -29,8 +29,9 @@ _SCOPES = {
     keys_pb2.KEY_SCOPE_UNSPECIFIED: INFER,
     keys_pb2.KEY_SCOPE_INFER: INFER,
     keys_pb2.KEY_SCOPE_ADMIN: ADMIN,
+    keys_pb2.KEY_SCOPE_TRAIN: TRAIN,
 }
-_SCOPE_ENUMS = {INFER: keys_pb2.KEY_SCOPE_INFER, ADMIN: keys_pb2.KEY_SCOPE_ADMIN}
+_SCOPE_ENUMS = {_SCOPES[enum]: enum for enum in _SCOPES if enum != keys_pb2.KEY_SCOPE_UNSPECIFIED}
 
 
 def key_proto(record: KeyRecord) -> keys_pb2.ApiKey:

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from libs.auth.config import AuthConfig
-from libs.auth.keys import ADMIN, INFER, KeyStore
+from libs.auth.keys import ADMIN, INFER, TRAIN, KeyStore
 from libs.auth.limits import KeyLimiter
 from libs.auth.policy import INTERNAL_CALLER, Access, Authenticator, Caller
 from libs.errors import ServiceError
@@ -72,20 +72,25 @@ def test_the_policy_refuses_what_each_credential_may_not_call(clean_redis_url):
         store = KeyStore(redis)
         infer, infer_key = await store.create("app", INFER, 7, 11)
         _, admin_key = await store.create("ops", ADMIN, 0, 0)
+        _, train_key = await store.create("trainer", TRAIN, 0, 0)
         auth = Authenticator(REQUIRED, {}, store)
 
         caller = await auth.authenticate(Access.INFER, infer_key, None)
         assert caller == Caller(infer.key_id, INFER, 7, 11)
         assert (await auth.authenticate(Access.ADMIN, admin_key, None)).scope == ADMIN
+        # train: inference and training; admin: everything train allows too.
+        for access in (Access.INFER, Access.TRAIN):
+            assert (await auth.authenticate(access, train_key, None)).scope == TRAIN
+        assert (await auth.authenticate(Access.TRAIN, admin_key, None)).scope == ADMIN
         for access in (Access.INFER, Access.ADMIN, Access.INTERNAL):
             assert await auth.authenticate(access, None, TOKEN) is INTERNAL_CALLER
 
         def code(error: ServiceError) -> grpc.StatusCode:
             return error.code
 
-        assert code(await _refusal(auth.authenticate(Access.ADMIN, infer_key, None))) is (
-            grpc.StatusCode.PERMISSION_DENIED
-        )
+        for access, key in ((Access.ADMIN, infer_key), (Access.TRAIN, infer_key), (Access.ADMIN, train_key)):
+            refusal = await _refusal(auth.authenticate(access, key, None))
+            assert code(refusal) is grpc.StatusCode.PERMISSION_DENIED and access.value in refusal.message
         assert code(await _refusal(auth.authenticate(Access.INTERNAL, admin_key, None))) is (
             grpc.StatusCode.PERMISSION_DENIED
         )

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a key and print it (once)")
     create.add_argument("--name", required=True, help="who or what the key is for")
-    create.add_argument("--scope", choices=("infer", "admin"), default="infer", help="default infer")
+    create.add_argument("--scope", choices=("infer", "train", "admin"), default="infer", help="default infer")
     create.add_argument(
         "--rate-limit",
         type=_per_minute,
@@ -122,7 +122,7 @@ def _key_dict(key) -> dict:
 def _create(args: argparse.Namespace, keys) -> int:
     from libs.gen.expert.v1 import keys_pb2
 
-    scope = keys_pb2.KEY_SCOPE_ADMIN if args.scope == "admin" else keys_pb2.KEY_SCOPE_INFER
+    scope = keys_pb2.KeyScope.Value(f"KEY_SCOPE_{args.scope.upper()}")
     request = keys_pb2.CreateKeyRequest(
         name=args.name, scope=scope, rate_limit=args.rate_limit, token_limit=args.token_limit
     )

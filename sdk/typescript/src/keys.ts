@@ -8,8 +8,8 @@ import { optionalBigInt } from "./request.js";
 export interface CreateKeyOptions {
   /** A name for people (1-64 characters). */
   name: string;
-  /** "infer" (the default) or "admin". */
-  scope?: "infer" | "admin";
+  /** "infer" (the default), "train" or "admin". */
+  scope?: "infer" | "train" | "admin";
   /** Requests per minute; 0 or left out: no limit. */
   rateLimit?: number;
   /** Generated tokens per minute; 0 or left out: no limit. */
@@ -22,7 +22,7 @@ export interface CreatedKey {
   secret: string;
 }
 
-const SCOPES = { infer: KeyScope.INFER, admin: KeyScope.ADMIN } as const;
+const SCOPES = { infer: KeyScope.INFER, train: KeyScope.TRAIN, admin: KeyScope.ADMIN } as const;
 
 export class Keys {
   constructor(
