@@ -115,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
     from libs.experts.errors import ManifestError
     from libs.experts.signing import SigningError
     from tools.training.console import print_summary, progress_bar
-    from tools.training.data import DataError, read_jsonl
+    from libs.training.data import DataError, read_jsonl
     from tools.training.expert import PackError, train_expert
     from tools.training.run import PreparedRun
     from tools.training.trainer import SettingsError

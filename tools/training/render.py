@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from libs.engine.tokenizer import Tokenizer
-from tools.training.data import DataError, Sample
+from libs.training.data import DataError, Sample
 
 IGNORE = -100  # the label of a token that carries no loss (PyTorch's cross-entropy ignore_index)
 

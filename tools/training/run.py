@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from libs.engine.tokenizer import Tokenizer
-from tools.training.data import Sample
+from libs.training.data import Sample
 from tools.training.render import SampleEncoder
 from tools.training.trainer import Trainer, TrainReport, TrainSettings, split
 
