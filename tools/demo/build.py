@@ -89,8 +89,8 @@ def _train(recipe: Recipe, data: Path, base: Path, key: Path, out: Path, package
     from libs.experts.errors import ManifestError
     from libs.experts.packing import ExpertMetadata, check_metadata
     from libs.experts.signing import SigningError, load_private_key
-    from tools.training.console import print_summary, progress_bar
     from libs.training.data import DataError, read_jsonl
+    from tools.training.console import print_summary, progress_bar
     from tools.training.expert import PackageSpec, PackError, train_expert
     from tools.training.run import PreparedRun
     from tools.training.trainer import SettingsError

@@ -114,8 +114,8 @@ def _add_package_options(pack: argparse._ArgumentGroup) -> None:
 def _train(args: argparse.Namespace) -> int:
     from libs.experts.errors import ManifestError
     from libs.experts.signing import SigningError
-    from tools.training.console import print_summary, progress_bar
     from libs.training.data import DataError, read_jsonl
+    from tools.training.console import print_summary, progress_bar
     from tools.training.expert import PackError, train_expert
     from tools.training.run import PreparedRun
     from tools.training.trainer import SettingsError
