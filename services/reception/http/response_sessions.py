@@ -8,8 +8,9 @@ chat path calls: as the next turn of the previous response's session when that r
 its latest turn; otherwise (a branch from an older response, a session that expired or ended,
 other instructions or another model) as the first turn of a new session seeded with the whole
 conversation; and as a plain job, as a chat completion is, when the conversation uses tools (an
-engine's session turn renders neither tool definitions nor calls) or its owner has no room for
-another session (EXPERT_SESSION_MAX_PER_KEY, EXPERT_SESSION_CREATE_PER_MINUTE)."""
+engine's session turn renders neither tool definitions nor calls), when its owner has no room for
+another session (EXPERT_SESSION_MAX_PER_KEY, EXPERT_SESSION_CREATE_PER_MINUTE), or when the
+engines refuse the turn for want of room for a session (EXPERT_MAX_SESSIONS)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from fastapi import Request
 
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2, session_pb2
+from libs.job_results import failure_code
 from libs.logging import get_logger
 from services.reception.admission.core import Admitted, Submitted
 from services.reception.admission.sessions import SessionAdmission
-from services.reception.job_events import JobEvent
+from services.reception.job_events import Finished, JobEvent
 from services.reception.sessions import NotLatest
 
 log = get_logger(__name__)
@@ -79,14 +81,47 @@ class SessionResponder:
     async def infer(self, inference: common_pb2.InferenceRequest) -> common_pb2.InferenceResult:
         """As Admission.infer: the job's result."""
         admitted = await self._begin(inference, streaming=False)
-        return await self.admission.result(admitted.job_id)
+        result = await self.admission.result(admitted.job_id)
+        if self._no_room(result):
+            result = await self.admission.result((await self._plain_instead(inference, False)).job_id)
+        return result
 
     async def stream(self, inference: common_pb2.InferenceRequest) -> AsyncIterator[Submitted | JobEvent]:
         """As Admission.stream: `Submitted`, then the job's events up to its result."""
         admitted = await self._begin(inference, streaming=True)
         async with contextlib.aclosing(self.admission.followed(admitted)) as events:
             async for event in events:
+                if isinstance(event, Finished) and self._no_room(event.result):
+                    break  # refused before it generated anything: a plain job answers instead
                 yield event
+            else:
+                return
+        plain = await self._plain_instead(inference, True)
+        async with contextlib.aclosing(self.admission.followed(plain)) as events:
+            async for event in events:
+                if not isinstance(event, Submitted):  # the client was told of the first job already
+                    yield event
+
+    def _no_room(self, result: common_pb2.InferenceResult) -> bool:
+        """Whether the turn was refused for want of room for a session at the engines (every one at
+        EXPERT_MAX_SESSIONS): a refusal the same job as a plain one would not meet."""
+        return (
+            self.link is not None
+            and result.status == common_pb2.JOB_STATUS_FAILED
+            and failure_code(result) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+
+    async def _plain_instead(self, inference: common_pb2.InferenceRequest, streaming: bool) -> Admitted:
+        """The job again as a plain one, after its turn was refused; a session it had just opened
+        ends (it holds nothing), a chain's session is left to the next continuation (which forks,
+        the refused input being pending there)."""
+        session_id, turn = self.link
+        self.link = None
+        if turn == 1:
+            with contextlib.suppress(ServiceError):
+                await self.sessions.end(session_id)
+        log.info("no engine has room for the response's session: a plain job", session_id=session_id)
+        return await self.admission.admit(inference, streaming=streaming)
 
     async def _begin(self, inference: common_pb2.InferenceRequest, streaming: bool) -> Admitted:
         if uses_tools(inference):

@@ -162,9 +162,15 @@ def _saver(
     without a store)."""
 
     async def save(response: dict[str, Any]) -> None:
-        if store is not None:
-            message = assistant_message(response)
-            await store.put(response, [*conversation, message], owner, getattr(runner, "link", None))
+        if store is None:
+            return
+        link = getattr(runner, "link", None)
+        if link is None and "session_id" in response.get("expert_system", {}):
+            # A stream named the session it began in, whose turn a plain job then answered.
+            response["expert_system"] = {
+                k: v for k, v in response["expert_system"].items() if k not in ("session_id", "session_turn")
+            }
+        await store.put(response, [*conversation, assistant_message(response)], owner, link)
 
     return save
 
