@@ -1,9 +1,11 @@
 """OpenAI's Responses API (`/v1/responses`, docs/api.md#the-responses-api) against a real stack on
 the default model, through the official `openai` client: string and message input, instructions,
-`text.format` json_schema, the streamed events in order, `previous_response_id` continuing a
-stored conversation, `responses.retrieve`/`delete`, refusals that name the field, function tools
-(forced calls, streamed arguments, the tool's result continuing the conversation) and the OpenAI
-Agents SDK running an agent with one function tool."""
+`text.format` json_schema, the streamed events in order, chains of stored responses as sessions
+(one session per chain whose engine keeps its KV, a branch forking a new one, a continuation
+outliving its session, `store: false` opening none, a full engine answering with a plain job),
+`responses.retrieve`/`delete`, refusals that name the field, function tools (forced calls,
+streamed arguments, the tool's result continuing the conversation) and the OpenAI Agents SDK
+running an agent with one function tool."""
 
 from __future__ import annotations
 
@@ -28,11 +30,19 @@ ANSWER_SCHEMA = {
 }
 
 
+# Sessions the engine keeps: room for this module's chains, few enough to fill (the last test).
+MAX_SESSIONS = 10
+
+
 @pytest.fixture(scope="module")
 def stack(default_model, tmp_path_factory) -> LocalStack:
     """The default model: its forced tool calls end (a tiny random model's may run to max_tokens)."""
     env = stack_env(
-        default_model, EXPERT_MAX_MODEL_LEN="2048", EXPERT_KV_NUM_BLOCKS="256", EXPERT_MAX_NUM_SEQS="2"
+        default_model,
+        EXPERT_MAX_MODEL_LEN="2048",
+        EXPERT_KV_NUM_BLOCKS="256",
+        EXPERT_MAX_NUM_SEQS="2",
+        EXPERT_MAX_SESSIONS=str(MAX_SESSIONS),
     )
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("responses-stack"), env=env)
     stack.start()
@@ -251,6 +261,21 @@ def test_a_continuation_outlives_its_session(chain, client, model, sessions):
     # The stored conversation seeds a new session: its first turn computes the whole of it.
     assert _link(later)[0] != session_id and _link(later)[1] == 1
     assert later.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
+
+
+def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
+    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
+    then the engine refuses the turn, and the response is answered as a plain job, as it would be
+    with `store: false`, and stored (its conversation continues it later)."""
+    for _ in range(MAX_SESSIONS + 1):
+        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+        if _link(response) is None:
+            break
+    assert _link(response) is None and response.status in ("completed", "incomplete")
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text
 
 
 def test_an_unknown_previous_response_is_not_found(client, model):
