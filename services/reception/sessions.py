@@ -27,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from libs.auth.limits import GCRA_LUA, WINDOW_MS, LimitOwner
-from libs.errors import failed_precondition, not_found, resource_exhausted
+from libs.errors import ServiceError, failed_precondition, not_found, resource_exhausted
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.limits import SAMPLING_FIELDS
 from libs.timestamps import timestamp
@@ -169,11 +170,27 @@ class SessionStore:
 
         return (await self._update(session_id, change))[0]
 
-    async def begin_turn(self, session_id: str, job_id: str) -> session_state_pb2.SessionRecord:
+    async def begin_turn(
+        self,
+        session_id: str,
+        job_id: str,
+        *,
+        messages: list[common_pb2.ChatMessage] | None = None,
+        after_turn: int | None = None,
+    ) -> session_state_pb2.SessionRecord:
         """Make `job_id` the session's running turn, taking what was appended as its input.
-        FAILED_PRECONDITION while another turn runs, or when there is nothing to answer."""
+        FAILED_PRECONDITION while another turn runs, or when there is nothing to answer.
+
+        With `after_turn`, the turn follows that one exactly (a Responses API continuation of the
+        chain's latest response): `messages` are its input, in the same transaction, and NotLatest
+        is raised when the session moved on (more turns, a running turn, or input appended
+        meanwhile), so that nothing is appended to a conversation the caller does not hold."""
 
         def change(record: session_state_pb2.SessionRecord) -> None:
+            if after_turn is not None:
+                if record.turns != after_turn or record.job_id or record.pending:
+                    raise NotLatest(session_id, after_turn)
+                record.pending.extend(messages or [])
             if record.job_id:
                 raise failed_precondition(
                     f"session {session_id} is generating (job {record.job_id}): wait for its end or "
@@ -335,10 +352,7 @@ def turn_request(
     for name in ("max_experts", "priority", "model"):
         if settings.HasField(name):
             setattr(request, name, getattr(settings, name))
-    messages = list(record.turn_input) if record.turns else [*record.messages, *record.turn_input]
-    if not messages:  # going on with a cut reply: the router is not asked again, the validation is
-        messages = [record.messages[-1]] if record.messages else []
-    request.messages.extend(messages)
+    request.messages.extend(turn_messages(record))
     for sampling in (settings.sampling, turn.sampling):
         copy_sampling(sampling, "max_new_tokens", request, "max_tokens")
     if turn.HasField("response_format"):
@@ -346,6 +360,15 @@ def turn_request(
     if turn.HasField("timeout_ms"):
         request.timeout_ms = turn.timeout_ms
     return request
+
+
+def turn_messages(record: session_state_pb2.SessionRecord) -> list[common_pb2.ChatMessage]:
+    """The messages a turn's job carries: the whole conversation for the first turn (which the
+    router plans), the turn's input for a later one."""
+    messages = list(record.turn_input) if record.turns else [*record.messages, *record.turn_input]
+    if not messages:  # going on with a cut reply: the router is not asked again, the validation is
+        messages = [record.messages[-1]] if record.messages else []
+    return messages
 
 
 def copy_sampling(source, source_max: str, target, target_max: str) -> None:
@@ -359,6 +382,16 @@ def copy_sampling(source, source_max: str, target, target_max: str) -> None:
     if source.stop:
         del target.stop[:]
         target.stop.extend(source.stop)
+
+
+class NotLatest(ServiceError):
+    """The session is no longer where a continuation expected it (see SessionStore.begin_turn)."""
+
+    def __init__(self, session_id: str, after_turn: int) -> None:
+        super().__init__(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"session {session_id} moved on from its turn {after_turn}",
+        )
 
 
 def _unknown(session_id: str):

@@ -1,19 +1,23 @@
 """OpenAI's Responses API (`/v1/responses`, docs/api.md#the-responses-api) against a real stack on
 the default model, through the official `openai` client: string and message input, instructions,
-`text.format` json_schema, the streamed events in order, `previous_response_id` continuing a
-stored conversation, `responses.retrieve`/`delete`, refusals that name the field, function tools
-(forced calls, streamed arguments, the tool's result continuing the conversation) and the OpenAI
-Agents SDK running an agent with one function tool."""
+`text.format` json_schema, the streamed events in order, chains of stored responses as sessions
+(one session per chain whose engine keeps its KV, a branch forking a new one, a continuation
+outliving its session, `store: false` opening none, a full engine answering with a plain job),
+`responses.retrieve`/`delete`, refusals that name the field, function tools (forced calls,
+streamed arguments, the tool's result continuing the conversation) and the OpenAI Agents SDK
+running an agent with one function tool."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
+from libs.gen.expert.v1 import session_pb2, session_pb2_grpc
 from libs.structured_output import StructuredOutput, text_problem
 from tests.e2e.conftest import openai_client, stack_env, wait_ready
 from tools.stack import LocalStack
@@ -26,11 +30,19 @@ ANSWER_SCHEMA = {
 }
 
 
+# Sessions the engine keeps: room for this module's chains, few enough to fill (the last test).
+MAX_SESSIONS = 10
+
+
 @pytest.fixture(scope="module")
 def stack(default_model, tmp_path_factory) -> LocalStack:
     """The default model: its forced tool calls end (a tiny random model's may run to max_tokens)."""
     env = stack_env(
-        default_model, EXPERT_MAX_MODEL_LEN="2048", EXPERT_KV_NUM_BLOCKS="256", EXPERT_MAX_NUM_SEQS="2"
+        default_model,
+        EXPERT_MAX_MODEL_LEN="2048",
+        EXPERT_KV_NUM_BLOCKS="256",
+        EXPERT_MAX_NUM_SEQS="2",
+        EXPERT_MAX_SESSIONS=str(MAX_SESSIONS),
     )
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("responses-stack"), env=env)
     stack.start()
@@ -143,40 +155,133 @@ def test_stream_events_come_in_order_and_add_up_to_the_stored_response(client, m
 
 
 ADA = "My name is Ada and I live in a small town by the sea."
+NAME = "What is my name?"
 
 
-def test_previous_response_id_continues_the_stored_conversation(client, model):
+@pytest.fixture(scope="module")
+def sessions(stack) -> session_pb2_grpc.SessionServiceStub:
+    """The stack's SessionService, where the chains of stored responses are sessions."""
+    with grpc.insecure_channel(stack.target("reception")) as channel:
+        yield session_pb2_grpc.SessionServiceStub(channel)
+
+
+def _link(response) -> tuple[str, int] | None:
+    """The session and turn a response names (None: answered as a plain job)."""
+    extra = response.model_extra.get("expert_system") or {}
+    return (extra["session_id"], extra["session_turn"]) if "session_id" in extra else None
+
+
+def _session(sessions, session_id: str) -> session_pb2.Session:
+    return sessions.GetSession(session_pb2.GetSessionRequest(session_id=session_id)).session
+
+
+@pytest.fixture(scope="module")
+def chain(client, model):
+    """Three stored responses, each continuing the one before (the last one streamed)."""
     first = client.responses.create(model=model, input=ADA, max_output_tokens=5, temperature=0.0)
     second = client.responses.create(
-        model=model,
-        previous_response_id=first.id,
-        input="What is my name?",
-        max_output_tokens=5,
-        temperature=0.0,
+        model=model, previous_response_id=first.id, input=NAME, max_output_tokens=5, temperature=0.0
     )
-    assert second.previous_response_id == first.id
-    # The same conversation as a chat: the first turn, its answer, the new input.
+    events = list(
+        client.responses.create(
+            model=model, previous_response_id=second.id, input="Thanks.", max_output_tokens=3, stream=True
+        )
+    )
+    return first, second, events[-1].response
+
+
+def test_a_chain_of_responses_is_one_session_whose_kv_the_engine_keeps(chain, sessions):
+    first, second, third = chain
+    session_id, _ = _link(first)
+    assert [_link(r) for r in chain] == [(session_id, 1), (session_id, 2), (session_id, 3)]
+    assert third.previous_response_id == second.id
+    session = _session(sessions, session_id)
+    assert session.turns == 3 and session.state == session_pb2.SESSION_STATE_IDLE
+    # The second turn computes only its new message: the first turn's prompt and reply are the KV
+    # the engine kept (all but the reply's last token, which was sampled and never run).
+    history = first.usage.input_tokens + first.usage.output_tokens
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert history - 1 <= cached < second.usage.input_tokens
+    assert session.tokens == third.usage.input_tokens + third.usage.output_tokens
+
+
+def test_a_stored_chain_answers_as_the_same_chat_does(chain, client, model):
+    first, second, third = chain
     chat = client.chat.completions.create(
         model=model,
         messages=[
             {"role": "user", "content": ADA},
             {"role": "assistant", "content": first.output_text},
-            {"role": "user", "content": "What is my name?"},
+            {"role": "user", "content": NAME},
         ],
         max_completion_tokens=5,
         temperature=0.0,
     )
     assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
-    # The first turn's prompt is the second's prefix: its full 16-token KV blocks are found cached.
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
     assert second.output_text == chat.choices[0].message.content
-    third = client.responses.create(
+    assert client.responses.retrieve(third.id).model_dump() == third.model_dump()
+
+
+def test_a_branch_from_an_older_response_forks_a_new_session(chain, client, model, sessions):
+    first, second, _ = chain
+    branch = client.responses.create(
+        model=model, previous_response_id=first.id, input=NAME, max_output_tokens=5, temperature=0.0
+    )
+    # A new session holding the first exchange and the branch's input: the same conversation as
+    # the chain's second turn, so the same answer; the chain's session is left as it was.
+    assert _link(branch)[0] != _link(first)[0] and _link(branch)[1] == 1
+    assert branch.output_text == second.output_text
+    assert branch.usage.input_tokens == second.usage.input_tokens
+    assert _session(sessions, _link(first)[0]).turns == 3
+
+
+def test_store_false_opens_no_session_and_stores_nothing(chain, client, model, sessions):
+    first, second, _ = chain
+    unstored = client.responses.create(
         model=model, previous_response_id=second.id, input="Thanks.", max_output_tokens=3, store=False
     )
-    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert _link(unstored) is None
+    assert _session(sessions, _link(first)[0]).turns == 3  # the chain's session took nothing of it
+    assert unstored.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
     with pytest.raises(openai.NotFoundError) as raised:  # store=False: nothing to continue from
         client.responses.create(
-            model=model, previous_response_id=third.id, input="Again.", max_output_tokens=3
+            model=model, previous_response_id=unstored.id, input="Again.", max_output_tokens=3
+        )
+    assert raised.value.body["param"] == "previous_response_id"
+    assert raised.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_continuation_outlives_its_session(chain, client, model, sessions):
+    _, _, third = chain
+    session_id, _ = _link(third)
+    sessions.EndSession(session_pb2.EndSessionRequest(session_id=session_id))  # as if it expired
+    later = client.responses.create(
+        model=model, previous_response_id=third.id, input="Bye.", max_output_tokens=3
+    )
+    # The stored conversation seeds a new session: its first turn computes the whole of it.
+    assert _link(later)[0] != session_id and _link(later)[1] == 1
+    assert later.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
+
+
+def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
+    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
+    then the engine refuses the turn, and the response is answered as a plain job, as it would be
+    with `store: false`, and stored (its conversation continues it later)."""
+    for _ in range(MAX_SESSIONS + 1):
+        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+        if _link(response) is None:
+            break
+    assert _link(response) is None and response.status in ("completed", "incomplete")
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text
+
+
+def test_an_unknown_previous_response_is_not_found(client, model):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(
+            model=model, previous_response_id="resp_" + "0" * 32, input="Hi", max_output_tokens=3
         )
     assert raised.value.body["param"] == "previous_response_id"
     assert raised.value.body["code"] == "previous_response_not_found"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from redis.asyncio import Redis
 
 from libs.gen.expert.v1 import common_pb2, preparation_pb2, session_pb2
@@ -17,7 +18,7 @@ from services.reception.dispatch.pipeline import Pipeline
 from services.reception.dispatch.run import JobRun
 from services.reception.dispatch.turns import Turns
 from services.reception.jobs import JobStore
-from services.reception.sessions import SessionLimits, SessionStore, turn_request
+from services.reception.sessions import NotLatest, SessionLimits, SessionStore, turn_messages, turn_request
 from tests.integration.test_reception_saga import FakeStages
 
 LIMITS = SessionLimits(idle_seconds=600.0, max_tokens=4096)
@@ -159,3 +160,31 @@ def test_a_turn_whose_session_ended_before_it_ran_fails_not_found(clean_redis_ur
     result = _session(clean_redis_url, scenario)
     assert result.status == common_pb2.JOB_STATUS_FAILED and failure_code(result) is grpc.StatusCode.NOT_FOUND
     assert stages.plans == [] and stages.prepares == []
+
+
+def test_a_turn_after_a_given_turn_appends_only_while_that_turn_is_the_latest(clean_redis_url):
+    """A Responses API continuation (`after_turn`): its messages become the turn's input in the same
+    transaction; once the session moved on (another turn, a running one, input appended) nothing is
+    appended and NotLatest says so."""
+    stages = RecordingStages()
+    follow_up = [common_pb2.ChatMessage(role="user", content="And of Italy?")]
+
+    async def scenario(redis, store, session_id):
+        await _turn(redis, stages, store, session_id, "job-1")
+        outcomes = []
+        for after_turn in (0, 2):  # an older turn, a turn not answered yet
+            with pytest.raises(NotLatest):
+                await store.begin_turn(session_id, "job-x", messages=follow_up, after_turn=after_turn)
+        outcomes.append(await store.get(session_id))
+        record = await store.begin_turn(session_id, "job-2", messages=follow_up, after_turn=1)
+        outcomes.append(record)
+        with pytest.raises(NotLatest):  # job-2 runs: a sibling continuation of turn 1 cannot append
+            await store.begin_turn(session_id, "job-3", messages=follow_up, after_turn=1)
+        outcomes.append(await store.get(session_id))
+        return outcomes
+
+    untouched, begun, running = _session(clean_redis_url, scenario)
+    assert (untouched.turns, untouched.job_id, list(untouched.pending)) == (1, "", [])
+    assert begun.job_id == "job-2" and [m.content for m in begun.turn_input] == ["And of Italy?"]
+    assert turn_messages(begun) == list(begun.turn_input)  # a later turn's job carries only its input
+    assert running.job_id == "job-2" and list(running.pending) == []

@@ -194,7 +194,11 @@ class Admission:
     async def infer(self, request: common_pb2.InferenceRequest | Undecodable) -> common_pb2.InferenceResult:
         """Admit a job and wait for its result (Infer, the non-streamed HTTP calls). Cancelled (the
         caller went away), it cancels the job; a job a stage refused raises that refusal."""
-        job_id = (await self.admit(request)).job_id
+        return await self.result((await self.admit(request)).job_id)
+
+    async def result(self, job_id: str) -> common_pb2.InferenceResult:
+        """Wait for an admitted job's result, as `infer` does (a session's turn admitted elsewhere,
+        answered over HTTP, waits here too)."""
         with bind_context(job_id=job_id):
             try:
                 async for event in self.follow(job_id, result_only=True):
@@ -213,6 +217,13 @@ class Admission:
         job's events up to its result. Closed or cancelled before the result (the caller went
         away), it cancels the job; a job a stage refused raises that refusal instead of its result."""
         admitted = await self.admit(request, streaming=True)
+        async with contextlib.aclosing(self.followed(admitted)) as events:
+            async for event in events:
+                yield event
+
+    async def followed(self, admitted: Admitted) -> AsyncIterator[Submitted | JobEvent]:
+        """An admitted job as `stream` follows it (a session's turn admitted elsewhere, streamed
+        over HTTP, is followed here too)."""
         finished = False
         try:
             yield Submitted(await self.submission(admitted))

@@ -25,10 +25,10 @@ from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.job_results import failure_code
 from libs.limits import SAMPLING_FIELDS
 from libs.logging import get_logger
-from services.reception.admission.core import MAX_JOB_ID_CHARS, Admission
+from services.reception.admission.core import MAX_JOB_ID_CHARS, Admission, Admitted
 from services.reception.admission.validation import MAX_MESSAGES, MAX_PROMPT_CHARS, validate
 from services.reception.job_events import JobEvent
-from services.reception.sessions import SessionStore, turn_request
+from services.reception.sessions import SessionStore, turn_messages, turn_request
 
 log = get_logger(__name__)
 
@@ -51,11 +51,16 @@ class SessionAdmission:
         self.store = store
         self.release_session = release_session
 
-    async def create(self, settings: session_pb2.CreateSessionRequest, peer: str = "") -> session_pb2.Session:
+    async def create(
+        self, settings: session_pb2.CreateSessionRequest, peer: str = "", *, seeded: bool = False
+    ) -> session_pb2.Session:
         """A new session with these settings (its first messages included), checked as its turns
         will be, and counted against its creator's session limits: the API key the call proved, or
-        with auth off the client's address (`peer`, as gRPC names it)."""
-        _messages(list(settings.messages), "messages")
+        with auth off the client's address (`peer`, as gRPC names it). A `seeded` session's first
+        messages are a whole conversation (replies included, as the Responses API forks one); its
+        first turn's validation checks them."""
+        if not seeded:
+            _messages(list(settings.messages), "messages")
         if settings.HasField("system_prompt") and len(settings.system_prompt) > MAX_PROMPT_CHARS:
             raise invalid_argument("system_prompt", f"at most {MAX_PROMPT_CHARS} characters")
         _check_settings(settings)
@@ -87,15 +92,47 @@ class SessionAdmission:
         await self._settle_stale_turn(await self.store.get(session_id))
         job_id = uuid.uuid4().hex
         record = await self.store.begin_turn(session_id, job_id)
-        try:
-            with _session_fields():
-                await self.admission.admit(
-                    turn_request(record, turn), streaming=True, job_id=job_id, session_id=session_id
-                )
-        except BaseException:
-            await self.store.abandon_turn(session_id, job_id)
-            raise
+        with _session_fields():
+            await self._admit(record, job_id, turn_request(record, turn), streaming=True)
         return job_id
+
+    async def begin_request_turn(
+        self,
+        session_id: str,
+        request: common_pb2.InferenceRequest,
+        *,
+        streaming: bool,
+        messages: list[common_pb2.ChatMessage] | None = None,
+        after_turn: int | None = None,
+    ) -> tuple[Admitted, int]:
+        """Start a turn whose job is `request` (an OpenAI front's; its messages are replaced by the
+        turn's), its refusals naming the request's own fields. With `after_turn` the turn appends
+        `messages` right after that turn, or raises NotLatest (SessionStore.begin_turn). Returns
+        the admitted job and the turn's number."""
+        await self._settle_stale_turn(await self.store.get(session_id))
+        job_id = uuid.uuid4().hex
+        record = await self.store.begin_turn(session_id, job_id, messages=messages, after_turn=after_turn)
+        job = common_pb2.InferenceRequest()
+        job.CopyFrom(request)
+        del job.messages[:]
+        job.messages.extend(turn_messages(record))
+        return await self._admit(record, job_id, job, streaming=streaming), record.turns + 1
+
+    async def _admit(
+        self,
+        record: session_state_pb2.SessionRecord,
+        job_id: str,
+        job: common_pb2.InferenceRequest,
+        streaming: bool,
+    ) -> Admitted:
+        """Admit the turn `job_id` just begun; refused, its input goes back to the session."""
+        try:
+            return await self.admission.admit(
+                job, streaming=streaming, job_id=job_id, session_id=record.session_id
+            )
+        except BaseException:
+            await self.store.abandon_turn(record.session_id, job_id)
+            raise
 
     def follow_turn(self, job_id: str) -> AsyncIterator[JobEvent]:
         """The turn's job events, up to its result."""

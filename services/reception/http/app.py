@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from libs.auth.policy import Authenticator
 from libs.errors import ServiceError
 from services.reception.admission.core import Admission
+from services.reception.admission.sessions import SessionAdmission
 from services.reception.capacity import Capacity
 from services.reception.http.auth import authentication
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
@@ -42,13 +43,15 @@ def create_app(
     serving: Callable[[], bool] = lambda: True,
     metrics: ReceptionMetrics | None = None,
     responses: ResponseStore | None = None,
+    sessions: SessionAdmission | None = None,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
     a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
     the gRPC health service reports (False while Redis is unreachable or reception stops);
     `metrics` counts the refusals and the ignored fields (None: not counted);
-    `responses` keeps the Responses API's stored responses (None: none are stored)."""
+    `responses` keeps the Responses API's stored responses (None: none are stored), each a turn
+    of a session of `sessions` (None: as a plain job)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -67,7 +70,7 @@ def create_app(
     _add_probes(app, capacity, serving)
     _add_models(app, models)
     add_openai_routes(app, admission, to_http_error, metrics)
-    add_responses_routes(app, admission, responses, to_http_error)
+    add_responses_routes(app, admission, responses, to_http_error, sessions)
     return app
 
 

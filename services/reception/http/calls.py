@@ -6,17 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from libs.gen.expert.v1 import common_pb2
-from services.reception.admission.core import Admission
+from services.reception.admission.core import Submitted
 from services.reception.http.errors import ToHttpError, error_response
+from services.reception.job_events import JobEvent
 
 T = TypeVar("T")
+
+
+class JobRunner(Protocol):
+    """What admits and follows a job for a route: `Admission` itself, or a front's own runner
+    over it (the Responses API's session turns, response_sessions.py)."""
+
+    async def infer(self, request: common_pb2.InferenceRequest) -> common_pb2.InferenceResult: ...
+
+    def stream(self, request: common_pb2.InferenceRequest) -> AsyncIterator[Submitted | JobEvent]: ...
 
 
 async def unless_disconnected(request: Request, call: Awaitable[T]) -> T | None:
@@ -42,7 +52,7 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T | None:
 
 
 async def infer(
-    admission: Admission,
+    admission: JobRunner,
     request: Request,
     inference: common_pb2.InferenceRequest,
     body: object,

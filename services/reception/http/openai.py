@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.core import Admission, Submitted
-from services.reception.http.calls import infer
+from services.reception.http.calls import JobRunner, infer
 from services.reception.http.completion_prompts import complete_prompts, per_prompt
 from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.ignored_fields import report_ignored
@@ -51,7 +51,7 @@ def _with_headers(answer: Response | dict, headers: dict[str, str]) -> Response 
 
 
 async def _complete(
-    admission: Admission,
+    admission: JobRunner,
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
@@ -74,7 +74,7 @@ async def _complete(
 
 
 async def _stream(
-    admission: Admission,
+    admission: JobRunner,
     inference: common_pb2.InferenceRequest,
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
@@ -142,7 +142,7 @@ def _error(error: HttpError) -> str:
 
 
 async def chat_completion(
-    admission: Admission, request: Request, body: ChatCompletionRequest, to_http_error: ToHttpError
+    admission: JobRunner, request: Request, body: ChatCompletionRequest, to_http_error: ToHttpError
 ) -> dict | StreamingResponse | JSONResponse:
     """What `/v1/chat/completions` answers `body`: the completion, its stream, or the error
     response. Other front ends (the Responses API) run their requests through it."""

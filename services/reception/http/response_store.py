@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (`store: true`, the default) in Redis: each one's record
 (`expert:response:{id}`, JSON) holds the response as it was answered, the conversation that led to
-it with its answer (chat messages: what `previous_response_id` continues), and the API key that
-made it. Records expire after EXPERT_JOB_TTL_SECONDS, as job records do. A response is only seen by
+it with its answer (chat messages: what `previous_response_id` continues, in a new session once the
+response's own is gone), its session and turn (`session`, null for a plain job), and the API key
+that made it. Records expire after EXPERT_JOB_TTL_SECONDS, as job records do. A response is only seen by
 the key that made it (with auth off, by everyone): another key gets NOT_FOUND, as for an id that
 never existed."""
 
@@ -13,6 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from libs.auth.policy import current_caller
+from services.reception.http.response_sessions import ChainLink
 
 PREFIX = "expert:response:"
 
@@ -27,8 +29,19 @@ class ResponseStore:
     def __init__(self, redis: Redis, ttl_s: int) -> None:
         self.redis, self.ttl_s = redis, ttl_s
 
-    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], owner: str) -> None:
-        record = {"owner": owner, "response": response, "conversation": conversation}
+    async def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        owner: str,
+        link: ChainLink | None = None,
+    ) -> None:
+        record = {
+            "owner": owner,
+            "response": response,
+            "conversation": conversation,
+            "session": link.as_json() if link is not None else None,
+        }
         await self.redis.set(PREFIX + response["id"], json.dumps(record, ensure_ascii=False), ex=self.ttl_s)
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:

@@ -4,10 +4,12 @@ request becomes a chat-completions request (responses_request.py) that runs thro
 endpoint's own code (openai.chat_completion), and the completion or its chunks become the
 response or its events (responses_output.py, responses_events.py).
 
-`previous_response_id` continues a stored response's conversation: its messages and its answer,
-kept with it (response_store.py), come before the new input, and the whole conversation is
-answered as a stateless chat would be (the engine's prefix cache reuses the KV it already holds).
-No session is created, so responses never count against EXPERT_SESSION_MAX_PER_KEY."""
+A stored response (`store`, the default) runs as a turn of a session (response_sessions.py): a
+request without `previous_response_id` opens one, a continuation of a chain's latest response is
+its session's next turn, anything else a new session seeded with the conversation. The stored
+record (response_store.py) keeps the conversation too, so a response outlives its session: once
+the session is gone its continuation opens a new one from that conversation. `store: false` runs
+a plain job and keeps nothing."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.reception.admission.core import Admission
+from services.reception.admission.sessions import SessionAdmission
 from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.openai import chat_completion
+from services.reception.http.response_sessions import ChainLink, SessionResponder, http_peer
 from services.reception.http.response_store import ResponseStore, current_owner
 from services.reception.http.responses_events import ResponseEvents
 from services.reception.http.responses_output import assistant_message, from_completion, response_shell
@@ -39,10 +43,15 @@ def _not_found(response_id: str, param: str | None = None) -> HttpError:
 
 
 def add_responses_routes(
-    app: FastAPI, admission: Admission, store: ResponseStore | None, to_http_error: ToHttpError
+    app: FastAPI,
+    admission: Admission,
+    store: ResponseStore | None,
+    to_http_error: ToHttpError,
+    sessions: SessionAdmission | None = None,
 ) -> None:
-    """The routes over `admission`; without `store` nothing is stored (nor found)."""
-    routes = _Responses(admission, store, to_http_error)
+    """The routes over `admission`; without `store` nothing is stored (nor found), without
+    `sessions` stored responses run as plain jobs."""
+    routes = _Responses(admission, store, to_http_error, sessions)
 
     @app.post("/v1/responses")
     async def create_response(request: Request, body: ResponsesRequest):
@@ -75,8 +84,15 @@ def add_responses_routes(
 
 
 class _Responses:
-    def __init__(self, admission: Admission, store: ResponseStore | None, to_http_error: ToHttpError) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        store: ResponseStore | None,
+        to_http_error: ToHttpError,
+        sessions: SessionAdmission | None,
+    ) -> None:
         self.admission, self.store, self.to_http_error = admission, store, to_http_error
+        self.sessions = sessions
 
     async def stored(self, response_id: str, param: str | None = None) -> dict[str, Any]:
         """The caller's stored response `response_id` (404 naming `param` when there is none)."""
@@ -88,31 +104,73 @@ class _Responses:
         return record
 
     async def create(self, request: Request, body: ResponsesRequest):
-        """The response to `body`, answered by the chat path; stored when `store` asks for it."""
-        history: list[dict[str, Any]] = []
+        """The response to `body`, answered by the chat path (as a session's turn when stored);
+        stored when `store` asks for it."""
+        previous = None
         if body.previous_response_id is not None:
-            history = (await self.stored(body.previous_response_id, "previous_response_id"))["conversation"]
+            previous = await self.stored(body.previous_response_id, "previous_response_id")
+        history = previous["conversation"] if previous is not None else []
         chat, added = chat_request(body, history)
-        answer = await chat_completion(self.admission, request, chat, self.to_http_error)
+        runner = self._runner(request, body, previous, len(added))
+        answer = await chat_completion(runner, request, chat, self.to_http_error)
         if isinstance(answer, JSONResponse):
             return _renamed(answer)
-        save = _saver(self.store if body.store else None, [*history, *added], current_owner())
+        save = _saver(self.store if body.store else None, [*history, *added], current_owner(), runner)
+
+        def shell(job_id: str) -> dict[str, Any]:
+            return _linked(response_shell(body, job_id), runner)
+
         if isinstance(answer, StreamingResponse):
-            events = _events(answer.body_iterator, body, save, self.to_http_error)
+            events = _events(answer.body_iterator, shell, save, self.to_http_error, body)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        response = from_completion(response_shell(body, answer["expert_system"]["job_id"]), answer)
+        response = from_completion(shell(answer["expert_system"]["job_id"]), answer)
         await save(response)
         return response
 
+    def _runner(
+        self, request: Request, body: ResponsesRequest, previous: dict[str, Any] | None, added: int
+    ) -> Admission | SessionResponder:
+        """What runs the chat job: a session's turn for a stored response (continuing the previous
+        response's session if the instructions and model are the same), else a plain job."""
+        if not body.store or self.store is None or self.sessions is None:
+            return self.admission
+        follows = None
+        if previous is not None and all(
+            previous["response"][name] == getattr(body, name) for name in ("instructions", "model")
+        ):
+            follows = ChainLink.of(previous)
+        return SessionResponder(self.sessions, http_peer(request), added, follows)
 
-def _saver(store: ResponseStore | None, conversation: list[dict[str, Any]], owner: str):
-    """What stores a finished response with its conversation (nothing without a store)."""
+
+def _linked(shell: dict[str, Any], runner: Admission | SessionResponder) -> dict[str, Any]:
+    """The response's shell naming its session and turn, when a session's turn answers it."""
+    link = getattr(runner, "link", None)
+    if link is not None:
+        shell["expert_system"] = link.as_json()
+    return shell
+
+
+def _saver(
+    store: ResponseStore | None,
+    conversation: list[dict[str, Any]],
+    owner: str,
+    runner: Admission | SessionResponder,
+):
+    """What stores a finished response with its conversation and its session's link (nothing
+    without a store)."""
 
     async def save(response: dict[str, Any]) -> None:
-        if store is not None:
-            await store.put(response, [*conversation, assistant_message(response)], owner)
+        if store is None:
+            return
+        link = getattr(runner, "link", None)
+        if link is None and "session_id" in response.get("expert_system", {}):
+            # A stream named the session it began in, whose turn a plain job then answered.
+            response["expert_system"] = {
+                k: v for k, v in response["expert_system"].items() if k not in ("session_id", "session_turn")
+            }
+        await store.put(response, [*conversation, assistant_message(response)], owner, link)
 
     return save
 
@@ -140,7 +198,7 @@ async def _chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
 
 
 async def _events(
-    lines: AsyncIterator[str], body: ResponsesRequest, save, to_http_error: ToHttpError
+    lines: AsyncIterator[str], shell, save, to_http_error: ToHttpError, body: ResponsesRequest
 ) -> AsyncIterator[str]:
     """The chat stream as the Responses API's events; closed early (the client went away), the
     chat stream is closed, which cancels the job."""
@@ -149,7 +207,7 @@ async def _events(
         if first is None:
             return
         job_id = first.get("id", "").removeprefix("chatcmpl-")
-        translator = ResponseEvents(response_shell(body, job_id), job_id)
+        translator = ResponseEvents(shell(job_id), job_id)
         for event in translator.opening():
             yield _sse(event)
         async for chunk in _prepend(first, chunks):

@@ -149,7 +149,7 @@ class ResponseEvents:
             events.append(self._event("response.output_item.done", output_index=index, item=snapshot(item)))
         response = finished(self.response, self.output, self.finish_reason, self.usage)
         if self.extra is not None:
-            response["expert_system"] = self.extra
+            response["expert_system"] = {**self.extra, **self.response.get("expert_system", {})}
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         events.append(self._event(kind, response=snapshot(response)))
         return events, response

@@ -117,7 +117,7 @@ def from_completion(shell: dict[str, Any], completion: dict[str, Any]) -> dict[s
         function = call["function"]
         output.append(call_item(job_id, i, call["id"], function["name"], function["arguments"], "completed"))
     response = finished(shell, output, choice["finish_reason"], completion.get("usage"))
-    response["expert_system"] = completion["expert_system"]
+    response["expert_system"] = {**completion["expert_system"], **shell.get("expert_system", {})}
     return response
 
 
