@@ -13,11 +13,11 @@ import torch
 
 from libs.engine import LLMEngine, SamplingParams
 from libs.engine.tokenizer import Tokenizer
+from libs.training.data import Sample
+from libs.training.render import IGNORE, SampleEncoder
+from libs.training.trainer import Trainer, TrainSettings
 from tests.helpers.experts import Publisher, peft_greedy, peft_model
 from tools.expertctl.main import main as expertctl
-from libs.training.data import Sample
-from tools.training.render import IGNORE, SampleEncoder
-from tools.training.trainer import Trainer, TrainSettings
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
 
