@@ -1,4 +1,5 @@
-"""The whole system on one machine: a redis-server and the five services as processes.
+"""The whole system on one machine: a redis-server and the five services as processes, and with
+`trainer=True` the trainer worker (started last, stopped first).
 
 `make run` (through `expertctl up`) and the end-to-end tests both use it. Services start in
 dependency order and are ready when their grpc.health.v1 check says SERVING; each writes its JSON
@@ -50,12 +51,14 @@ from tools.child_process import spawn
 
 # Start order: the engine registers with preparation; reception calls all the others.
 SERVICES = ("router", "preparation", "postproc", "engine", "reception")
+TRAINER = "trainer"  # the training worker: only in stacks that ask for it (it loads torch and peft)
 DEFAULT_PORTS = {
     "reception": 50051,
     "router": 50052,
     "preparation": 50053,
     "engine": 50054,
     "postproc": 50055,
+    TRAINER: 50056,
 }
 DEFAULT_METRICS_PORTS = {
     "reception": 9151,
@@ -63,6 +66,7 @@ DEFAULT_METRICS_PORTS = {
     "preparation": 9153,
     "engine": 9154,
     "postproc": 9155,
+    TRAINER: 9156,
 }
 # The services that also serve HTTP (reception: the OpenAI API and the probes), by default here.
 DEFAULT_HTTP_PORTS = {"reception": 8080}
@@ -145,6 +149,7 @@ class LocalStack:
     redis_dir: Path | None = None  # where that file goes; None: log_dir/redis
     redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY  # as redis-server's --maxmemory takes it
     tls_dir: Path | None = None  # where the local CA's certificates go; None: log_dir/tls
+    trainer: bool = False  # also run the trainer worker (training jobs)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _redis: subprocess.Popen | None = None
     _redis_password: str | None = field(default=None, repr=False)  # of the redis-server it starts
@@ -162,8 +167,8 @@ class LocalStack:
         return cls(
             log_dir,
             env=env,
-            ports={s: free_port() for s in SERVICES},
-            metrics_ports=dict.fromkeys(SERVICES, 0),
+            ports={s: free_port() for s in (*SERVICES, TRAINER)},
+            metrics_ports=dict.fromkeys((*SERVICES, TRAINER), 0),
             http_ports={s: free_port() for s in DEFAULT_HTTP_PORTS},
             **kwargs,
         )
@@ -188,7 +193,7 @@ class LocalStack:
             else:
                 directory = self.tls_dir if self.tls_dir is not None else self.log_dir / "tls"
                 hosts = [local_host(self.bind_host)] if self.bind_host != LOOPBACK_HOST else []
-                self._identities = local_ca.issue(directory, [*SERVICES, CLIENT_IDENTITY], hosts)
+                self._identities = local_ca.issue(directory, [*SERVICES, TRAINER, CLIENT_IDENTITY], hosts)
         return self._identities
 
     def client_credentials(self) -> grpc.ChannelCredentials | None:
@@ -225,7 +230,7 @@ class LocalStack:
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
         env["EXPERT_BIND_HOST"] = self.bind_host
-        for service in SERVICES:
+        for service in (*SERVICES, TRAINER):
             name = service.upper()
             env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
             env[f"EXPERT_{name}_METRICS_PORT"] = str(self.metrics_ports[service])
@@ -247,9 +252,10 @@ class LocalStack:
         try:
             if self.redis_url is None:
                 self.start_redis()
-            for service in SERVICES:
+            started = (*SERVICES, TRAINER) if self.trainer else SERVICES
+            for service in started:
                 self.start_service(service)
-            for service in SERVICES:
+            for service in started:
                 self.wait_serving(service, timeout)
         except BaseException:
             self.stop()
