@@ -58,7 +58,6 @@ DEFAULT_PORTS = {
     "preparation": 50053,
     "engine": 50054,
     "postproc": 50055,
-    TRAINER: 50056,
 }
 DEFAULT_METRICS_PORTS = {
     "reception": 9151,
@@ -66,8 +65,8 @@ DEFAULT_METRICS_PORTS = {
     "preparation": 9153,
     "engine": 9154,
     "postproc": 9155,
-    TRAINER: 9156,
 }
+TRAINER_PORT, TRAINER_METRICS_PORT = 50056, 9156  # the trainer's defaults (services/trainer/config.py)
 # The services that also serve HTTP (reception: the OpenAI API and the probes), by default here.
 DEFAULT_HTTP_PORTS = {"reception": 8080}
 REDIS = "redis"  # the name of this stack's redis-server among its processes (its log: redis.log)
@@ -141,8 +140,10 @@ def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.C
 class LocalStack:
     log_dir: Path
     env: Mapping[str, str] = field(default_factory=dict)  # extra EXPERT_* settings for every service
-    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
-    metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
+    ports: dict[str, int] = field(default_factory=lambda: {**DEFAULT_PORTS, TRAINER: TRAINER_PORT})
+    metrics_ports: dict[str, int] = field(
+        default_factory=lambda: {**DEFAULT_METRICS_PORTS, TRAINER: TRAINER_METRICS_PORT}
+    )
     http_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_HTTP_PORTS))  # 0: HTTP off
     redis_url: str | None = None  # an existing Redis; None starts a redis-server
     redis_durable: bool = False  # the redis-server it starts keeps an append-only file

@@ -38,6 +38,7 @@ async def main() -> None:
         TrainingQueue(redis, config.consumer, config.lease_ms), jobs, runner, config.max_deliveries
     )
     background: set[asyncio.Task] = set()
+    loops: list[asyncio.Task] = []  # the worker's loop, once started
 
     def register(server: grpc.aio.Server) -> list[str]:
         return []  # health only: the trainer takes its work from Redis, not from calls
@@ -47,13 +48,13 @@ async def main() -> None:
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.create_task(worker.run())
         loop.add_done_callback(_log_end)
+        loops.append(loop)
         background.update({loop, asyncio.create_task(watch_redis(redis, health))})
         await health.set_serving(True)
         log.info("trainer ready", consumer=config.consumer, checkpoint_dir=str(config.checkpoint_dir))
 
     async def drain() -> None:
         worker.stop()  # the running job checkpoints after its step and is handed back
-        loops = [t for t in background if t.get_coro().__qualname__.startswith("Worker.run")]
         if loops:
             await asyncio.wait(loops, timeout=config.lease_ms / 1000)
 

@@ -83,6 +83,8 @@ class JobRunner:
         samples, held_out = await self._samples(job, spec)
         directory = self.config.checkpoint_dir / job.job_id
         resume = self._resume_point(job)
+        if job.resume_from:  # asked for once: a later restart goes on from the latest checkpoint
+            await self.jobs.update(job.job_id, resume_from="")
         if resume is not None:
             await self.jobs.event(
                 job.job_id, "status", f"resuming from checkpoint {resume['id']} (step {resume['step']})"
