@@ -231,7 +231,7 @@ class LocalStack:
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
         env["EXPERT_BIND_HOST"] = self.bind_host
-        for service in (*SERVICES, TRAINER):
+        for service in [s for s in (*SERVICES, TRAINER) if s in self.ports]:
             name = service.upper()
             env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
             env[f"EXPERT_{name}_METRICS_PORT"] = str(self.metrics_ports[service])

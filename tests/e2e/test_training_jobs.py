@@ -212,25 +212,42 @@ def test_a_trainer_killed_mid_training_resumes_from_its_last_checkpoint(training
     assert done["metrics"]["train_loss"] == pytest.approx(reference["train_loss"], rel=0.05)
 
 
-def test_cancel_stops_a_running_job_within_a_step_and_keeps_its_checkpoints(training):
+def test_a_checkpoint_on_request_then_cancel_within_a_step_then_resume_from_it(training):
     file_id = training.upload(shout_samples())
     long_run = spec(file_id, "never-finished", hyperparameters={"epochs": 200, "batch_size": 1})
-    long_run["checkpoint_every_steps"] = 2
+    long_run["checkpoint_every_steps"] = 1000
     job = training.submit(long_run).json()
-    training.wait(job["id"], lambda j: len(j["checkpoints"]) >= 1, "checkpointed")
-    cancelling = training.http.delete(f"/v1/training/jobs/{job['id']}", headers=training.train_headers)
+    path = f"/v1/training/jobs/{job['id']}"
+    training.wait(job["id"], lambda j: j["status"] == "RUNNING" and j["metrics"].get("step", 0) >= 1, "ran")
+    asked = training.http.post(path + "/checkpoint", headers=training.train_headers)
+    assert asked.status_code == 202, asked.text
+    checkpoint_id = asked.json()["checkpoint_id"]
+    training.wait(job["id"], lambda j: [c["id"] for c in j["checkpoints"]] == [checkpoint_id], "checkpointed")
+
+    cancelling = training.http.delete(path, headers=training.train_headers)
     assert cancelling.status_code == 200, cancelling.text
     step_then = cancelling.json()["metrics"]["step"]
-
     done = training.wait_final(job["id"])
     assert done["status"] == "CANCELLED"
-    assert done["metrics"]["step"] <= step_then + 1
-    assert done["checkpoints"] and all(
-        (training.checkpoints / job["id"] / c["id"]).is_dir() for c in done["checkpoints"]
-    )
-    # A cancelled job can be resumed; cancelling it again is refused only once it is gone for good.
-    refused = training.http.post(f"/v1/training/jobs/{job['id']}/checkpoint", headers=training.train_headers)
+    assert done["metrics"]["step"] <= step_then + 1  # the step under way when the cancel came, at most
+    assert (training.checkpoints / job["id"] / checkpoint_id / "trainer_state.pt").is_file()
+    refused = training.http.post(path + "/checkpoint", headers=training.train_headers)
     assert refused.status_code == 400 and "CANCELLED" in refused.json()["error"]["message"]
+
+    resumed = training.http.post(
+        path + "/resume", json={"checkpoint_id": checkpoint_id}, headers=training.train_headers
+    )
+    assert resumed.status_code == 200 and resumed.json()["status"] == "PENDING", resumed.text
+    training.wait(
+        job["id"],
+        lambda j: any(
+            e["message"].startswith(f"resuming from checkpoint {checkpoint_id}")
+            for e in training.events(j["id"])
+        ),
+        "resumed",
+    )
+    assert training.http.delete(path, headers=training.train_headers).status_code == 200
+    assert training.wait_final(job["id"])["status"] == "CANCELLED"
 
 
 def test_two_jobs_with_one_trainer_run_one_after_the_other(training):
