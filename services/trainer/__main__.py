@@ -45,6 +45,7 @@ async def main() -> None:
 
     async def on_start() -> None:
         await redis.ping()
+        await asyncio.to_thread(_load_training_libraries)  # before SERVING, not in the first job
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.create_task(worker.run())
         loop.add_done_callback(_log_end)
@@ -76,6 +77,11 @@ async def main() -> None:
         auth=Authenticator(config.auth, {}),
         grace=config.lease_ms / 1000,
     )
+
+
+def _load_training_libraries() -> None:
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
 
 
 def _log_end(task: asyncio.Task) -> None:
