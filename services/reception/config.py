@@ -43,7 +43,7 @@ class ReceptionConfig:
     # Without store_text: at most one rewrite of Redis's append-only file per this many seconds,
     # once ended jobs' texts left Redis (redis_compaction).
     redis_compact_s: float = DEFAULT_INTERVAL_S
-    training: TrainingBounds = field(default_factory=TrainingBounds)  # the training bounds (libs.training.bounds)
+    training: TrainingBounds = field(default_factory=TrainingBounds)  # a training job may ask at most
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:

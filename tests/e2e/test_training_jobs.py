@@ -251,13 +251,30 @@ def test_a_checkpoint_on_request_then_cancel_within_a_step_then_resume_from_it(t
 
 
 def test_two_jobs_with_one_trainer_run_one_after_the_other(training):
-    file_id = training.upload(shout_samples(12))
+    file_id, held_out = training.upload(shout_samples(12)), training.upload(shout_samples(3))
     short = {"hyperparameters": {"epochs": 1, "batch_size": 4}}
     first = training.submit(spec(file_id, "first", **short)).json()
-    second = training.submit(spec(file_id, "second", **short)).json()
+    second = training.submit(spec(file_id, "second", validation_file=held_out, **short)).json()
     first_done, second_done = training.wait_final(first["id"]), training.wait_final(second["id"])
     assert first_done["status"] == second_done["status"] == "COMPLETED"
     assert second_done["started_at"] >= first_done["finished_at"]
+    # Without a validation file a tenth is held out (11 train: 3 steps); with one, all 12 train.
+    assert (first_done["metrics"]["step"], second_done["metrics"]["step"]) == (3, 3)
+    assert second_done["metrics"]["eval_loss"] is not None
+
+
+def test_a_job_fails_with_its_reason_a_bad_sample_naming_its_line(training):
+    file_id = training.upload(shout_samples())
+    too_long = spec(file_id, "too-long", hyperparameters={"max_sequence_length": 8})
+    failed = training.wait_final(training.submit(too_long).json()["id"])
+    assert failed["status"] == "FAILED" and failed["error"].startswith(f"{file_id}:1: ")
+    assert "longer than the 8" in failed["error"]
+
+    budget = spec(
+        file_id, "out-of-time", hyperparameters={"epochs": 200, "batch_size": 1}, time_budget_seconds=1
+    )
+    spent = training.wait_final(training.submit(budget).json()["id"])
+    assert spent["status"] == "FAILED" and "time budget of 1 s is spent" in spent["error"]
 
 
 def test_whole_model_training_is_refused_by_name(training):
