@@ -102,8 +102,14 @@ class JobRunner:
             stops,
         )
         package = directory / f"{spec.expert.name}-{spec.expert.version}.expert"
-        summary = await asyncio.to_thread(self._train, spec, samples, held_out, control, package)
-        await self.jobs.update(job.job_id, metrics={**job.metrics, **_final_metrics(summary, control)})
+        if package.is_file():
+            # Written (atomically) once training finished, by a run that stopped before the expert
+            # was registered: packing again could give other bytes (peft writes a set's order), which
+            # the store would refuse under the same name and version.
+            await self.jobs.event(job.job_id, "status", "the expert was trained and packed already")
+        else:
+            summary = await asyncio.to_thread(self._train, spec, samples, held_out, control, package)
+            await self.jobs.update(job.job_id, metrics={**job.metrics, **_final_metrics(summary, control)})
         entry = await asyncio.to_thread(
             store_package, package, self.config.store, self.config.trusted_keys, self.config.model_path
         )

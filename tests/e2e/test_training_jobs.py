@@ -277,6 +277,24 @@ def test_a_job_fails_with_its_reason_a_bad_sample_naming_its_line(training):
     assert spent["status"] == "FAILED" and "time budget of 1 s is spent" in spent["error"]
 
 
+def test_an_expert_the_store_refuses_fails_its_job_and_a_resume_does_not_train_it_again(training):
+    file_id = training.upload(shout_samples(8))
+    short = {"hyperparameters": {"epochs": 1, "batch_size": 4}}
+    taken = spec(file_id, "taken", **short)
+    assert training.wait_final(training.submit(taken).json()["id"])["status"] == "COMPLETED"
+    other = training.upload(shout_samples(9))  # other data: the same name and version, other weights
+    job = training.submit(spec(other, "taken", **short)).json()
+    failed = training.wait_final(job["id"])
+    assert failed["status"] == "FAILED" and "taken@1.0.0" in failed["error"]
+
+    resumed = training.http.post(f"/v1/training/jobs/{job['id']}/resume", headers=training.train_headers)
+    assert resumed.status_code == 200, resumed.text
+    again = training.wait_final(job["id"])
+    assert again["status"] == "FAILED" and again["error"] == failed["error"]
+    messages = [e["message"] for e in training.events(job["id"])]
+    assert "the expert was trained and packed already" in messages
+
+
 def test_whole_model_training_is_refused_by_name(training):
     file_id = training.upload(shout_samples())
     whole = spec(
