@@ -18,6 +18,7 @@ from libs.training.files import TrainingFiles
 from libs.training.jobs import TrainingJobs
 from libs.training.queue import TrainingQueue
 from services.trainer.config import TrainerConfig
+from services.trainer.metrics import TrainerMetrics
 from services.trainer.runner import JobRunner
 from services.trainer.worker import Worker
 
@@ -33,7 +34,8 @@ async def main() -> None:
         config.router_target, internal_token=config.auth.internal_token, tls=config.auth.tls
     )
     jobs = TrainingJobs(redis)
-    runner = JobRunner(config, jobs, TrainingFiles(redis), router_pb2_grpc.RouterServiceStub(router_channel))
+    router = router_pb2_grpc.RouterServiceStub(router_channel)
+    runner = JobRunner(config, jobs, TrainingFiles(redis), router, TrainerMetrics())
     worker = Worker(
         TrainingQueue(redis, config.consumer, config.lease_ms), jobs, runner, config.max_deliveries
     )

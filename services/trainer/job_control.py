@@ -21,6 +21,7 @@ from typing import Any
 from libs.logging import get_logger
 from libs.training.control import Control, SaveCheckpoint, StepInfo, TrainingStopped
 from libs.training.jobs import CHECKPOINTING, RUNNING, TrainingJobs, new_checkpoint_id
+from services.trainer.metrics import TrainerMetrics
 
 log = get_logger(__name__)
 CALL_TIMEOUT_S = 30.0
@@ -58,6 +59,7 @@ class JobControl(Control):
     checkpoints: list[dict[str, Any]]
     resume: Path | None
     stops: Stops
+    metrics: TrainerMetrics | None = None
     started: float = field(default_factory=time.monotonic)
     steps_at_start: int | None = None
 
@@ -71,6 +73,8 @@ class JobControl(Control):
         return self.spent_s + time.monotonic() - self.started
 
     def after_step(self, info: StepInfo, save: SaveCheckpoint) -> None:
+        if self.metrics is not None:
+            self.metrics.steps.inc()
         if self.stops.lease_lost.is_set():
             raise Interrupted("another trainer holds the job now")
         if self.stops.stopping.is_set():
@@ -119,6 +123,8 @@ class JobControl(Control):
         path = self.directory / checkpoint_id
         self.call(lambda: self.jobs.transition(self.job_id, (RUNNING,), CHECKPOINTING))
         save(path)
+        if self.metrics is not None:
+            self.metrics.checkpoints.inc()
         record = {
             "id": checkpoint_id,
             "step": info.step,

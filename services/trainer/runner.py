@@ -28,6 +28,7 @@ from libs.training.settings import SettingsError, TrainSettings
 from libs.training.spec import JobSpec, SpecError, parse_spec
 from services.trainer.config import TrainerConfig
 from services.trainer.job_control import BudgetSpent, Cancelled, Interrupted, JobControl, Stops
+from services.trainer.metrics import TrainerMetrics
 from services.trainer.publish import expert_record, register, store_package
 
 log = get_logger(__name__)
@@ -49,11 +50,14 @@ class JobFailed(Exception):
 
 
 class JobRunner:
-    def __init__(self, config: TrainerConfig, jobs: TrainingJobs, files: TrainingFiles, router) -> None:
+    def __init__(
+        self, config: TrainerConfig, jobs: TrainingJobs, files: TrainingFiles, router, metrics: TrainerMetrics
+    ) -> None:
         self.config = config
         self.jobs = jobs
         self.files = files
         self.router = router
+        self.metrics = metrics
 
     async def run(self, job: TrainingJob, stops: Stops) -> None:
         """Runs `job` (already RUNNING) to its end; raises Interrupted when it was taken away."""
@@ -64,6 +68,7 @@ class JobRunner:
         except BudgetSpent as stop:
             await self._finish(job, FAILED, str(stop), error=str(stop))
         except Interrupted:
+            self.metrics.jobs.labels("HANDED_BACK").inc()
             raise
         except (JobFailed, *JOB_ERRORS) as error:
             await self._finish(job, FAILED, f"job failed: {error}", error=str(error))
@@ -100,6 +105,7 @@ class JobRunner:
             list(job.checkpoints),
             Path(resume["path"]) if resume else None,
             stops,
+            self.metrics,
         )
         package = directory / f"{spec.expert.name}-{spec.expert.version}.expert"
         if package.is_file():
@@ -194,6 +200,7 @@ class JobRunner:
         if expert is not None:
             fields["expert"] = expert
         await self.jobs.transition(job.job_id, ACTIVE, status, **fields)
+        self.metrics.jobs.labels(status).inc()
         await self.jobs.event(
             job.job_id, "status", message, {"status": status, **({"expert": expert} if expert else {})}
         )

@@ -40,13 +40,14 @@ TOKEN = "e2e-internal-token-training-0123456789"
 INTERNAL = credentials_metadata(internal_token=TOKEN)
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
 DEADLINE_S = 300.0
-# One recipe for the reference run and the interrupted one: 18 samples to train on, 2 a step, 3 epochs.
+# One recipe for the reference run and the interrupted one: 27 samples to train on (3 held out), 2 a
+# step, 3 epochs.
 RECIPE = {
     "adapter": {"type": "lora", "rank": 4},
     "hyperparameters": {"epochs": 3, "batch_size": 2, "learning_rate": 0.01, "patience": 3, "seed": 7},
     "checkpoint_every_steps": 3,
 }
-SAMPLES, STEPS = 20, 27
+SAMPLES, STEPS = 30, 42
 
 
 class Training:
@@ -98,7 +99,7 @@ class Training:
             if done(job):
                 return job
             assert job["status"] not in ("FAILED",) or done(job), job["error"]
-            time.sleep(0.1)
+            time.sleep(0.05)
         pytest.fail(f"job {job_id} never {what}: {self.job(job_id)}; logs in {self.stack.log_dir}")
 
     def wait_final(self, job_id: str) -> dict:
@@ -196,7 +197,9 @@ def test_a_trainer_killed_mid_training_resumes_from_its_last_checkpoint(training
     if training.reference is None:
         pytest.skip("needs the reference run of the first test")
     file_id = training.upload(shout_samples())
-    job = training.submit(spec(file_id, "shouter-again")).json()
+    # Checkpoints are taken between steps and change nothing of the run; the first one, at step 2,
+    # leaves 40 steps to kill the trainer in.
+    job = training.submit(spec(file_id, "shouter-again", checkpoint_every_steps=2)).json()
     training.wait(job["id"], lambda j: len(j["checkpoints"]) >= 1, "checkpointed")
     training.stack.kill("trainer")
     killed = training.job(job["id"])
