@@ -1,4 +1,5 @@
-"""The whole system on one machine: a redis-server and the five services as processes.
+"""The whole system on one machine: a redis-server and the five services as processes, and with
+`trainer=True` the trainer worker (started last, stopped first).
 
 `make run` (through `expertctl up`) and the end-to-end tests both use it. Services start in
 dependency order and are ready when their grpc.health.v1 check says SERVING; each writes its JSON
@@ -50,6 +51,7 @@ from tools.child_process import spawn
 
 # Start order: the engine registers with preparation; reception calls all the others.
 SERVICES = ("router", "preparation", "postproc", "engine", "reception")
+TRAINER = "trainer"  # the training worker: only in stacks that ask for it (it loads torch and peft)
 DEFAULT_PORTS = {
     "reception": 50051,
     "router": 50052,
@@ -64,6 +66,7 @@ DEFAULT_METRICS_PORTS = {
     "engine": 9154,
     "postproc": 9155,
 }
+TRAINER_PORT, TRAINER_METRICS_PORT = 50056, 9156  # the trainer's defaults (services/trainer/config.py)
 # The services that also serve HTTP (reception: the OpenAI API and the probes), by default here.
 DEFAULT_HTTP_PORTS = {"reception": 8080}
 REDIS = "redis"  # the name of this stack's redis-server among its processes (its log: redis.log)
@@ -137,14 +140,17 @@ def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.C
 class LocalStack:
     log_dir: Path
     env: Mapping[str, str] = field(default_factory=dict)  # extra EXPERT_* settings for every service
-    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
-    metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
+    ports: dict[str, int] = field(default_factory=lambda: {**DEFAULT_PORTS, TRAINER: TRAINER_PORT})
+    metrics_ports: dict[str, int] = field(
+        default_factory=lambda: {**DEFAULT_METRICS_PORTS, TRAINER: TRAINER_METRICS_PORT}
+    )
     http_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_HTTP_PORTS))  # 0: HTTP off
     redis_url: str | None = None  # an existing Redis; None starts a redis-server
     redis_durable: bool = False  # the redis-server it starts keeps an append-only file
     redis_dir: Path | None = None  # where that file goes; None: log_dir/redis
     redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY  # as redis-server's --maxmemory takes it
     tls_dir: Path | None = None  # where the local CA's certificates go; None: log_dir/tls
+    trainer: bool = False  # also run the trainer worker (training jobs)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _redis: subprocess.Popen | None = None
     _redis_password: str | None = field(default=None, repr=False)  # of the redis-server it starts
@@ -162,8 +168,8 @@ class LocalStack:
         return cls(
             log_dir,
             env=env,
-            ports={s: free_port() for s in SERVICES},
-            metrics_ports=dict.fromkeys(SERVICES, 0),
+            ports={s: free_port() for s in (*SERVICES, TRAINER)},
+            metrics_ports=dict.fromkeys((*SERVICES, TRAINER), 0),
             http_ports={s: free_port() for s in DEFAULT_HTTP_PORTS},
             **kwargs,
         )
@@ -188,7 +194,7 @@ class LocalStack:
             else:
                 directory = self.tls_dir if self.tls_dir is not None else self.log_dir / "tls"
                 hosts = [local_host(self.bind_host)] if self.bind_host != LOOPBACK_HOST else []
-                self._identities = local_ca.issue(directory, [*SERVICES, CLIENT_IDENTITY], hosts)
+                self._identities = local_ca.issue(directory, [*SERVICES, TRAINER, CLIENT_IDENTITY], hosts)
         return self._identities
 
     def client_credentials(self) -> grpc.ChannelCredentials | None:
@@ -225,7 +231,7 @@ class LocalStack:
     def service_env(self) -> dict[str, str]:
         env = {**os.environ, "EXPERT_REDIS_URL": self.redis_url or "", **self.env}
         env["EXPERT_BIND_HOST"] = self.bind_host
-        for service in SERVICES:
+        for service in [s for s in (*SERVICES, TRAINER) if s in self.ports]:
             name = service.upper()
             env[f"EXPERT_{name}_PORT"] = str(self.ports[service])
             env[f"EXPERT_{name}_METRICS_PORT"] = str(self.metrics_ports[service])
@@ -247,9 +253,10 @@ class LocalStack:
         try:
             if self.redis_url is None:
                 self.start_redis()
-            for service in SERVICES:
+            started = (*SERVICES, TRAINER) if self.trainer else SERVICES
+            for service in started:
                 self.start_service(service)
-            for service in SERVICES:
+            for service in started:
                 self.wait_serving(service, timeout)
         except BaseException:
             self.stop()

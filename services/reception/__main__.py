@@ -14,6 +14,8 @@ from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
+from libs.training.files import TrainingFiles
+from libs.training.jobs import TrainingJobs
 from services.reception import keys
 from services.reception.admission.core import Admission
 from services.reception.admission.sessions import SessionAdmission
@@ -36,6 +38,8 @@ from services.reception.session_server import ACCESS as SESSION_ACCESS
 from services.reception.session_server import SessionServicer
 from services.reception.session_server import add_to_server as add_sessions_to_server
 from services.reception.sessions import SessionStore
+from services.reception.training import grpc_api as training_api
+from services.reception.training.admission import TrainingAdmission
 
 
 class Reception:
@@ -55,7 +59,9 @@ class Reception:
         )
         self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
         # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
-        self.auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, self.key_store)
+        self.auth = Authenticator(
+            config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS, **training_api.ACCESS}, self.key_store
+        )
         self.queue = JobQueue(self.redis, lease_ms=config.dispatch.reclaim_idle_ms)
         self.metrics = ReceptionMetrics()
         self.audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
@@ -72,6 +78,9 @@ class Reception:
         self.admission = Admission(self.jobs, self.queue, self.capacity, self.metrics, limiter=limiter)
         stages, session_store = GrpcStages(self.peers), SessionStore(self.redis, config.sessions)
         self.sessions = SessionAdmission(self.admission, session_store, stages.release_session)
+        self.training = TrainingAdmission(
+            TrainingJobs(self.redis), TrainingFiles(self.redis), config.training
+        )
         self.dispatcher = self._dispatcher(stages, session_store)
         self.http = self._http()
         self._watch: asyncio.Task | None = None
@@ -121,7 +130,11 @@ class Reception:
             metrics=self.metrics,
             # Without store_text no response is kept: its conversation would outlive its job.
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
+<<<<<<< HEAD
             sessions=self.sessions,
+=======
+            training=self.training,
+>>>>>>> trainer
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
@@ -132,6 +145,7 @@ class Reception:
             add_to_server(ReceptionServicer(self.admission), server),
             add_sessions_to_server(SessionServicer(self.sessions, self.config.session_stream_buffer), server),
             keys.add_to_server(keys.KeyServicer(self.key_store), server),
+            training_api.add_to_server(training_api.TrainingServicer(self.training), server),
         ]
 
     async def start(self) -> None:

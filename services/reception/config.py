@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
+from libs.training.bounds import TrainingBounds
 from services.reception.dispatch.dispatcher import DispatchSettings
 from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES
@@ -42,6 +43,7 @@ class ReceptionConfig:
     # Without store_text: at most one rewrite of Redis's append-only file per this many seconds,
     # once ended jobs' texts left Redis (redis_compaction).
     redis_compact_s: float = DEFAULT_INTERVAL_S
+    training: TrainingBounds = field(default_factory=TrainingBounds)  # a training job may ask at most
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -50,6 +52,7 @@ class ReceptionConfig:
         return cls(
             server=ServerConfig.from_env("reception", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
             auth=AuthConfig.from_env(env),
+            training=TrainingBounds.from_env(env),
             http_port=reader.integer(
                 "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
             ),

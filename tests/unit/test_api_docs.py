@@ -18,6 +18,7 @@ from libs.gen.expert.v1 import (
     preparation_pb2,
     router_pb2,
     session_pb2,
+    training_pb2,
 )
 
 API = (Path(__file__).resolve().parents[2] / "docs/api.md").read_text()
@@ -28,6 +29,7 @@ FILES = [
         inference_pb2,
         keys_pb2,
         session_pb2,
+        training_pb2,
         router_pb2,
         preparation_pb2,
         engine_pb2,

@@ -22,7 +22,7 @@ from tools.demo.tickets import TicketTriage
 from tools.demo.units import UnitConversion
 
 if TYPE_CHECKING:
-    from tools.training.trainer import TrainSettings
+    from libs.training.trainer import TrainSettings
 
 SEED = 0
 DRAFT = "json-extract-draft"
@@ -88,7 +88,7 @@ class Recipe:
 
     def settings(self) -> TrainSettings:
         """The trainer's settings, the ones `train_flags` name (a test holds the two together)."""
-        from tools.training.trainer import TrainSettings
+        from libs.training.trainer import TrainSettings
 
         lora = {"rank": self.rank, "alpha": float(2 * self.rank)} if self.skill.adapter == "lora" else {}
         return TrainSettings(

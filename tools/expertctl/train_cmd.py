@@ -21,15 +21,15 @@ from tools.expertctl.metadata_options import add_metadata_options, metadata_from
 from tools.expertctl.model_cmd import DEFAULT_MODEL_DIR
 
 if TYPE_CHECKING:
-    from tools.training.expert import PackageSpec
-    from tools.training.trainer import TrainSettings
+    from libs.training.expert import PackageSpec
+    from libs.training.trainer import TrainSettings
 
 _PACKAGE_OPTIONS = ("name", "version", "description", "key")
 
 
 def add_train(actions: argparse._SubParsersAction) -> None:
     """`expert train` (added to the `expert` command's actions)."""
-    from tools.training.trainer import ADAPTER_TYPES, TrainSettings
+    from libs.training.trainer import ADAPTER_TYPES, TrainSettings
 
     d = TrainSettings()
     train = actions.add_parser(
@@ -115,10 +115,10 @@ def _train(args: argparse.Namespace) -> int:
     from libs.experts.errors import ManifestError
     from libs.experts.signing import SigningError
     from libs.training.data import DataError, read_jsonl
+    from libs.training.expert import PackError, train_expert
+    from libs.training.run import PreparedRun
+    from libs.training.trainer import SettingsError
     from tools.training.console import print_summary, progress_bar
-    from tools.training.expert import PackError, train_expert
-    from tools.training.run import PreparedRun
-    from tools.training.trainer import SettingsError
 
     # Everything is checked before the model loads: settings, paths, package metadata, the data.
     packing = _check_options(args)
@@ -142,7 +142,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check_options(args: argparse.Namespace) -> bool:
     """The paths and the package options checked; whether a package is to be written."""
-    from tools.training.run import MAX_EXAMPLES
+    from libs.training.run import MAX_EXAMPLES
 
     if not (args.base / "config.json").is_file():
         raise UsageError(f"--base: {args.base} is not a checkpoint directory (no config.json)")
@@ -163,7 +163,7 @@ def _package_spec(args: argparse.Namespace) -> PackageSpec:
     from libs.experts.package import PACKAGE_SUFFIX
     from libs.experts.packing import check_metadata
     from libs.experts.signing import load_private_key
-    from tools.training.expert import PackageSpec
+    from libs.training.expert import PackageSpec
 
     package_path = args.package or args.out.parent / f"{args.name}-{args.version}{PACKAGE_SUFFIX}"
     if package_path.suffix != PACKAGE_SUFFIX:
@@ -178,7 +178,7 @@ def _package_spec(args: argparse.Namespace) -> PackageSpec:
 
 def settings_from(args: argparse.Namespace):
     """The `TrainSettings` the options give (raises SettingsError naming the option)."""
-    from tools.training.trainer import TrainSettings
+    from libs.training.trainer import TrainSettings
 
     return TrainSettings(
         adapter_type=args.type,

@@ -87,6 +87,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="an EXPERT_* setting for every service (repeatable); EXPERT_<SERVICE>_PORT and "
         "EXPERT_<SERVICE>_METRICS_PORT move a service off its default port",
     )
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="also run the trainer worker (training jobs); it signs experts with "
+        "EXPERT_TRAINER_SIGNING_KEY (from `expertctl expert keygen`, its .pub in EXPERT_TRUSTED_KEYS)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -101,12 +107,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, LocalStack
+    from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_REDIS_MAXMEMORY, SERVICES, TRAINER, LocalStack
     from tools.supervisor import Supervisor
 
     settings = _settings(os.environ, args.env)
     auth = _auth(settings)
-    ports, metrics_ports = _ports(settings, SERVICES)
+    if args.trainer and not settings.get("EXPERT_TRAINER_SIGNING_KEY"):
+        raise UsageError(
+            "--trainer: set EXPERT_TRAINER_SIGNING_KEY (--env EXPERT_TRAINER_SIGNING_KEY=PATH): the key "
+            "its experts are signed with (`expertctl expert keygen`; its .pub in EXPERT_TRUSTED_KEYS)"
+        )
+    ports, metrics_ports = _ports(settings, (*SERVICES, TRAINER) if args.trainer else SERVICES)
     http_ports = {
         service: _port(settings, f"EXPERT_{service.upper()}_HTTP_PORT", port, minimum=0)
         for service, port in DEFAULT_HTTP_PORTS.items()
@@ -129,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         redis_maxmemory=args.redis_maxmemory or DEFAULT_REDIS_MAXMEMORY,
         # With EXPERT_AUTH=required: the local CA's certificates, beside the Redis directory.
         tls_dir=args.log_dir.parent / "tls",
+        trainer=args.trainer,
     )
     supervisor = Supervisor(stack, notice=lambda message: _notice(f"expertctl: {message}"))
     with _StopSignals() as signals:
@@ -360,16 +372,16 @@ def _settings(environ: Mapping[str, str], flags: list[str]) -> dict[str, str]:
 def _ports(settings: Mapping[str, str], services: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
     """Each service's gRPC and metrics port: EXPERT_<SERVICE>_PORT / _METRICS_PORT, else the default.
     LocalStack sets these variables itself, so they are read here to reach it."""
-    from tools.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS
+    from tools.stack import DEFAULT_METRICS_PORTS, DEFAULT_PORTS, TRAINER, TRAINER_METRICS_PORT, TRAINER_PORT
 
+    defaults = {**DEFAULT_PORTS, TRAINER: TRAINER_PORT}
+    metrics_defaults = {**DEFAULT_METRICS_PORTS, TRAINER: TRAINER_METRICS_PORT}
     ports, metrics_ports = {}, {}
     for service in services:
         name = f"EXPERT_{service.upper()}"
         # 0 (pick any port) cannot be used for gRPC: the stack must know where to find the service.
-        ports[service] = _port(settings, f"{name}_PORT", DEFAULT_PORTS[service], minimum=1)
-        metrics_ports[service] = _port(
-            settings, f"{name}_METRICS_PORT", DEFAULT_METRICS_PORTS[service], minimum=0
-        )
+        ports[service] = _port(settings, f"{name}_PORT", defaults[service], minimum=1)
+        metrics_ports[service] = _port(settings, f"{name}_METRICS_PORT", metrics_defaults[service], minimum=0)
     return ports, metrics_ports
 
 

@@ -1,2 +1,2 @@
-"""Training experts: JSONL samples rendered as the engine serves them, a PEFT adapter trained with
-`peft` and `transformers` on them (`expertctl expert train`)."""
+"""What a training run shows on a terminal (`expertctl expert train`, `make experts`); the training
+itself is libs.training."""

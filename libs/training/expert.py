@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from libs.experts.errors import ManifestError, PackageError
 from libs.experts.package import write_package
 from libs.experts.packing import pack_adapter
-from tools.training.run import PreparedRun
+from libs.training.run import PreparedRun
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -36,10 +36,13 @@ class PackageSpec:
     examples: int = 32
 
 
-def train_expert(prepared: PreparedRun, out: Path, package: PackageSpec | None = None, progress=None) -> dict:
+def train_expert(
+    prepared: PreparedRun, out: Path, package: PackageSpec | None = None, progress=None, control=None
+) -> dict:
     """Train into `out` (replaced only once training finished), then write the package if asked for.
-    Returns the summary: `{"adapter": ..., "package": ...}` (`package` only when one was written)."""
-    report = prepared.train(out, progress)
+    Returns the summary: `{"adapter": ..., "package": ...}` (`package` only when one was written).
+    `control` (libs.training.control) may resume the run, checkpoint it and stop it."""
+    report = prepared.train(out, progress, control)
     summary = {"adapter": report.to_dict()}
     if package is None:
         return summary

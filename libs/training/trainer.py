@@ -23,66 +23,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tools.training.render import IGNORE, Encoded
+from libs.training.checkpoint import read_checkpoint, restore_rng, rng_state, write_checkpoint
+from libs.training.control import Control, StepInfo
+from libs.training.render import IGNORE, Encoded
+from libs.training.settings import ADAPTER_TYPES, DEFAULT_LEARNING_RATES, SettingsError, TrainSettings
 
-ADAPTER_TYPES = ("lora", "ia3", "prompt-tuning")
+__all__ = [
+    "ADAPTER_TYPES",
+    "DEFAULT_LEARNING_RATES",
+    "SettingsError",
+    "TrainReport",
+    "TrainSettings",
+    "Trainer",
+]
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Adapters with fewer parameters need larger steps (PEFT's own examples use about these).
-DEFAULT_LEARNING_RATES = {"lora": 1e-3, "ia3": 1e-2, "prompt-tuning": 3e-2}
 MIN_SHARED_HEAD = 8  # shorter shared heads are not worth a second forward call
-
-
-class SettingsError(ValueError):
-    """A training setting out of range; the message names the option."""
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    adapter_type: str = "lora"
-    rank: int = 8  # LoRA
-    alpha: float = 16.0  # LoRA
-    dropout: float = 0.05  # LoRA
-    target_modules: tuple[str, ...] | None = None  # LoRA: LORA_TARGETS; IA³: peft's default for the model
-    feedforward_modules: tuple[str, ...] | None = None  # IA³
-    num_virtual_tokens: int = 20  # prompt tuning
-    epochs: int = 3
-    learning_rate: float | None = None  # None: DEFAULT_LEARNING_RATES by type
-    batch_size: int = 8
-    eval_fraction: float = 0.1
-    patience: int = 1  # epochs without a better eval loss before stopping
-    seed: int = 0
-    max_length: int | None = None  # None: the model's context length
-    device: str | None = None  # None: CUDA when present, else the CPU
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("--type", self.adapter_type in ADAPTER_TYPES, f"must be one of {', '.join(ADAPTER_TYPES)}"),
-            ("--rank", self.rank >= 1, "must be at least 1"),
-            ("--alpha", self.alpha > 0, "must be positive"),
-            ("--dropout", 0.0 <= self.dropout < 1.0, "must be in [0, 1)"),
-            ("--virtual-tokens", self.num_virtual_tokens >= 1, "must be at least 1"),
-            ("--epochs", self.epochs >= 1, "must be at least 1"),
-            ("--lr", self.learning_rate is None or self.learning_rate > 0, "must be positive"),
-            ("--batch-size", self.batch_size >= 1, "must be at least 1"),
-            ("--eval-fraction", 0.0 <= self.eval_fraction < 1.0, "must be in [0, 1)"),
-            ("--patience", self.patience >= 1, "must be at least 1"),
-            ("--max-length", self.max_length is None or self.max_length >= 2, "must be at least 2"),
-            ("--target-modules", self.target_modules is None or len(self.target_modules) > 0, "empty"),
-        )
-        for option, ok, problem in checks:
-            if not ok:
-                raise SettingsError(f"{option}: {problem}")
-        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise SettingsError(f"--device: {self.device!r} is not cpu, cuda or cuda:N")
-
-    @property
-    def lr(self) -> float:
-        return self.learning_rate or DEFAULT_LEARNING_RATES[self.adapter_type]
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Positions a sample gives up to the adapter (a soft prompt's virtual tokens)."""
-        return self.num_virtual_tokens if self.adapter_type == "prompt-tuning" else 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +62,7 @@ class TrainReport:
     epochs: list[EpochReport] = field(default_factory=list)
     best_epoch: int = 0
     stopped_early: bool = False
+    steps: int = 0
     seconds: float = 0.0
 
     @property
@@ -184,6 +141,47 @@ class _Optimizer:
         self.scheduler.step()
 
 
+@dataclass
+class _RunState:
+    """Where a run stands: what a checkpoint records besides tensors (`to_dict`), and the best
+    epoch's adapter tensors (`best_state`)."""
+
+    total_steps: int
+    step: int = 0  # optimizer steps done
+    epoch: int = 1  # the epoch under way
+    epoch_step: int = 0  # its steps done
+    epoch_loss: float = 0.0  # its summed loss
+    epoch_learned: int = 0  # its learned tokens
+    epoch_tokens: int = 0  # its tokens
+    epoch_seconds: float = 0.0
+    epochs: list[dict] = field(default_factory=list)  # EpochReport of each epoch that ended
+    best_loss: float = math.inf
+    best_epoch: int = 0
+    stale: int = 0
+    stopped_early: bool = False
+    last_eval_loss: float | None = None
+    best_state: dict[str, torch.Tensor] | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "best_state"}
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_step = self.epoch_learned = self.epoch_tokens = 0
+        self.epoch_loss = self.epoch_seconds = 0.0
+
+
+@dataclass
+class _Steps:
+    """What every step of an epoch works with."""
+
+    model: object
+    optimizer: _Optimizer
+    run: _RunState
+    callback: Progress | None
+    control: Control
+
+
 class Trainer:
     """Trains one adapter on `train`, evaluating on `held_out` after each epoch."""
 
@@ -199,18 +197,38 @@ class Trainer:
         held_out: list[Encoded],
         out_dir: Path,
         progress: Callable[[int, int], Progress] | None = None,
+        control: Control | None = None,
     ) -> TrainReport:
         """Train, then save the best epoch's adapter to `out_dir` (written whole or not at all; an
         adapter already there is replaced). `progress(epoch, epochs)` gives a callback for that
-        epoch's steps."""
+        epoch's steps; `control` may resume the run from a checkpoint, save checkpoints and stop it
+        (TrainingStopped, with nothing written to `out_dir`)."""
         started = time.perf_counter()
-        s = self.settings
+        s, control = self.settings, control or Control()
         torch.manual_seed(s.seed)
         model = self._model()
         params = [p for p in model.parameters() if p.requires_grad]
         adamw = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
         steps_per_epoch = math.ceil(len(train) / s.batch_size)
-        optimizer = _Optimizer(params, adamw, _warmup_then_linear(adamw, steps_per_epoch * s.epochs))
+        total = min(steps_per_epoch * s.epochs, s.max_steps or math.inf)
+        optimizer = _Optimizer(params, adamw, _warmup_then_linear(adamw, total))
+        run = _RunState(total_steps=total)
+        resume = control.resume_from()
+        if resume is not None:
+            run = self._restore(read_checkpoint(resume), model, optimizer)
+        rng = random.Random(s.seed)
+        for epoch in range(1, s.epochs + 1):
+            batches = _batches(train, s.batch_size, rng)  # drawn every epoch: a resumed run repeats the order
+            if epoch < run.epoch:
+                continue
+            callback = progress(epoch, s.epochs) if progress else None
+            steps = _Steps(model, optimizer, run, callback, control)
+            self._train_epoch(steps, batches)
+            eval_loss = self.evaluate(model, held_out) if held_out else None
+            if self._end_epoch(run, model, eval_loss, control):
+                break
+        _load_adapter_state(model, run.best_state)
+        _save(model, out_dir)
         report = TrainReport(
             adapter_dir=str(out_dir),
             adapter_type=s.adapter_type,
@@ -219,54 +237,74 @@ class Trainer:
             eval_samples=len(held_out),
             trainable_parameters=sum(p.numel() for p in params),
             learning_rate=s.lr,
+            epochs=[EpochReport(**e) for e in run.epochs],
+            best_epoch=run.best_epoch,
+            stopped_early=run.stopped_early,
+            steps=run.step,
         )
-        rng = random.Random(s.seed)
-        best_loss, best_state, stale = math.inf, None, 0
-        for epoch in range(1, s.epochs + 1):
-            epoch_started = time.perf_counter()
-            callback = progress(epoch, s.epochs) if progress else None
-            batches = _batches(train, s.batch_size, rng)
-            train_loss, tokens = self._train_epoch(model, optimizer, batches, callback, epoch_started)
-            eval_loss = self.evaluate(model, held_out) if held_out else None
-            report.epochs.append(
-                EpochReport(epoch, train_loss, eval_loss, time.perf_counter() - epoch_started, tokens)
-            )
-            # Without a held-out split the last epoch is the best one known.
-            score = eval_loss if eval_loss is not None else -epoch
-            if score < best_loss - 1e-4:
-                best_loss, best_state, stale = score, _adapter_state(model), 0
-                report.best_epoch = epoch
-            else:
-                stale += 1
-                if stale >= s.patience and epoch < s.epochs:
-                    report.stopped_early = True
-                    break
-        _load_adapter_state(model, best_state)
-        _save(model, out_dir)
         report.seconds = time.perf_counter() - started
         return report
 
-    def _train_epoch(
-        self,
-        model,
-        optimizer: _Optimizer,
-        batches: list[list[Encoded]],
-        callback: Progress | None,
-        started: float,
-    ) -> tuple[float, int]:
-        """One pass over `batches`; returns the mean loss per learned token and the tokens seen."""
-        model.train()
-        total_loss = total_tokens = total_learned = 0
-        for step, batch in enumerate(batches, start=1):
-            loss, learned = self._loss(model, batch)
-            optimizer.step(loss / learned)
-            total_loss += loss.item()
-            total_learned += learned
-            total_tokens += sum(len(e.input_ids) for e in batch)
-            if callback:
-                elapsed = time.perf_counter() - started
-                callback(step, len(batches), total_loss / total_learned, total_tokens / elapsed)
-        return total_loss / total_learned, total_tokens
+    def _end_epoch(self, run: _RunState, model, eval_loss: float | None, control: Control) -> bool:
+        """Record the epoch that ended, keep its adapter if it is the best; whether to stop."""
+        train_loss = run.epoch_loss / max(1, run.epoch_learned)
+        run.epochs.append(
+            asdict(EpochReport(run.epoch, train_loss, eval_loss, run.epoch_seconds, run.epoch_tokens))
+        )
+        control.after_epoch(run.epoch, train_loss, eval_loss)
+        # Without a held-out split the last epoch is the best one known.
+        score = eval_loss if eval_loss is not None else -run.epoch
+        if score < run.best_loss - 1e-4:
+            run.best_loss, run.best_state, run.best_epoch = score, _adapter_state(model), run.epoch
+            run.stale = 0
+        else:
+            run.stale += 1
+            run.stopped_early = run.stale >= self.settings.patience and run.epoch < self.settings.epochs
+        run.last_eval_loss = eval_loss
+        run.next_epoch()
+        return run.stopped_early or run.step >= run.total_steps
+
+    def _train_epoch(self, steps: _Steps, batches: list[list[Encoded]]) -> None:
+        """The epoch's batches from where the run stands in it (a resumed run skips those done)."""
+        steps.model.train()
+        run, s = steps.run, self.settings
+        seconds_before, resumed_at = run.epoch_seconds, time.perf_counter()
+        for batch in batches[run.epoch_step :]:
+            if run.step >= run.total_steps:
+                break
+            loss, learned = self._loss(steps.model, batch)
+            steps.optimizer.step(loss / learned)
+            run.step, run.epoch_step = run.step + 1, run.epoch_step + 1
+            run.epoch_loss += loss.item()
+            run.epoch_learned += learned
+            run.epoch_tokens += sum(len(e.input_ids) for e in batch)
+            run.epoch_seconds = seconds_before + time.perf_counter() - resumed_at
+            mean, speed = run.epoch_loss / run.epoch_learned, run.epoch_tokens / run.epoch_seconds
+            if steps.callback:
+                steps.callback(run.epoch_step, len(batches), mean, speed)
+            info = StepInfo(run.step, run.total_steps, run.epoch, s.epochs, mean, speed, run.last_eval_loss)
+            steps.control.after_step(info, lambda directory: self._checkpoint(directory, steps))
+
+    def _checkpoint(self, directory: Path, steps: _Steps) -> None:
+        state = {
+            "run": steps.run.to_dict(),
+            "adapter": _adapter_state(steps.model),
+            "best": steps.run.best_state,
+            "optimizer": steps.optimizer.adamw.state_dict(),
+            "scheduler": steps.optimizer.scheduler.state_dict(),
+            "rng": rng_state(self.device),
+        }
+        write_checkpoint(directory, steps.model, state)
+
+    def _restore(self, state: dict, model, optimizer: _Optimizer) -> _RunState:
+        """The run as the checkpoint left it: adapter, optimizer, schedule, RNG and counters."""
+        _load_adapter_state(model, state["adapter"])
+        optimizer.adamw.load_state_dict(state["optimizer"])
+        optimizer.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"], self.device)
+        run = _RunState(**state["run"])
+        run.best_state = state["best"]
+        return run
 
     @torch.no_grad()
     def evaluate(self, model, samples: list[Encoded]) -> float:
