@@ -130,11 +130,8 @@ class Reception:
             metrics=self.metrics,
             # Without store_text no response is kept: its conversation would outlive its job.
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
-<<<<<<< HEAD
             sessions=self.sessions,
-=======
             training=self.training,
->>>>>>> trainer
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port

@@ -14,17 +14,10 @@ import torch
 from libs.engine import LLMEngine, SamplingParams
 from libs.engine.tokenizer import Tokenizer
 from libs.training.data import Sample
-<<<<<<< HEAD
-from tests.helpers.experts import Publisher, peft_greedy, peft_model
-from tools.expertctl.main import main as expertctl
-from tools.training.render import IGNORE, SampleEncoder
-from tools.training.trainer import Trainer, TrainSettings
-=======
 from libs.training.render import IGNORE, SampleEncoder
 from libs.training.trainer import Trainer, TrainSettings
 from tests.helpers.experts import Publisher, peft_greedy, peft_model
 from tools.expertctl.main import main as expertctl
->>>>>>> trainer
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
 

@@ -90,17 +90,10 @@ def _train(recipe: Recipe, data: Path, base: Path, key: Path, out: Path, package
     from libs.experts.packing import ExpertMetadata, check_metadata
     from libs.experts.signing import SigningError, load_private_key
     from libs.training.data import DataError, read_jsonl
-<<<<<<< HEAD
-    from tools.training.console import print_summary, progress_bar
-    from tools.training.expert import PackageSpec, PackError, train_expert
-    from tools.training.run import PreparedRun
-    from tools.training.trainer import SettingsError
-=======
     from libs.training.expert import PackageSpec, PackError, train_expert
     from libs.training.run import PreparedRun
     from libs.training.trainer import SettingsError
     from tools.training.console import print_summary, progress_bar
->>>>>>> trainer
 
     metadata = ExpertMetadata(
         name=recipe.name,

@@ -45,24 +45,17 @@ def create_app(
     serving: Callable[[], bool] = lambda: True,
     metrics: ReceptionMetrics | None = None,
     responses: ResponseStore | None = None,
-<<<<<<< HEAD
     sessions: SessionAdmission | None = None,
-=======
     training: TrainingAdmission | None = None,
->>>>>>> trainer
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
     a body over `max_body_bytes` is refused (413) before anything else reads it; `serving` is what
     the gRPC health service reports (False while Redis is unreachable or reception stops);
     `metrics` counts the refusals and the ignored fields (None: not counted);
-<<<<<<< HEAD
     `responses` keeps the Responses API's stored responses (None: none are stored), each a turn
-    of a session of `sessions` (None: as a plain job)."""
-=======
-    `responses` keeps the Responses API's stored responses (None: none are stored); `training`
-    admits training jobs (None: no training routes)."""
->>>>>>> trainer
+    of a session of `sessions` (None: as a plain job); `training` admits training jobs (None: no
+    training routes)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -81,13 +74,9 @@ def create_app(
     _add_probes(app, capacity, serving)
     _add_models(app, models)
     add_openai_routes(app, admission, to_http_error, metrics)
-<<<<<<< HEAD
     add_responses_routes(app, admission, responses, to_http_error, sessions)
-=======
-    add_responses_routes(app, admission, responses, to_http_error)
     if training is not None:
         add_training_routes(app, training, to_http_error)
->>>>>>> trainer
     return app
 
 
