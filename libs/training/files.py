@@ -19,9 +19,14 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from libs.auth.policy import Caller
+
 FILE_PREFIX = "expert:training:file:"
 OWNER_PREFIX = "expert:training:files:"
 ID_PREFIX = "file-"
+
+# EXPERT_TRAINING_FILE_MAX_BYTES's default: the largest file reception accepts.
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,15 @@ class TrainingFile:
     purpose: str
     size: int  # bytes
     created_at: float  # seconds since the epoch
+
+
+def owner_of(caller: Caller | None, client_host: str) -> str:
+    """Whose files a call sees: the API key it proved; else (auth off, or the internal token) its
+    client's address, "client 10.0.0.5", as session limits count (libs.auth.limits.LimitOwner), so
+    with auth off each client host has files of its own. gRPC gives `peer_host(context.peer())`."""
+    if caller is not None and caller.key_id is not None:
+        return caller.key_id
+    return f"client {client_host or 'unknown'}"
 
 
 def new_file_id() -> str:

@@ -14,6 +14,7 @@ from libs.grpc_server import Health, run, serve
 from libs.logging import configure_logging
 from libs.redis_client import connect, map_redis_error
 from libs.redis_watch import watch_redis
+from libs.training.files import TrainingFiles
 from services.reception import keys
 from services.reception.admission.core import Admission
 from services.reception.admission.sessions import SessionAdmission
@@ -25,6 +26,7 @@ from services.reception.dispatch.pipeline import Pipeline
 from services.reception.dispatch.stages import GrpcStages
 from services.reception.dispatch.turns import Turns
 from services.reception.http import HttpServer, ServedModels, create_app
+from services.reception.http.files import FileUploads
 from services.reception.http.response_store import ResponseStore
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
@@ -121,6 +123,7 @@ class Reception:
             metrics=self.metrics,
             # Without store_text no response is kept: its conversation would outlive its job.
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
+            files=FileUploads(TrainingFiles(self.redis), config.training_file_max_bytes),
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port

@@ -1,0 +1,207 @@
+"""OpenAI's Files API for training data: POST /v1/files (a multipart form: `file`, `purpose`), GET
+/v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content and DELETE /v1/files/{id}, over the
+training files in Redis (libs.training.files), each its owner's alone: the API key's (owner_of).
+
+Only purpose `fine-tune` is kept. An upload is checked whole before it is stored: at most
+EXPERT_TRAINING_FILE_MAX_BYTES (the body is bounded while it arrives: body_guard.UploadRoute), UTF-8,
+and every line a training sample (libs.training.data), so a stored file is one a training job can
+read; a bad line is refused naming its number and field. The key checks (Access.TRAIN on every
+route) are auth.py's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+
+from libs.auth.policy import current_caller
+from libs.training.data import DataError, parse_bytes
+from libs.training.files import TrainingFile, TrainingFiles, owner_of
+from services.reception.http.body_guard import UploadRoute
+from services.reception.http.errors import HttpError, ToHttpError
+
+T = TypeVar("T")
+
+FILES_PATH = "/v1/files"
+PURPOSE = "fine-tune"  # the one purpose kept: training data
+FORM_FIELDS = ("file", "purpose")
+MAX_FILENAME_CHARS = 255
+# Room in an upload's body for the form around the file: its part headers and `purpose`.
+FORM_OVERHEAD_BYTES = 64 * 1024
+MAX_LIST_LIMIT = 10_000  # OpenAI's bound on `limit`, and its default
+
+
+@dataclass(frozen=True)
+class FileUploads:
+    """What the Files API works over: the store, and the largest file it takes."""
+
+    store: TrainingFiles
+    max_bytes: int  # EXPERT_TRAINING_FILE_MAX_BYTES
+
+    def upload_route(self) -> UploadRoute:
+        return UploadRoute(self.max_bytes + FORM_OVERHEAD_BYTES, "EXPERT_TRAINING_FILE_MAX_BYTES")
+
+
+def file_object(record: TrainingFile) -> dict:
+    """OpenAI's `file` object (a stored file is processed: it was checked before it was kept)."""
+    return {
+        "id": record.file_id,
+        "object": "file",
+        "bytes": record.size,
+        "created_at": int(record.created_at),
+        "filename": record.filename,
+        "purpose": record.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,  # kept until deleted
+    }
+
+
+def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpError) -> None:
+    """The Files API's routes on `app`; a failure to reach Redis is answered as `to_http_error` maps it."""
+    store = uploads.store
+
+    def owner(request: Request) -> str:
+        return owner_of(current_caller(), request.client.host if request.client else "")
+
+    async def stored(call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except Exception as error:
+            raise to_http_error(error, None) from None
+
+    @app.post(FILES_PATH)
+    async def create_file(request: Request) -> dict:
+        filename, content = await read_upload(request, uploads.max_bytes)
+        return file_object(await stored(store.put(owner(request), filename, PURPOSE, content)))
+
+    @app.get(FILES_PATH)
+    async def list_files(
+        request: Request,
+        after: str | None = None,
+        limit: int = MAX_LIST_LIMIT,
+        order: str = "desc",
+        purpose: str | None = None,
+    ) -> dict:
+        check_listing(limit, order)
+        return listing(await stored(store.list(owner(request))), after, limit, order, purpose)
+
+    @app.get(FILES_PATH + "/{file_id}")
+    async def retrieve_file(request: Request, file_id: str) -> dict:
+        return file_object(found(await stored(store.get(file_id, owner(request))), file_id))
+
+    @app.get(FILES_PATH + "/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        content = found(await stored(store.content(file_id, owner(request))), file_id)
+        return Response(content, media_type="application/jsonl")
+
+    @app.delete(FILES_PATH + "/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> dict:
+        found(await stored(store.delete(file_id, owner(request))) or None, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def found(value: T | None, file_id: str) -> T:
+    """`value`, or the 404 of a file that does not exist or is another owner's (alike: ids reveal nothing)."""
+    if value is None:
+        raise HttpError(404, f"no such file: {file_id}", "file_id", "file_not_found")
+    return value
+
+
+async def read_upload(request: Request, max_bytes: int) -> tuple[str, bytes]:
+    """The uploaded file's name and content, checked: a multipart form of `file` and `purpose`
+    (`fine-tune`), the file at most `max_bytes`, every line a training sample."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "multipart/form-data":
+        raise HttpError(
+            415,
+            "upload the file as multipart/form-data, with the parts file and purpose",
+            None,
+            "unsupported_media_type",
+        )
+    try:
+        # A few more fields than it takes, so that an unsupported one is refused by name below.
+        form = await request.form(max_files=1, max_fields=8)
+    except HTTPException as error:  # the form is malformed, or has more parts than it may
+        raise HttpError(400, f"the multipart form cannot be read: {error.detail}", "file") from None
+    try:
+        upload = checked_form(form)
+        content = await upload.read(max_bytes + 1)
+    finally:
+        await form.close()
+    if len(content) > max_bytes:
+        raise HttpError(
+            413,
+            f"the file is larger than the limit of {max_bytes} bytes (EXPERT_TRAINING_FILE_MAX_BYTES)",
+            "file",
+            "file_too_large",
+        )
+    filename = upload.filename or ""
+    try:
+        # Off the event loop: a large file's lines take a while to parse.
+        await asyncio.to_thread(parse_bytes, content, filename)
+    except DataError as error:
+        raise HttpError(400, f"the training file is not valid: {error}", "file", "invalid_file") from None
+    return filename, content
+
+
+def checked_form(form: FormData) -> UploadFile:
+    """The form's file part, once the form holds only `file` (a file with a name) and `purpose`
+    (`fine-tune`); a refusal names the field."""
+    unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
+    if unknown:
+        name = unknown[0].split("[")[0]  # expires_after[anchor] -> expires_after
+        message = f"{name} is not supported: files are kept until deleted"
+        raise HttpError(400, message, name, "unsupported_parameter")
+    purpose = form.get("purpose")
+    if not isinstance(purpose, str) or not purpose:
+        message = "purpose: missing (it must be 'fine-tune')"
+        raise HttpError(400, message, "purpose", "missing_required_parameter")
+    if purpose != PURPOSE:
+        raise HttpError(
+            400,
+            f"purpose {purpose!r} is not supported: only 'fine-tune' files (training data) are kept",
+            "purpose",
+            "invalid_purpose",
+        )
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        message = "file: missing, or not a file part with a filename"
+        raise HttpError(400, message, "file", "missing_required_parameter")
+    if not (upload.filename or "").strip() or len(upload.filename) > MAX_FILENAME_CHARS:
+        raise HttpError(400, f"file: the filename must be 1 to {MAX_FILENAME_CHARS} characters", "file")
+    return upload
+
+
+def check_listing(limit: int, order: str) -> None:
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise HttpError(400, f"limit: must be from 1 to {MAX_LIST_LIMIT}, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise HttpError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+
+
+def listing(
+    files: list[TrainingFile], after: str | None, limit: int, order: str, purpose: str | None
+) -> dict:
+    """OpenAI's page of files: by creation time in `order`, those past the file `after`, at most `limit`."""
+    ordered = files if order == "asc" else files[::-1]
+    if purpose is not None:
+        ordered = [f for f in ordered if f.purpose == purpose]
+    if after is not None:
+        ids = [f.file_id for f in ordered]
+        if after not in ids:
+            raise HttpError(400, f"after: no such file: {after}", "after", "file_not_found")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": [file_object(f) for f in page],
+        "first_id": page[0].file_id if page else None,
+        "last_id": page[-1].file_id if page else None,
+        "has_more": len(ordered) > limit,
+    }

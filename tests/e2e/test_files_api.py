@@ -1,0 +1,195 @@
+"""OpenAI's Files API (training data) driven by the real `openai` client, on a real reception process
+with EXPERT_AUTH=required over a real redis-server (no other service: the files need none): a file
+goes up, is listed, read back byte for byte and deleted; a bad line is refused naming its line and
+field; a file over EXPERT_TRAINING_FILE_MAX_BYTES is refused (413); an inference key gets 403; and a
+file is invisible to every key but its owner's (docs/api.md#files-api)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from libs.auth.metadata import credentials_metadata
+from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
+from tools.stack import LocalStack
+
+TOKEN = "e2e-internal-token-0123456789abcdef"
+CAP = 64 * 1024  # EXPERT_TRAINING_FILE_MAX_BYTES here
+
+CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+PROMPT = {"prompt": "Capital of France?", "completion": "Paris"}
+GOOD = (json.dumps(CHAT) + "\n" + json.dumps(PROMPT) + "\n").encode()
+
+
+class Reception:
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self.url = stack.http_url() + "/v1"
+
+    def key(self, name: str, scope: int) -> str:
+        """A new API key of `scope`, made with the internal token as an operator makes the first key."""
+        with grpc.insecure_channel(self.stack.target("reception")) as channel:
+            response = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
+                keys_pb2.CreateKeyRequest(name=name, scope=scope),
+                metadata=credentials_metadata(internal_token=TOKEN),
+                timeout=10,
+            )
+        return response.secret
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reception(tmp_path_factory):
+    env = {
+        "EXPERT_AUTH": "required",
+        "EXPERT_INTERNAL_TOKEN": TOKEN,
+        "EXPERT_TRAINING_FILE_MAX_BYTES": str(CAP),
+    }
+    stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("files-api"), env=env)
+    try:
+        stack.start_redis()
+        stack.start_service("reception")
+        stack.wait_serving("reception", timeout=60)
+        yield Reception(stack)
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(reception) -> openai.OpenAI:
+    return reception.client(reception.key("trainer", keys_pb2.KEY_SCOPE_TRAIN))
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    return exc.response.json()["error"]
+
+
+def test_the_openai_client_uploads_lists_reads_and_deletes_a_file(trainer, tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_bytes(GOOD)
+    with path.open("rb") as handle:
+        created = trainer.files.create(file=handle, purpose="fine-tune")
+    assert created.id.startswith("file-") and created.object == "file"
+    assert (created.filename, created.purpose, created.status) == ("math.jsonl", "fine-tune", "processed")
+    assert created.bytes == len(GOOD) and created.created_at > 0
+    second = trainer.files.create(file=("more.jsonl", GOOD), purpose="fine-tune")
+
+    assert [f.id for f in trainer.files.list()] == [second.id, created.id]  # newest first, as OpenAI
+    first_page = trainer.files.list(order="asc", limit=1)
+    assert [f.id for f in first_page.data] == [created.id] and first_page.has_more
+    # the client follows the pages (`after` the last id)
+    assert [f.id for f in trainer.files.list(order="asc", limit=1)] == [created.id, second.id]
+    assert trainer.files.retrieve(created.id) == created
+    assert trainer.files.content(created.id).content == GOOD
+
+    deleted = trainer.files.delete(created.id)
+    assert (deleted.id, deleted.deleted) == (created.id, True)
+    with pytest.raises(openai.NotFoundError) as gone:
+        trainer.files.retrieve(created.id)
+    assert _error(gone.value)["code"] == "file_not_found"
+    assert [f.id for f in trainer.files.list()] == [second.id]
+    trainer.files.delete(second.id)
+
+
+def test_a_bad_line_is_refused_naming_its_line_and_field_and_nothing_is_kept(trainer):
+    bad = GOOD + b"\n" + json.dumps({"prompt": "Capital of Spain?"}).encode() + b"\n"  # line 4
+    with pytest.raises(openai.BadRequestError) as refused:
+        trainer.files.create(file=("bad.jsonl", bad), purpose="fine-tune")
+    error = _error(refused.value)
+    assert error["param"] == "file" and error["code"] == "invalid_file", error
+    assert "bad.jsonl:4: completion: missing" in error["message"], error
+    not_json = b'{"prompt": "a", "completion": "b"}\n{"prompt": \n'
+    with pytest.raises(openai.BadRequestError) as refused:
+        trainer.files.create(file=("broken.jsonl", not_json), purpose="fine-tune")
+    assert "broken.jsonl:2: not valid JSON" in _error(refused.value)["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        trainer.files.create(file=("batch.jsonl", GOOD), purpose="batch")
+    assert _error(refused.value)["param"] == "purpose"
+    assert list(trainer.files.list()) == []
+
+
+def test_a_file_over_the_cap_is_refused_with_413(trainer, reception):
+    line = json.dumps({"prompt": "x" * 100, "completion": "y"}).encode() + b"\n"
+    just_over = line * (CAP // len(line)) + b" " * (CAP % len(line) + 1)  # CAP + 1 bytes
+    assert len(just_over) == CAP + 1
+    with pytest.raises(openai.APIStatusError) as refused:
+        trainer.files.create(file=("big.jsonl", just_over), purpose="fine-tune")
+    assert refused.value.status_code == 413
+    error = _error(refused.value)
+    assert error["param"] == "file" and "EXPERT_TRAINING_FILE_MAX_BYTES" in error["message"], error
+    # Far over: refused by its Content-Length, before the form is read.
+    with pytest.raises(openai.APIStatusError) as refused:
+        trainer.files.create(file=("huge.jsonl", line * 20_000), purpose="fine-tune")
+    assert refused.value.status_code == 413
+    assert "EXPERT_TRAINING_FILE_MAX_BYTES" in _error(refused.value)["message"]
+    # Far over and sent without a Content-Length (chunked): refused at the first byte over.
+    boundary = "expert-test-boundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="s.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+
+    def chunks():
+        yield head
+        for _ in range(CAP // len(line) * 4):
+            yield line
+
+    answer = httpx.post(
+        reception.url + "/files",
+        content=chunks(),
+        headers={
+            "authorization": f"Bearer {trainer.api_key}",
+            "content-type": f"multipart/form-data; boundary={boundary}",
+        },
+        timeout=30,
+    )
+    assert answer.status_code == 413 and "EXPERT_TRAINING_FILE_MAX_BYTES" in answer.text, answer.text
+    # Exactly at the cap: kept.
+    at_cap = trainer.files.create(file=("cap.jsonl", just_over[:-1]), purpose="fine-tune")
+    assert at_cap.bytes == CAP
+    trainer.files.delete(at_cap.id)
+
+
+def test_an_inference_key_gets_403_and_another_key_sees_nothing(trainer, reception):
+    mine = trainer.files.create(file=("mine.jsonl", GOOD), purpose="fine-tune")
+    infer = reception.client(reception.key("inference", keys_pb2.KEY_SCOPE_INFER))
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        infer.files.create(file=("x.jsonl", GOOD), purpose="fine-tune")
+    assert "needs train" in _error(denied.value)["message"]
+    with pytest.raises(openai.PermissionDeniedError):
+        infer.files.list()
+
+    other = reception.client(reception.key("other trainer", keys_pb2.KEY_SCOPE_TRAIN))
+    assert list(other.files.list()) == []
+    for call in (other.files.retrieve, other.files.content, other.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(mine.id)
+    assert trainer.files.content(mine.id).content == GOOD  # still there, its owner's
+    trainer.files.delete(mine.id)
+
+
+def test_a_body_that_is_not_a_multipart_form_is_refused_clearly(reception):
+    key = reception.key("curl user", keys_pb2.KEY_SCOPE_TRAIN)
+    headers = {"authorization": f"Bearer {key}"}
+    answer = httpx.post(reception.url + "/files", json={"file": "x"}, headers=headers, timeout=10)
+    assert answer.status_code == 415 and "multipart/form-data" in answer.json()["error"]["message"]
+    answer = httpx.post(
+        reception.url + "/files", files={"purpose": (None, "fine-tune")}, headers=headers, timeout=10
+    )
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "file", answer.text
+    answer = httpx.post(
+        reception.url + "/files",
+        files={"file": ("a.jsonl", GOOD), "purpose": (None, "fine-tune"), "expires_after[anchor]": (None, "x")},
+        headers=headers,
+        timeout=10,
+    )
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after", answer.text
+    answer = httpx.get(reception.url + "/files?limit=0", headers=headers, timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text
