@@ -12,6 +12,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from redis import Redis
 
 from libs.auth.metadata import credentials_metadata
 from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
@@ -186,10 +187,31 @@ def test_a_body_that_is_not_a_multipart_form_is_refused_clearly(reception):
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "file", answer.text
     answer = httpx.post(
         reception.url + "/files",
-        files={"file": ("a.jsonl", GOOD), "purpose": (None, "fine-tune"), "expires_after[anchor]": (None, "x")},
+        files={
+            "file": ("a.jsonl", GOOD),
+            "purpose": (None, "fine-tune"),
+            "expires_after[anchor]": (None, "created_at"),
+        },
         headers=headers,
         timeout=10,
     )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after", answer.text
     answer = httpx.get(reception.url + "/files?limit=0", headers=headers, timeout=10)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text
+
+
+def test_a_full_redis_refuses_the_upload_with_507_and_keeps_serving(trainer, reception):
+    """Files have no TTL, so Redis at its maxmemory evicts none of them: the upload is refused."""
+    redis = Redis.from_url(reception.stack.redis_url)
+    cap = redis.config_get("maxmemory")["maxmemory"]
+    try:
+        redis.config_set("maxmemory", redis.info("memory")["used_memory"] + 1024)
+        line = json.dumps({"prompt": "x" * 1000, "completion": "y"}).encode() + b"\n"
+        with pytest.raises(openai.APIStatusError) as refused:
+            trainer.files.create(file=("full.jsonl", line * 50), purpose="fine-tune")
+        assert refused.value.status_code == 507, refused.value.response.text
+        assert _error(refused.value)["code"] == "insufficient_storage"
+    finally:
+        redis.config_set("maxmemory", cap)
+        redis.close()
+    assert list(trainer.files.list()) == []

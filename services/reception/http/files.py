@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from redis.exceptions import OutOfMemoryError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 
@@ -35,6 +36,7 @@ MAX_FILENAME_CHARS = 255
 # Room in an upload's body for the form around the file: its part headers and `purpose`.
 FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_LIST_LIMIT = 10_000  # OpenAI's bound on `limit`, and its default
+REDIS_FULL = "no room for the file: Redis is at its memory cap; delete files you no longer need"
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpEr
         try:
             return await call
         except Exception as error:
-            raise to_http_error(error, None) from None
+            raise store_error(error, to_http_error) from None
 
     @app.post(FILES_PATH)
     async def create_file(request: Request) -> dict:
@@ -105,6 +107,14 @@ def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpEr
     async def delete_file(request: Request, file_id: str) -> dict:
         found(await stored(store.delete(file_id, owner(request))) or None, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
+
+
+def store_error(error: Exception, to_http_error: ToHttpError) -> HttpError:
+    """The answer to a failed store call: Redis full (at its maxmemory with nothing it may evict,
+    and files have no TTL) is 507, Redis down as `to_http_error` maps it."""
+    if isinstance(error, OutOfMemoryError):
+        return HttpError(507, REDIS_FULL, None, "insufficient_storage")
+    return to_http_error(error, None)
 
 
 def found(value: T | None, file_id: str) -> T:
