@@ -25,6 +25,9 @@ from services.reception.dispatch.dispatcher import Dispatcher
 from services.reception.dispatch.pipeline import Pipeline
 from services.reception.dispatch.stages import GrpcStages
 from services.reception.dispatch.turns import Turns
+from services.reception.file_server import ACCESS as FILE_ACCESS
+from services.reception.file_server import TrainingFileServicer
+from services.reception.file_server import add_to_server as add_files_to_server
 from services.reception.http import HttpServer, ServedModels, create_app
 from services.reception.http.files import FileUploads
 from services.reception.http.response_store import ResponseStore
@@ -56,8 +59,11 @@ class Reception:
             config.auth.tls,
         )
         self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
+        self.training_files = TrainingFiles(self.redis)  # uploaded through HTTP and gRPC alike
         # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
-        self.auth = Authenticator(config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS}, self.key_store)
+        self.auth = Authenticator(
+            config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS, **FILE_ACCESS}, self.key_store
+        )
         self.queue = JobQueue(self.redis, lease_ms=config.dispatch.reclaim_idle_ms)
         self.metrics = ReceptionMetrics()
         self.audit = AuditLog(config.audit_log, clear_text=config.audit_clear_text)
@@ -123,7 +129,7 @@ class Reception:
             metrics=self.metrics,
             # Without store_text no response is kept: its conversation would outlive its job.
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
-            files=FileUploads(TrainingFiles(self.redis), config.training_file_max_bytes),
+            files=FileUploads(self.training_files, config.training_file_max_bytes),
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
@@ -134,6 +140,9 @@ class Reception:
             add_to_server(ReceptionServicer(self.admission), server),
             add_sessions_to_server(SessionServicer(self.sessions, self.config.session_stream_buffer), server),
             keys.add_to_server(keys.KeyServicer(self.key_store), server),
+            add_files_to_server(
+                TrainingFileServicer(self.training_files, self.config.training_file_max_bytes), server
+            ),
         ]
 
     async def start(self) -> None:

@@ -2,7 +2,8 @@
 with EXPERT_AUTH=required over a real redis-server (no other service: the files need none): a file
 goes up, is listed, read back byte for byte and deleted; a bad line is refused naming its line and
 field; a file over EXPERT_TRAINING_FILE_MAX_BYTES is refused (413); an inference key gets 403; and a
-file is invisible to every key but its owner's (docs/api.md#files-api)."""
+file is invisible to every key but its owner's (docs/api.md#files-api); and gRPC's
+TrainingFileService over the same files, with the same checks (docs/api.md, TrainingFileService)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import grpc
 import httpx
 import openai
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from redis import Redis
 
 from libs.auth.metadata import credentials_metadata
-from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
+from libs.gen.expert.v1 import files_pb2, files_pb2_grpc, keys_pb2, keys_pb2_grpc
 from tools.stack import LocalStack
 
 TOKEN = "e2e-internal-token-0123456789abcdef"
@@ -215,3 +218,53 @@ def test_a_full_redis_refuses_the_upload_with_507_and_keeps_serving(trainer, rec
         redis.config_set("maxmemory", cap)
         redis.close()
     assert list(trainer.files.list()) == []
+
+
+def _grpc(reception, method: str, request, key: str):
+    """A TrainingFileService call with `key`; the response, or the gRPC error it raised."""
+    with grpc.insecure_channel(reception.stack.target("reception")) as channel:
+        stub = files_pb2_grpc.TrainingFileServiceStub(channel)
+        try:
+            return getattr(stub, method)(request, metadata=[("authorization", f"Bearer {key}")], timeout=10)
+        except grpc.RpcError as error:
+            return error
+
+
+def test_grpc_users_upload_the_same_files_with_the_same_checks(trainer, reception):
+    key = trainer.api_key
+    upload = files_pb2.UploadTrainingFileRequest(filename="rpc.jsonl", purpose="fine-tune", content=GOOD)
+    kept = _grpc(reception, "UploadTrainingFile", upload, key).file
+    assert kept.file_id.startswith("file-") and kept.bytes == len(GOOD) and kept.filename == "rpc.jsonl"
+    # One store: the HTTP front sees the gRPC upload.
+    assert trainer.files.retrieve(kept.file_id).bytes == len(GOOD)
+    listed = _grpc(reception, "ListTrainingFiles", files_pb2.ListTrainingFilesRequest(), key)
+    assert [f.file_id for f in listed.files] == [kept.file_id]
+    read = files_pb2.GetTrainingFileContentRequest(file_id=kept.file_id)
+    assert _grpc(reception, "GetTrainingFileContent", read, key).content == GOOD
+
+    bad = files_pb2.UploadTrainingFileRequest(
+        filename="rpc.jsonl", purpose="fine-tune", content=GOOD + b'{"messages": []}\n'
+    )
+    refused = _grpc(reception, "UploadTrainingFile", bad, key)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violation = rpc_status.from_call(refused).details[0]
+    field = error_details_pb2.BadRequest.FromString(violation.value).field_violations[0]
+    assert field.field == "content" and "rpc.jsonl:3: messages: must be a non-empty list" in field.description
+    too_big = files_pb2.UploadTrainingFileRequest(
+        filename="b.jsonl", purpose="fine-tune", content=b" " * (CAP + 1)
+    )
+    refused = _grpc(reception, "UploadTrainingFile", too_big, key)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "EXPERT_TRAINING_FILE_MAX_BYTES" in refused.details()
+    batch = files_pb2.UploadTrainingFileRequest(filename="b.jsonl", purpose="batch", content=GOOD)
+    assert "purpose" in _grpc(reception, "UploadTrainingFile", batch, key).details()
+
+    infer_key = reception.key("rpc inference", keys_pb2.KEY_SCOPE_INFER)
+    denied = _grpc(reception, "ListTrainingFiles", files_pb2.ListTrainingFilesRequest(), infer_key)
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+    other = reception.key("rpc other", keys_pb2.KEY_SCOPE_TRAIN)
+    delete = files_pb2.DeleteTrainingFileRequest(file_id=kept.file_id)
+    assert _grpc(reception, "DeleteTrainingFile", delete, other).code() == grpc.StatusCode.NOT_FOUND
+    assert _grpc(reception, "DeleteTrainingFile", delete, key).file.file_id == kept.file_id
+    get = files_pb2.GetTrainingFileRequest(file_id=kept.file_id)
+    assert _grpc(reception, "GetTrainingFile", get, key).code() == grpc.StatusCode.NOT_FOUND

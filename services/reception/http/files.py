@@ -2,15 +2,14 @@
 /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content and DELETE /v1/files/{id}, over the
 training files in Redis (libs.training.files), each its owner's alone: the API key's (owner_of).
 
-Only purpose `fine-tune` is kept. An upload is checked whole before it is stored: at most
-EXPERT_TRAINING_FILE_MAX_BYTES (the body is bounded while it arrives: body_guard.UploadRoute), UTF-8,
-and every line a training sample (libs.training.data), so a stored file is one a training job can
-read; a bad line is refused naming its number and field. The key checks (Access.TRAIN on every
-route) are auth.py's."""
+Only purpose `fine-tune` is kept. An upload is checked whole before it is stored
+(training_uploads): at most EXPERT_TRAINING_FILE_MAX_BYTES (the body is also bounded while it
+arrives: body_guard.UploadRoute), UTF-8, and every line a training sample, so a stored file is one
+a training job can read; a bad line is refused naming its number and field. The key checks
+(Access.TRAIN on every route) are auth.py's."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,17 +21,21 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 
 from libs.auth.policy import current_caller
-from libs.training.data import DataError, parse_bytes
 from libs.training.files import TrainingFile, TrainingFiles, owner_of
 from services.reception.http.body_guard import UploadRoute
 from services.reception.http.errors import HttpError, ToHttpError
+from services.reception.training_uploads import (
+    PURPOSE,
+    UploadRefused,
+    check_content,
+    check_filename,
+    check_purpose,
+)
 
 T = TypeVar("T")
 
 FILES_PATH = "/v1/files"
-PURPOSE = "fine-tune"  # the one purpose kept: training data
 FORM_FIELDS = ("file", "purpose")
-MAX_FILENAME_CHARS = 255
 # Room in an upload's body for the form around the file: its part headers and `purpose`.
 FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_LIST_LIMIT = 10_000  # OpenAI's bound on `limit`, and its default
@@ -125,8 +128,8 @@ def found(value: T | None, file_id: str) -> T:
 
 
 async def read_upload(request: Request, max_bytes: int) -> tuple[str, bytes]:
-    """The uploaded file's name and content, checked: a multipart form of `file` and `purpose`
-    (`fine-tune`), the file at most `max_bytes`, every line a training sample."""
+    """The uploaded file's name and content, checked (training_uploads): a multipart form of `file`
+    and `purpose` (`fine-tune`), the file at most `max_bytes`, every line a training sample."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "multipart/form-data":
         raise HttpError(
             415,
@@ -141,27 +144,26 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[str, bytes]:
         raise HttpError(400, f"the multipart form cannot be read: {error.detail}", "file") from None
     try:
         upload = checked_form(form)
+        filename = upload.filename or ""
         content = await upload.read(max_bytes + 1)
     finally:
         await form.close()
-    if len(content) > max_bytes:
-        raise HttpError(
-            413,
-            f"the file is larger than the limit of {max_bytes} bytes (EXPERT_TRAINING_FILE_MAX_BYTES)",
-            "file",
-            "file_too_large",
-        )
-    filename = upload.filename or ""
     try:
-        # Off the event loop: a large file's lines take a while to parse.
-        await asyncio.to_thread(parse_bytes, content, filename)
-    except DataError as error:
-        raise HttpError(400, f"the training file is not valid: {error}", "file", "invalid_file") from None
+        check_filename(filename)
+        await check_content(filename, content, max_bytes)
+    except UploadRefused as refused:
+        raise refusal(refused) from None
     return filename, content
 
 
+def refusal(refused: UploadRefused) -> HttpError:
+    """An upload's refusal as OpenAI's error: the file's name and content are the part `file`."""
+    param = "purpose" if refused.part == "purpose" else "file"
+    return HttpError(413 if refused.too_large else 400, refused.message, param, refused.code)
+
+
 def checked_form(form: FormData) -> UploadFile:
-    """The form's file part, once the form holds only `file` (a file with a name) and `purpose`
+    """The form's file part, once the form holds only `file` (a file part) and `purpose`
     (`fine-tune`); a refusal names the field."""
     unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
     if unknown:
@@ -169,22 +171,14 @@ def checked_form(form: FormData) -> UploadFile:
         message = f"{name} is not supported: files are kept until deleted"
         raise HttpError(400, message, name, "unsupported_parameter")
     purpose = form.get("purpose")
-    if not isinstance(purpose, str) or not purpose:
-        message = "purpose: missing (it must be 'fine-tune')"
-        raise HttpError(400, message, "purpose", "missing_required_parameter")
-    if purpose != PURPOSE:
-        raise HttpError(
-            400,
-            f"purpose {purpose!r} is not supported: only 'fine-tune' files (training data) are kept",
-            "purpose",
-            "invalid_purpose",
-        )
+    try:
+        check_purpose(purpose if isinstance(purpose, str) else "")
+    except UploadRefused as refused:
+        raise refusal(refused) from None
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         message = "file: missing, or not a file part with a filename"
         raise HttpError(400, message, "file", "missing_required_parameter")
-    if not (upload.filename or "").strip() or len(upload.filename) > MAX_FILENAME_CHARS:
-        raise HttpError(400, f"file: the filename must be 1 to {MAX_FILENAME_CHARS} characters", "file")
     return upload
 
 
