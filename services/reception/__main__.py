@@ -129,7 +129,7 @@ class Reception:
             metrics=self.metrics,
             # Without store_text no response is kept: its conversation would outlive its job.
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
-            files=FileUploads(self.training_files, config.training_file_max_bytes),
+            files=FileUploads(self.training_files, config.training_files),
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
@@ -141,7 +141,7 @@ class Reception:
             add_sessions_to_server(SessionServicer(self.sessions, self.config.session_stream_buffer), server),
             keys.add_to_server(keys.KeyServicer(self.key_store), server),
             add_files_to_server(
-                TrainingFileServicer(self.training_files, self.config.training_file_max_bytes), server
+                TrainingFileServicer(self.training_files, self.config.training_files), server
             ),
         ]
 

@@ -1,8 +1,8 @@
 """TrainingFileService: training files over gRPC (docs/api.md, TrainingFileService), the very files
 of the HTTP front's /v1/files (libs.training.files), checked alike (training_uploads). Every RPC needs a
 train (or admin) key; a file is the caller's alone (owner_of: its API key), another's is NOT_FOUND.
-Redis down is the error mapper's UNAVAILABLE; Redis full (files have no TTL, so nothing of theirs
-is evicted) is RESOURCE_EXHAUSTED, and nothing is written."""
+Redis down is the error mapper's UNAVAILABLE; an owner at EXPERT_TRAINING_FILES_PER_OWNER, or Redis
+full (files have no TTL, so nothing of theirs is evicted), is RESOURCE_EXHAUSTED, nothing written."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from libs.timestamps import timestamp
 from libs.training.files import TrainingFile, TrainingFiles, owner_of
 from services.reception.admission.core import Undecodable
 from services.reception.tolerant import add_tolerant_service
-from services.reception.training_uploads import UploadRefused, check_content, check_filename, check_purpose
+from services.reception.training_uploads import (
+    UploadLimits,
+    UploadRefused,
+    check_content,
+    check_filename,
+    check_purpose,
+    keep,
+)
 
 SERVICE = "expert.v1.TrainingFileService"
 _METHODS = (
@@ -58,21 +65,21 @@ def _file_id(request: object) -> str:
 
 
 class TrainingFileServicer:
-    def __init__(self, store: TrainingFiles, max_bytes: int) -> None:
-        self.store, self.max_bytes = store, max_bytes
+    def __init__(self, store: TrainingFiles, limits: UploadLimits) -> None:
+        self.store, self.limits = store, limits
 
     async def UploadTrainingFile(self, request, context: grpc.aio.ServicerContext):
         request = _parsed(request)
         try:
             check_purpose(request.purpose)
             check_filename(request.filename)
-            await check_content(request.filename, request.content, self.max_bytes)
+            await check_content(request.filename, request.content, self.limits.max_bytes)
         except UploadRefused as refused:
             raise invalid_argument(refused.part, refused.message) from None
         try:
-            record = await self.store.put(
-                _owner(context), request.filename, request.purpose, request.content
-            )
+            record = await keep(self.store, self.limits, _owner(context), request.filename, request.content)
+        except UploadRefused as refused:  # the owner keeps as many files as it may
+            raise resource_exhausted(refused.message) from None
         except OutOfMemoryError:
             raise resource_exhausted(
                 "no room for the file: Redis is at its memory cap; delete files you no longer need"

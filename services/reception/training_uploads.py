@@ -1,7 +1,8 @@
 """What a training file must be to be kept, whichever API it came through (the HTTP front's
 /v1/files, gRPC's TrainingFileService): purpose `fine-tune`, a filename, at most
 EXPERT_TRAINING_FILE_MAX_BYTES, UTF-8 and every line a training sample (libs.training.data). A
-refusal is an UploadRefused naming the part at fault; each API answers it in its own shape."""
+refusal is an UploadRefused naming the part at fault; each API answers it in its own shape. A file
+is then kept unless its owner already keeps EXPERT_TRAINING_FILES_PER_OWNER files (`keep`)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,23 @@ import asyncio
 from dataclasses import dataclass
 
 from libs.training.data import DataError, parse_bytes
+from libs.training.files import TrainingFile, TrainingFiles
 
 PURPOSE = "fine-tune"  # the one purpose kept: training data
 MAX_FILENAME_CHARS = 255
 
 
+@dataclass(frozen=True)
+class UploadLimits:
+    max_bytes: int  # EXPERT_TRAINING_FILE_MAX_BYTES: the largest file
+    max_per_owner: int  # EXPERT_TRAINING_FILES_PER_OWNER: the files one owner keeps at once (0: no cap)
+
+
 @dataclass
 class UploadRefused(Exception):
-    """An upload that is not kept: `part` is "filename", "purpose" or "content"; `code` is the
-    OpenAI-style code of the refusal; `too_large` marks a content over the cap."""
+    """An upload that is not kept: `part` is "filename", "purpose", "content" or "owner" (who keeps
+    too many files); `code` is the OpenAI-style code of the refusal; `too_large` marks a content
+    over the cap."""
 
     part: str
     message: str
@@ -54,3 +63,17 @@ async def check_content(filename: str, content: bytes, max_bytes: int) -> None:
         await asyncio.to_thread(parse_bytes, content, filename)
     except DataError as error:
         raise UploadRefused("content", f"the training file is not valid: {error}", "invalid_file") from None
+
+
+async def keep(
+    store: TrainingFiles, limits: UploadLimits, owner: str, filename: str, content: bytes
+) -> TrainingFile:
+    """Keeps a checked file for `owner`, unless `owner` keeps as many files as it may."""
+    record = await store.put_within(owner, filename, PURPOSE, content, limits.max_per_owner)
+    if record is None:
+        message = (
+            f"{owner} keeps {limits.max_per_owner} training files, the most "
+            "EXPERT_TRAINING_FILES_PER_OWNER allows: delete one to upload another"
+        )
+        raise UploadRefused("owner", message, "too_many_files")
+    return record

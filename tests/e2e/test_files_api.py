@@ -23,6 +23,7 @@ from tools.stack import LocalStack
 
 TOKEN = "e2e-internal-token-0123456789abcdef"
 CAP = 64 * 1024  # EXPERT_TRAINING_FILE_MAX_BYTES here
+PER_OWNER = 3  # EXPERT_TRAINING_FILES_PER_OWNER here
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 PROMPT = {"prompt": "Capital of France?", "completion": "Paris"}
@@ -54,6 +55,7 @@ def reception(tmp_path_factory):
         "EXPERT_AUTH": "required",
         "EXPERT_INTERNAL_TOKEN": TOKEN,
         "EXPERT_TRAINING_FILE_MAX_BYTES": str(CAP),
+        "EXPERT_TRAINING_FILES_PER_OWNER": str(PER_OWNER),
     }
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("files-api"), env=env)
     try:
@@ -268,3 +270,21 @@ def test_grpc_users_upload_the_same_files_with_the_same_checks(trainer, receptio
     assert _grpc(reception, "DeleteTrainingFile", delete, key).file.file_id == kept.file_id
     get = files_pb2.GetTrainingFileRequest(file_id=kept.file_id)
     assert _grpc(reception, "GetTrainingFile", get, key).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_key_keeps_at_most_its_share_of_files(reception):
+    client = reception.client(reception.key("hoarder", keys_pb2.KEY_SCOPE_TRAIN))
+    kept = [client.files.create(file=(f"{i}.jsonl", GOOD), purpose="fine-tune") for i in range(PER_OWNER)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("one-more.jsonl", GOOD), purpose="fine-tune")
+    error = _error(refused.value)
+    assert error["code"] == "too_many_files" and "EXPERT_TRAINING_FILES_PER_OWNER" in error["message"], error
+    assert len(list(client.files.list())) == PER_OWNER
+    upload = files_pb2.UploadTrainingFileRequest(filename="rpc.jsonl", purpose="fine-tune", content=GOOD)
+    refused_rpc = _grpc(reception, "UploadTrainingFile", upload, client.api_key)
+    assert refused_rpc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused_rpc
+    assert "EXPERT_TRAINING_FILES_PER_OWNER" in refused_rpc.details()
+    client.files.delete(kept[0].id)  # room for one again
+    kept[0] = client.files.create(file=("one-more.jsonl", GOOD), purpose="fine-tune")
+    for record in kept:
+        client.files.delete(record.id)

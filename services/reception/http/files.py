@@ -25,11 +25,12 @@ from libs.training.files import TrainingFile, TrainingFiles, owner_of
 from services.reception.http.body_guard import UploadRoute
 from services.reception.http.errors import HttpError, ToHttpError
 from services.reception.training_uploads import (
-    PURPOSE,
+    UploadLimits,
     UploadRefused,
     check_content,
     check_filename,
     check_purpose,
+    keep,
 )
 
 T = TypeVar("T")
@@ -44,13 +45,13 @@ REDIS_FULL = "no room for the file: Redis is at its memory cap; delete files you
 
 @dataclass(frozen=True)
 class FileUploads:
-    """What the Files API works over: the store, and the largest file it takes."""
+    """What the Files API works over: the store, and the bounds of what it keeps."""
 
     store: TrainingFiles
-    max_bytes: int  # EXPERT_TRAINING_FILE_MAX_BYTES
+    limits: UploadLimits
 
     def upload_route(self) -> UploadRoute:
-        return UploadRoute(self.max_bytes + FORM_OVERHEAD_BYTES, "EXPERT_TRAINING_FILE_MAX_BYTES")
+        return UploadRoute(self.limits.max_bytes + FORM_OVERHEAD_BYTES, "EXPERT_TRAINING_FILE_MAX_BYTES")
 
 
 def file_object(record: TrainingFile) -> dict:
@@ -83,8 +84,8 @@ def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpEr
 
     @app.post(FILES_PATH)
     async def create_file(request: Request) -> dict:
-        filename, content = await read_upload(request, uploads.max_bytes)
-        return file_object(await stored(store.put(owner(request), filename, PURPOSE, content)))
+        filename, content = await read_upload(request, uploads.limits.max_bytes)
+        return file_object(await stored(keep(store, uploads.limits, owner(request), filename, content)))
 
     @app.get(FILES_PATH)
     async def list_files(
@@ -115,6 +116,8 @@ def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpEr
 def store_error(error: Exception, to_http_error: ToHttpError) -> HttpError:
     """The answer to a failed store call: Redis full (at its maxmemory with nothing it may evict,
     and files have no TTL) is 507, Redis down as `to_http_error` maps it."""
+    if isinstance(error, UploadRefused):  # the owner keeps as many files as it may
+        return refusal(error)
     if isinstance(error, OutOfMemoryError):
         return HttpError(507, REDIS_FULL, None, "insufficient_storage")
     return to_http_error(error, None)
@@ -157,7 +160,8 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[str, bytes]:
 
 
 def refusal(refused: UploadRefused) -> HttpError:
-    """An upload's refusal as OpenAI's error: the file's name and content are the part `file`."""
+    """An upload's refusal as OpenAI's error: the file's name and content are the part `file`, and
+    so is the file one too many."""
     param = "purpose" if refused.part == "purpose" else "file"
     return HttpError(413 if refused.too_large else 400, refused.message, param, refused.code)
 
