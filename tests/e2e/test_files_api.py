@@ -56,6 +56,8 @@ def reception(tmp_path_factory):
         "EXPERT_INTERNAL_TOKEN": TOKEN,
         "EXPERT_TRAINING_FILE_MAX_BYTES": str(CAP),
         "EXPERT_TRAINING_FILES_PER_OWNER": str(PER_OWNER),
+        # Below the file cap: an upload is bounded by its own setting, not by this one.
+        "EXPERT_HTTP_MAX_BODY_BYTES": str(CAP // 4),
     }
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("files-api"), env=env)
     try:
@@ -157,7 +159,7 @@ def test_a_file_over_the_cap_is_refused_with_413(trainer, reception):
         timeout=30,
     )
     assert answer.status_code == 413 and "EXPERT_TRAINING_FILE_MAX_BYTES" in answer.text, answer.text
-    # Exactly at the cap: kept.
+    # Exactly at the cap (4 times EXPERT_HTTP_MAX_BODY_BYTES here): kept.
     at_cap = trainer.files.create(file=("cap.jsonl", just_over[:-1]), purpose="fine-tune")
     assert at_cap.bytes == CAP
     trainer.files.delete(at_cap.id)
