@@ -203,8 +203,10 @@ def test_a_body_that_is_not_a_multipart_form_is_refused_clearly(reception):
         timeout=10,
     )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "expires_after", answer.text
-    answer = httpx.get(reception.url + "/files?limit=0", headers=headers, timeout=10)
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text
+    for query in ("limit=0", "limit=ten", "limit=" + "9" * 5000, "limit=%C2%B2", "order=up"):
+        answer = httpx.get(reception.url + "/files?" + query, headers=headers, timeout=10)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == query.split("=")[0], answer.text
 
 
 def test_a_full_redis_refuses_the_upload_with_507_and_keeps_serving(trainer, reception):

@@ -88,15 +88,9 @@ def add_files_routes(app: FastAPI, uploads: FileUploads, to_http_error: ToHttpEr
         return file_object(await stored(keep(store, uploads.limits, owner(request), filename, content)))
 
     @app.get(FILES_PATH)
-    async def list_files(
-        request: Request,
-        after: str | None = None,
-        limit: int = MAX_LIST_LIMIT,
-        order: str = "desc",
-        purpose: str | None = None,
-    ) -> dict:
-        check_listing(limit, order)
-        return listing(await stored(store.list(owner(request))), after, limit, order, purpose)
+    async def list_files(request: Request) -> dict:
+        query = ListQuery.of(request)
+        return listing(await stored(store.list(owner(request))), query)
 
     @app.get(FILES_PATH + "/{file_id}")
     async def retrieve_file(request: Request, file_id: str) -> dict:
@@ -126,7 +120,7 @@ def store_error(error: Exception, to_http_error: ToHttpError) -> HttpError:
 def found(value: T | None, file_id: str) -> T:
     """`value`, or the 404 of a file that does not exist or is another owner's (alike: ids reveal nothing)."""
     if value is None:
-        raise HttpError(404, f"no such file: {file_id}", "file_id", "file_not_found")
+        raise HttpError(404, f"no such file: {file_id[:64]}", "file_id", "file_not_found")
     return value
 
 
@@ -186,24 +180,42 @@ def checked_form(form: FormData) -> UploadFile:
     return upload
 
 
-def check_listing(limit: int, order: str) -> None:
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise HttpError(400, f"limit: must be from 1 to {MAX_LIST_LIMIT}, got {limit}", "limit")
-    if order not in ("asc", "desc"):
-        raise HttpError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+@dataclass(frozen=True)
+class ListQuery:
+    """GET /v1/files's query, as OpenAI's: `after` (a file id), `limit`, `order`, `purpose`."""
+
+    after: str | None
+    limit: int
+    order: str
+    purpose: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> ListQuery:
+        """The request's query, checked here rather than by FastAPI, whose refusal names no parameter."""
+        params = request.query_params
+        text = params.get("limit", str(MAX_LIST_LIMIT))
+        digits = text.strip()
+        # ASCII digits only, and few of them: int() refuses other digits and 4,300 of them.
+        limit = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 6 else 0
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            message = f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}, got {text[:32]!r}"
+            raise HttpError(400, message, "limit")
+        order = params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise HttpError(400, f"order: must be 'asc' or 'desc', got {order[:32]!r}", "order")
+        return cls(params.get("after"), limit, order, params.get("purpose"))
 
 
-def listing(
-    files: list[TrainingFile], after: str | None, limit: int, order: str, purpose: str | None
-) -> dict:
+def listing(files: list[TrainingFile], query: ListQuery) -> dict:
     """OpenAI's page of files: by creation time in `order`, those past the file `after`, at most `limit`."""
+    after, limit, order, purpose = query.after, query.limit, query.order, query.purpose
     ordered = files if order == "asc" else files[::-1]
     if purpose is not None:
         ordered = [f for f in ordered if f.purpose == purpose]
     if after is not None:
         ids = [f.file_id for f in ordered]
         if after not in ids:
-            raise HttpError(400, f"after: no such file: {after}", "after", "file_not_found")
+            raise HttpError(400, f"after: no such file: {after[:64]}", "after", "file_not_found")
         ordered = ordered[ids.index(after) + 1 :]
     page = ordered[:limit]
     return {
