@@ -8,6 +8,7 @@ TrainingFileService over the same files, with the same checks (docs/api.md, Trai
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -19,7 +20,7 @@ from redis import Redis
 
 from libs.auth.metadata import credentials_metadata
 from libs.gen.expert.v1 import files_pb2, files_pb2_grpc, keys_pb2, keys_pb2_grpc
-from tools.stack import LocalStack
+from tools.stack import LocalStack, free_port, health_status
 
 TOKEN = "e2e-internal-token-0123456789abcdef"
 CAP = 64 * 1024  # EXPERT_TRAINING_FILE_MAX_BYTES here
@@ -292,3 +293,30 @@ def test_a_key_keeps_at_most_its_share_of_files(reception):
     kept[0] = client.files.create(file=("one-more.jsonl", GOOD), purpose="fine-tune")
     for record in kept:
         client.files.delete(record.id)
+
+
+def test_with_auth_off_the_files_are_the_client_addresss(reception):
+    """A second reception on the same Redis with EXPERT_AUTH=off: no key, so the owner is the client's
+    address (as for session limits), and the keys' files stay out of its sight."""
+    stack = reception.stack
+    port, http_port = free_port(), free_port()
+    ports = {"EXPERT_RECEPTION_PORT": str(port), "EXPERT_RECEPTION_HTTP_PORT": str(http_port)}
+    stack.start_service("reception", name="reception-open", env={"EXPERT_AUTH": "off", **ports})
+    deadline = time.monotonic() + 60
+    while health_status(f"127.0.0.1:{port}") != 1:  # SERVING
+        assert stack.processes["reception-open"].poll() is None, "the second reception exited"
+        assert time.monotonic() < deadline, "the second reception never served"
+        time.sleep(0.1)
+    try:
+        trainer = reception.client(reception.key("keyed", keys_pb2.KEY_SCOPE_TRAIN))
+        keyed = trainer.files.create(file=("keyed.jsonl", GOOD), purpose="fine-tune")
+        anyone = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+        mine = anyone.files.create(file=("open.jsonl", GOOD), purpose="fine-tune")
+        assert [f.id for f in anyone.files.list()] == [mine.id]
+        assert anyone.files.content(mine.id).content == GOOD
+        with pytest.raises(openai.NotFoundError):
+            anyone.files.retrieve(keyed.id)
+        anyone.files.delete(mine.id)
+        trainer.files.delete(keyed.id)
+    finally:
+        stack.stop_service("reception-open")
