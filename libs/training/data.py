@@ -46,6 +46,21 @@ def read_jsonl(path: str | Path) -> list[Sample]:
     return samples
 
 
+def parse_bytes(content: bytes, name: str) -> list[Sample]:
+    """Every sample of JSONL `content` (an upload, a stored training file) called `name` in errors."""
+    try:
+        text = content.decode("utf-8-sig")  # a byte order mark is no part of the first line
+    except UnicodeDecodeError as exc:
+        line = content.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{name}:{line}: not UTF-8 text (at byte offset {exc.start})") from None
+    # Lines end at "\n" only (a "\r" before it is JSON whitespace): splitlines() would also cut at
+    # U+2028 and the like, which JSON strings may hold raw, and miscount the lines after them.
+    samples = list(parse_lines(text.split("\n"), name))
+    if not samples:
+        raise DataError(f"{name}: holds no samples")
+    return samples
+
+
 def parse_lines(lines: Iterable[str], name: str) -> Iterable[Sample]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from libs.auth.policy import Caller
+
 FILE_PREFIX = "expert:training:file:"
 OWNER_PREFIX = "expert:training:files:"
 ID_PREFIX = "file-"
+
+# EXPERT_TRAINING_FILE_MAX_BYTES's default: the largest file reception accepts.
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+# EXPERT_TRAINING_FILES_PER_OWNER's default: the files one owner may keep at once.
+DEFAULT_MAX_PER_OWNER = 20
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,27 @@ class TrainingFile:
     purpose: str
     size: int  # bytes
     created_at: float  # seconds since the epoch
+
+
+# KEYS: the new file's hash, its owner's set; ARGV: the cap (0: none), created_at, the file's id,
+# then its owner, filename, purpose, size and content -> 1 stored, 0 the owner is at the cap.
+_PUT_WITHIN = """
+local cap = tonumber(ARGV[1])
+if cap > 0 and redis.call('ZCARD', KEYS[2]) >= cap then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'filename', ARGV[5], 'purpose', ARGV[6],
+  'size', ARGV[7], 'created_at', ARGV[2], 'content', ARGV[8])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+
+
+def owner_of(caller: Caller | None, client_host: str) -> str:
+    """Whose files a call sees: the API key it proved; else (auth off, or the internal token) its
+    client's address, "client 10.0.0.5", as session limits count (libs.auth.limits.LimitOwner), so
+    with auth off each client host has files of its own. gRPC gives `peer_host(context.peer())`."""
+    if caller is not None and caller.key_id is not None:
+        return caller.key_id
+    return f"client {client_host or 'unknown'}"
 
 
 def new_file_id() -> str:
@@ -64,6 +92,32 @@ class TrainingFiles:
             pipe.zadd(OWNER_PREFIX + owner, {record.file_id: record.created_at})
             await pipe.execute()
         return record
+
+    async def put_within(
+        self, owner: str, filename: str, purpose: str, content: bytes, max_files: int
+    ) -> TrainingFile | None:
+        """`put`, unless `owner` already keeps `max_files` files (0: no cap): then None, nothing
+        written. One script, so that uploads at once cannot pass the cap together."""
+        record = TrainingFile(new_file_id(), owner, filename, purpose, len(content), time.time())
+        stored = await self.redis.eval(
+            _PUT_WITHIN,
+            2,
+            FILE_PREFIX + record.file_id,
+            OWNER_PREFIX + owner,
+            max_files,
+            repr(record.created_at),
+            record.file_id,
+            owner,
+            filename,
+            purpose,
+            record.size,
+            content,
+        )
+        return record if stored else None
+
+    async def count(self, owner: str) -> int:
+        """How many files `owner` keeps."""
+        return await self.redis.zcard(OWNER_PREFIX + owner)
 
     async def get(self, file_id: str, owner: str) -> TrainingFile | None:
         """`owner`'s file `file_id`, None when there is none (or it is someone else's)."""

@@ -26,7 +26,11 @@ from services.reception.dispatch.dispatcher import Dispatcher
 from services.reception.dispatch.pipeline import Pipeline
 from services.reception.dispatch.stages import GrpcStages
 from services.reception.dispatch.turns import Turns
+from services.reception.file_server import ACCESS as FILE_ACCESS
+from services.reception.file_server import TrainingFileServicer
+from services.reception.file_server import add_to_server as add_files_to_server
 from services.reception.http import HttpServer, ServedModels, create_app
+from services.reception.http.files import FileUploads
 from services.reception.http.response_store import ResponseStore
 from services.reception.jobs import JobStore
 from services.reception.metrics import ReceptionMetrics
@@ -58,9 +62,12 @@ class Reception:
             config.auth.tls,
         )
         self.key_store, limiter = KeyStore(self.redis), KeyLimiter(self.redis)
+        self.training_files = TrainingFiles(self.redis)  # uploaded through HTTP and gRPC alike
         # One check of the credentials for both fronts: the gRPC interceptor and the HTTP dependency.
         self.auth = Authenticator(
-            config.auth, {**ACCESS, **SESSION_ACCESS, **keys.ACCESS, **training_api.ACCESS}, self.key_store
+            config.auth,
+            {**ACCESS, **SESSION_ACCESS, **keys.ACCESS, **training_api.ACCESS, **FILE_ACCESS},
+            self.key_store,
         )
         self.queue = JobQueue(self.redis, lease_ms=config.dispatch.reclaim_idle_ms)
         self.metrics = ReceptionMetrics()
@@ -132,6 +139,7 @@ class Reception:
             responses=ResponseStore(self.redis, config.job_ttl_s) if config.store_text else None,
             sessions=self.sessions,
             training=self.training,
+            files=FileUploads(self.training_files, config.training_files),
         )
         http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
         http.bind()  # a taken port fails the start at once, like the gRPC port
@@ -143,6 +151,9 @@ class Reception:
             add_sessions_to_server(SessionServicer(self.sessions, self.config.session_stream_buffer), server),
             keys.add_to_server(keys.KeyServicer(self.key_store), server),
             training_api.add_to_server(training_api.TrainingServicer(self.training), server),
+            add_files_to_server(
+                TrainingFileServicer(self.training_files, self.config.training_files), server
+            ),
         ]
 
     async def start(self) -> None:

@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from libs.auth.config import AuthConfig
 from libs.config import EnvReader, ServerConfig
 from libs.training.bounds import TrainingBounds
+from libs.training.files import DEFAULT_MAX_BYTES as DEFAULT_TRAINING_FILE_MAX_BYTES
+from libs.training.files import DEFAULT_MAX_PER_OWNER as DEFAULT_TRAINING_FILES_PER_OWNER
 from services.reception.dispatch.dispatcher import DispatchSettings
 from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES
 from services.reception.redis_compaction import DEFAULT_INTERVAL_S
 from services.reception.sessions import SessionLimits
+from services.reception.training_uploads import UploadLimits
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -40,6 +43,12 @@ class ReceptionConfig:
     session_stream_buffer: int = 256  # messages a session's stream may fall behind before its turn stops
     auth: AuthConfig = field(default_factory=AuthConfig)  # EXPERT_AUTH, EXPERT_INTERNAL_TOKEN
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # an HTTP body over this is refused unread (413)
+    # Training files (/v1/files, TrainingFileService): the largest, and how many one owner keeps.
+    training_files: UploadLimits = field(
+        default_factory=lambda: UploadLimits(
+            DEFAULT_TRAINING_FILE_MAX_BYTES, DEFAULT_TRAINING_FILES_PER_OWNER
+        )
+    )
     # Without store_text: at most one rewrite of Redis's append-only file per this many seconds,
     # once ended jobs' texts left Redis (redis_compaction).
     redis_compact_s: float = DEFAULT_INTERVAL_S
@@ -58,6 +67,14 @@ class ReceptionConfig:
             ),
             http_max_body_bytes=reader.integer(
                 "EXPERT_HTTP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1024
+            ),
+            training_files=UploadLimits(
+                max_bytes=reader.integer(
+                    "EXPERT_TRAINING_FILE_MAX_BYTES", DEFAULT_TRAINING_FILE_MAX_BYTES, minimum=1024
+                ),
+                max_per_owner=reader.integer(
+                    "EXPERT_TRAINING_FILES_PER_OWNER", DEFAULT_TRAINING_FILES_PER_OWNER, minimum=0
+                ),
             ),
             redis_url=reader.text("EXPERT_REDIS_URL", "redis://127.0.0.1:6379/0"),
             router_target=reader.address("EXPERT_ROUTER_TARGET", "127.0.0.1:50052"),

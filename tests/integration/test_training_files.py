@@ -39,3 +39,20 @@ def test_a_training_file_is_its_owners_alone_until_deleted(clean_redis_url):
             await redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_uploads_at_once_cannot_pass_an_owners_cap_together(clean_redis_url):
+    async def scenario():
+        redis = Redis.from_url(clean_redis_url)
+        try:
+            files = TrainingFiles(redis)
+            puts = [files.put_within("key-a", f"{i}.jsonl", "fine-tune", CONTENT, 2) for i in range(6)]
+            stored = [record for record in await asyncio.gather(*puts) if record is not None]
+            assert len(stored) == 2 and await files.count("key-a") == 2
+            assert await files.content(stored[0].file_id, "key-a") == CONTENT
+            assert await files.put_within("key-b", "b.jsonl", "fine-tune", CONTENT, 2) is not None
+            assert await files.put_within("key-a", "x.jsonl", "fine-tune", CONTENT, 0) is not None  # no cap
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())

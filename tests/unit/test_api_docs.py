@@ -12,6 +12,7 @@ import pytest
 from libs.gen.expert.v1 import (
     common_pb2,
     engine_pb2,
+    files_pb2,
     inference_pb2,
     keys_pb2,
     postproc_pb2,
@@ -30,6 +31,7 @@ FILES = [
         keys_pb2,
         session_pb2,
         training_pb2,
+        files_pb2,
         router_pb2,
         preparation_pb2,
         engine_pb2,

@@ -57,6 +57,8 @@ export class ExpertError extends Error {
   static from(error: unknown): ExpertError {
     if (error instanceof ExpertError) return error;
     const connectError = ConnectError.from(error);
+    const tls = tlsFailure(connectError);
+    if (tls) return new ExpertError("UNAVAILABLE", `TLS handshake failed (${tls}): ${connectError.rawMessage}`);
     const violations = connectError
       .findDetails(BadRequestSchema)
       .flatMap((detail) => detail.fieldViolations.map(({ field, description }) => ({ field, description })));
@@ -64,6 +66,17 @@ export class ExpertError extends Error {
     const retryAfterMs = retry ? Number(retry.seconds) * 1000 + retry.nanos / 1e6 : undefined;
     return new ExpertError(STATUS_NAMES[connectError.code], connectError.rawMessage, violations, retryAfterMs);
   }
+}
+
+// Node's error codes for a TLS handshake this side refused: OpenSSL's verdicts on the server's
+// certificate (UNABLE_TO_VERIFY_LEAF_SIGNATURE, SELF_SIGNED_CERT_IN_CHAIN, CERT_HAS_EXPIRED, ...) and
+// node's own (ERR_TLS_CERT_ALTNAME_INVALID: not for this name). Connect reports them as INTERNAL;
+// they are UNAVAILABLE, as gRPC's other clients (the Python SDK) report a failed handshake.
+const TLS_FAILURE = /^(ERR_TLS_|ERR_SSL_)|CERT|^UNABLE_TO_|SELF_SIGNED|HOSTNAME_MISMATCH/;
+
+function tlsFailure(error: ConnectError): string | undefined {
+  const code = (error.cause as { code?: unknown } | undefined)?.code;
+  return typeof code === "string" && TLS_FAILURE.test(code) ? code : undefined;
 }
 
 /** `await call()`, with its failure thrown as an ExpertError. */

@@ -1,7 +1,7 @@
 """The FastAPI app: the probes, `/v1/models`, the REST API's `/v1/infer` and `/v1/jobs` (rest.py),
 OpenAI's chat and completions endpoints (openai.py) and its Responses API (responses.py), all over
 the admission core (admission/core.py: admission, validation, the job record, the queue and the
-job's events); errors in OpenAI's shape."""
+job's events), and OpenAI's Files API for training data (files.py); errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from services.reception.capacity import Capacity
 from services.reception.http.auth import authentication
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from services.reception.http.errors import HttpError, as_http_error, error_response, validation_error
+from services.reception.http.files import FILES_PATH, FileUploads, add_files_routes
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
 from services.reception.http.rejections import count_refusal
@@ -47,6 +48,7 @@ def create_app(
     responses: ResponseStore | None = None,
     sessions: SessionAdmission | None = None,
     training: TrainingAdmission | None = None,
+    files: FileUploads | None = None,
 ) -> FastAPI:
     """The HTTP front over `admission`. `error_mapper` turns an exception that is not a
     ServiceError (e.g. Redis down) into one; `auth` checks every /v1 call's API key (None: none);
@@ -55,7 +57,7 @@ def create_app(
     `metrics` counts the refusals and the ignored fields (None: not counted);
     `responses` keeps the Responses API's stored responses (None: none are stored), each a turn
     of a session of `sessions` (None: as a plain job); `training` admits training jobs (None: no
-    training routes)."""
+    training routes); `files` holds the training files of the Files API (None: no /v1/files)."""
     app = FastAPI(
         title="Expert System",
         docs_url=None,
@@ -66,7 +68,10 @@ def create_app(
     )
     # Outside every route and dependency: no body is read past its bound, keyed or not.
     app.add_middleware(
-        BodyGuard, max_bytes=max_body_bytes, on_refused=functools.partial(count_refusal, metrics)
+        BodyGuard,
+        max_bytes=max_body_bytes,
+        on_refused=functools.partial(count_refusal, metrics),
+        uploads={FILES_PATH: files.upload_route()} if files is not None else None,
     )
     _add_error_handlers(app, metrics)
     to_http_error = functools.partial(as_http_error, error_mapper=error_mapper)
@@ -77,6 +82,8 @@ def create_app(
     add_responses_routes(app, admission, responses, to_http_error, sessions)
     if training is not None:
         add_training_routes(app, training, to_http_error)
+    if files is not None:
+        add_files_routes(app, files, to_http_error)
     return app
 
 

@@ -1,7 +1,8 @@
 """The HTTP front's credentials check: `Authorization: Bearer <key>` on every /v1 route (the probes
 /livez, /readyz, /healthz and /health need none), decided by the same `Authenticator` as the gRPC API, so a
-key means the same on both. A refusal is OpenAI's error body: 401 with code "invalid_api_key" for
-a missing, wrong or revoked key."""
+key means the same on both. Every /v1 route needs a key of any scope (INFER) but those ROUTE_ACCESS
+names. A refusal is OpenAI's error body: 401 with code "invalid_api_key" for a missing, wrong or
+revoked key, 403 for a key whose scope the route does not admit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,22 @@ from libs.errors import ServiceError
 from services.reception.http.errors import as_http_error
 
 API_PREFIX = "/v1/"
+
+# The /v1 routes that need more than an inference key, by path (the path itself and all below it)
+# and method (None: every method).
+ROUTE_ACCESS: tuple[tuple[str, frozenset[str] | None, Access], ...] = (
+    ("/v1/files", None, Access.TRAIN),  # training files: uploading, listing, reading and deleting them
+    # Changing a training job (create, cancel, checkpoint, resume); reading one's own needs any key.
+    ("/v1/training/jobs", frozenset({"POST", "DELETE"}), Access.TRAIN),
+)
+
+
+def access_of(path: str, method: str = "GET") -> Access:
+    """What a `method` call of the /v1 route at `path` needs."""
+    for prefix, methods, access in ROUTE_ACCESS:
+        if (path == prefix or path.startswith(prefix + "/")) and (methods is None or method in methods):
+            return access
+    return Access.INFER
 
 
 def authentication(
@@ -30,7 +47,7 @@ def authentication(
             return
         try:
             caller = await auth.authenticate(
-                Access.INFER,
+                access_of(request.url.path, request.method),
                 bearer_token(request.headers.get("authorization")),
                 request.headers.get(INTERNAL_TOKEN_KEY),
             )

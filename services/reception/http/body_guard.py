@@ -7,12 +7,18 @@ media_type.py). The app then reads the body from what was kept.
 An ASGI middleware rather than a FastAPI dependency: FastAPI reads and parses the whole body before
 any dependency runs, the API key check included. Nor FastAPI's `max_body_size` (Starlette's
 RequestBodyLimitMiddleware): it counts only as a route reads, answers in plain text, and bounds no
-nesting, which must be checked on the bytes since Python's JSON parser recurses."""
+nesting, which must be checked on the bytes since Python's JSON parser recurses.
+
+An upload route (`UploadRoute`: POST /v1/files, a multipart form) is the exception: its body is
+neither kept nor JSON, so it is passed on as it arrives, counted, and refused (413, the route's
+setting named) once its Content-Length or its bytes pass the route's own bound; the route then
+reads it after the API key check."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from services.reception.http.errors import HttpError, error_response
@@ -39,17 +45,35 @@ _BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
+@dataclass(frozen=True)
+class UploadRoute:
+    """A route whose POST body is an upload: streamed to the route, bounded by its own setting."""
+
+    max_bytes: int  # the whole body: the file's cap and room for the form's other parts
+    setting: str  # what sets the bound, named in the refusal
+
+
 class BodyGuard:
-    """ASGI middleware over `app`: HTTP bodies bounded to `max_bytes` and MAX_JSON_DEPTH."""
+    """ASGI middleware over `app`: HTTP bodies bounded to `max_bytes` and MAX_JSON_DEPTH, but the
+    POST bodies of `uploads` (by path), bounded by theirs."""
 
     def __init__(
-        self, app: App, max_bytes: int, on_refused: Callable[[HttpError], None] = lambda _: None
+        self,
+        app: App,
+        max_bytes: int,
+        on_refused: Callable[[HttpError], None] = lambda _: None,
+        uploads: Mapping[str, UploadRoute] | None = None,
     ) -> None:
         self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+        self.uploads = dict(uploads or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        upload = self.uploads.get(scope["path"]) if scope["method"] == "POST" else None
+        if upload is not None:
+            await self._upload(upload, scope, receive, send)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -88,21 +112,49 @@ class BodyGuard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    async def _upload(self, upload: UploadRoute, scope: Scope, receive: Receive, send: Send) -> None:
+        declared = _content_length(scope)
+        if declared is not None and declared > upload.max_bytes:
+            error = too_large(upload.max_bytes, upload.setting, declared)
+            await self._refuse(error, scope, receive, send)
+            return
+        await self.app(scope, _counted(receive, upload), send)
+
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
-        # The connection is closed after the answer: the rest of the body is never read.
-        error = HttpError(
-            413,
-            f"the request body is larger than the limit of {self.max_bytes} bytes "
-            f"(EXPERT_HTTP_MAX_BODY_BYTES): {size} bytes or more",
-            None,
-            "request_too_large",
-            headers={"Connection": "close"},
-        )
+        error = too_large(self.max_bytes, "EXPERT_HTTP_MAX_BODY_BYTES", size)
         await self._refuse(error, scope, receive, send)
 
     async def _refuse(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
         self.on_refused(error)
         await error_response(error)(scope, receive, send)
+
+
+def too_large(limit: int, setting: str, size: int) -> HttpError:
+    """The 413 for a body of `size` bytes or more over `limit`; the connection is closed after the
+    answer, so the rest of the body is never read."""
+    return HttpError(
+        413,
+        f"the request body is larger than the limit of {limit} bytes ({setting}): {size} bytes or more",
+        None,
+        "request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def _counted(receive: Receive, upload: UploadRoute) -> Receive:
+    """The app's `receive` for an upload: the client's messages as they come, raising the 413 (the
+    route answers it as any HttpError) at the first byte over the route's bound."""
+    received = 0
+
+    async def counted() -> Message:
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > upload.max_bytes:
+            raise too_large(upload.max_bytes, upload.setting, received)
+        return message
+
+    return counted
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.auth.policy import current_caller
 from libs.errors import failed_precondition, invalid_argument, invalid_arguments, not_found
 from libs.training.bounds import TrainingBounds, bound_violations, planned_steps
 from libs.training.files import TrainingFiles
@@ -19,21 +18,14 @@ MAX_PAGE = 100
 MAX_EVENTS = 1000
 
 
-def current_owner() -> str:
-    """Whose jobs the current call sees: its API key's id ("" with auth off)."""
-    caller = current_caller()
-    return caller.key_id if caller is not None and caller.key_id is not None else ""
-
-
 class TrainingAdmission:
     def __init__(self, jobs: TrainingJobs, files: TrainingFiles, bounds: TrainingBounds) -> None:
         self.jobs = jobs
         self.files = files
         self.bounds = bounds
 
-    async def create(self, raw_spec: Any) -> TrainingJob:
-        """Queue a job for the current caller from the spec's JSON form."""
-        owner = current_owner()
+    async def create(self, owner: str, raw_spec: Any) -> TrainingJob:
+        """Queue a job for `owner` from the spec's JSON form."""
         try:
             spec = parse_spec(raw_spec)
         except SpecError as error:
@@ -75,58 +67,58 @@ class TrainingAdmission:
                 problems.append((name, f"file {file_id} holds no samples"))
         return counts, problems
 
-    async def get(self, job_id: str) -> TrainingJob:
-        job = await self.jobs.get(job_id, current_owner()) if job_id else None
+    async def get(self, owner: str, job_id: str) -> TrainingJob:
+        job = await self.jobs.get(job_id, owner) if job_id else None
         if job is None:
             raise not_found(f"no training job {job_id[:64]!r}")
         return job
 
-    async def list(self, limit: int, after: str) -> tuple[list[TrainingJob], bool]:
+    async def list(self, owner: str, limit: int, after: str) -> tuple[list[TrainingJob], bool]:
         if not 0 <= limit <= MAX_PAGE:
             raise invalid_argument("limit", f"must be in [1, {MAX_PAGE}] (0: 20), got {limit}")
         limit = limit or 20
-        jobs = await self.jobs.list(current_owner(), limit + 1, after)
+        jobs = await self.jobs.list(owner, limit + 1, after)
         return jobs[:limit], len(jobs) > limit
 
-    async def cancel(self, job_id: str) -> TrainingJob:
+    async def cancel(self, owner: str, job_id: str) -> TrainingJob:
         """Cancels a pending job, asks a running one to stop; a cancelled one is left as it is."""
-        job = await self.get(job_id)
+        job = await self.get(owner, job_id)
         if job.status == COMPLETED or (job.final and job.status != CANCELLED):
             raise failed_precondition(
                 f"training job {job_id} is {job.status}: only an unfinished job can be cancelled"
             )
         await self.jobs.cancel(job_id)
-        return await self.get(job_id)
+        return await self.get(owner, job_id)
 
-    async def checkpoint(self, job_id: str) -> str:
-        await self.get(job_id)
+    async def checkpoint(self, owner: str, job_id: str) -> str:
+        await self.get(owner, job_id)
         checkpoint_id = await self.jobs.request_checkpoint(job_id)
         if checkpoint_id is None:
-            job = await self.get(job_id)
+            job = await self.get(owner, job_id)
             raise failed_precondition(
                 f"training job {job_id} is {job.status}: only a running job can be checkpointed"
             )
         return checkpoint_id
 
-    async def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        return (await self.get(job_id)).public_checkpoints()
+    async def checkpoints(self, owner: str, job_id: str) -> list[dict[str, Any]]:
+        return (await self.get(owner, job_id)).public_checkpoints()
 
-    async def resume(self, job_id: str, checkpoint_id: str) -> TrainingJob:
+    async def resume(self, owner: str, job_id: str, checkpoint_id: str) -> TrainingJob:
         """Queues a cancelled or failed job again, from `checkpoint_id` (its last one when "")."""
-        job = await self.get(job_id)
+        job = await self.get(owner, job_id)
         if checkpoint_id and checkpoint_id not in {c["id"] for c in job.checkpoints}:
             raise invalid_argument(
                 "checkpoint_id", f"training job {job_id} has no checkpoint {checkpoint_id[:64]!r}"
             )
         if not await self.jobs.resume(job_id, checkpoint_id):
-            job = await self.get(job_id)
+            job = await self.get(owner, job_id)
             raise failed_precondition(
                 f"training job {job_id} is {job.status}: only a cancelled or failed job can be resumed"
             )
-        return await self.get(job_id)
+        return await self.get(owner, job_id)
 
-    async def events(self, job_id: str, after: str, limit: int) -> list[dict[str, Any]]:
-        await self.get(job_id)
+    async def events(self, owner: str, job_id: str, after: str, limit: int) -> list[dict[str, Any]]:
+        await self.get(owner, job_id)
         if not 0 <= limit <= MAX_EVENTS:
             raise invalid_argument("limit", f"must be in [1, {MAX_EVENTS}] (0: 100), got {limit}")
         try:

@@ -8,9 +8,11 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from libs.auth.policy import Access, methods
+from libs.auth.limits import peer_host
+from libs.auth.policy import Access, current_caller, methods
 from libs.gen.expert.v1 import training_pb2, training_pb2_grpc
 from libs.timestamps import timestamp
+from libs.training.files import owner_of
 from libs.training.jobs import STATUSES, TrainingJob
 from services.reception.training.admission import TrainingAdmission
 
@@ -83,38 +85,43 @@ def event_proto(event: dict[str, Any]) -> training_pb2.TrainingJobEvent:
     return message
 
 
+def _owner(context: grpc.aio.ServicerContext) -> str:
+    """Whose jobs (and files) the call sees: the same owner as TrainingFileService's."""
+    return owner_of(current_caller(), peer_host(context.peer()))
+
+
 class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     def __init__(self, admission: TrainingAdmission) -> None:
         self.admission = admission
 
     async def CreateTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.create(spec_from_proto(request.spec)))
+        return job_proto(await self.admission.create(_owner(context), spec_from_proto(request.spec)))
 
     async def GetTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.get(request.job_id))
+        return job_proto(await self.admission.get(_owner(context), request.job_id))
 
     async def ListTrainingJobs(self, request, context: grpc.aio.ServicerContext):
-        jobs, more = await self.admission.list(request.limit, request.after)
+        jobs, more = await self.admission.list(_owner(context), request.limit, request.after)
         return training_pb2.ListTrainingJobsResponse(jobs=[job_proto(j) for j in jobs], has_more=more)
 
     async def CancelTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.cancel(request.job_id))
+        return job_proto(await self.admission.cancel(_owner(context), request.job_id))
 
     async def CheckpointTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        checkpoint_id = await self.admission.checkpoint(request.job_id)
+        checkpoint_id = await self.admission.checkpoint(_owner(context), request.job_id)
         return training_pb2.CheckpointTrainingJobResponse(checkpoint_id=checkpoint_id)
 
     async def ListTrainingCheckpoints(self, request, context: grpc.aio.ServicerContext):
-        records = await self.admission.checkpoints(request.job_id)
+        records = await self.admission.checkpoints(_owner(context), request.job_id)
         return training_pb2.ListTrainingCheckpointsResponse(
             checkpoints=[checkpoint_proto(c) for c in records]
         )
 
     async def ResumeTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.resume(request.job_id, request.checkpoint_id))
+        return job_proto(await self.admission.resume(_owner(context), request.job_id, request.checkpoint_id))
 
     async def ListTrainingJobEvents(self, request, context: grpc.aio.ServicerContext):
-        events = await self.admission.events(request.job_id, request.after, request.limit)
+        events = await self.admission.events(_owner(context), request.job_id, request.after, request.limit)
         return training_pb2.ListTrainingJobEventsResponse(events=[event_proto(e) for e in events])
 
 
