@@ -12,7 +12,11 @@ from typing import Any
 from libs.engine.errors import InvalidRequestError
 from libs.limits import ENGINE_MAX_CHOICES
 
-EARLY_STOPPING = (True, False, "never")  # transformers' values: stop at num_beams hypotheses, heuristic, never
+EARLY_STOPPING = (
+    True,
+    False,
+    "never",
+)  # transformers' values: stop at num_beams hypotheses, heuristic, never
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: beyond it a score is only the length
 
 
@@ -27,7 +31,9 @@ def check_beam_search(params: Any) -> None:
                 "best_of", f"must be in [n, {ENGINE_MAX_CHOICES}] (n = {params.n}), got {best_of}"
             )
     if not isinstance(params.use_beam_search, bool):
-        raise InvalidRequestError("use_beam_search", f"expected true or false, got {params.use_beam_search!r}")
+        raise InvalidRequestError(
+            "use_beam_search", f"expected true or false, got {params.use_beam_search!r}"
+        )
     _check_scoring(params)
     if params.use_beam_search:
         _check_beam_fields(params)
@@ -64,7 +70,11 @@ def _check_beam_fields(params: Any) -> None:
         ("repetition_penalty", params.repetition_penalty != 1.0, "must be 1 with use_beam_search"),
         ("presence_penalty", params.presence_penalty != 0.0, "must be 0 with use_beam_search"),
         ("frequency_penalty", params.frequency_penalty != 0.0, "must be 0 with use_beam_search"),
-        ("stop", bool(params.stop), "stop strings are not supported with use_beam_search (stop_token_ids are)"),
+        (
+            "stop",
+            bool(params.stop),
+            "stop strings are not supported with use_beam_search (stop_token_ids are)",
+        ),
         ("logprobs", params.logprobs is not None, "is not supported with use_beam_search"),
         ("structured", params.structured is not None, "a format is not supported with use_beam_search"),
         ("speculative", params.speculative is True, "beams are never drafted: leave it unset or false"),

@@ -97,7 +97,7 @@ class BeamSearch:
         if self.done:
             return []
         return [
-            Beam(-1, self.running[b].token_ids + [token], score, parent=self.running[b].seq_id)
+            Beam(-1, [*self.running[b].token_ids, token], score, parent=self.running[b].seq_id)
             for score, b, token in nxt
         ]
 
@@ -122,7 +122,7 @@ class BeamSearch:
             if not end:
                 continue
             reason = "stop" if token in self.end_ids else "length"
-            tokens = self.running[b].token_ids + [token]
+            tokens = [*self.running[b].token_ids, token]
             self.finished.append(Hypothesis(tokens, float(logprob / denominator), float(logprob), reason))
         self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
         del self.finished[self.width :]
@@ -140,7 +140,9 @@ class BeamSearch:
     def abort(self) -> None:
         """End the search now: the running beams count as hypotheses, unpenalised."""
         for beam in self.running:
-            self.finished.append(Hypothesis(beam.token_ids, float(beam.logprob), float(beam.logprob), "abort"))
+            self.finished.append(
+                Hypothesis(beam.token_ids, float(beam.logprob), float(beam.logprob), "abort")
+            )
         self.done = True
 
     def best(self, n: int) -> list[Hypothesis]:
@@ -169,7 +171,9 @@ class BeamDriver:
             children.setdefault(beam.parent, []).append(beam)
         for parent in old:
             if parent.seq_id not in children:
-                self._drop(parent, SequenceStatus.FINISHED_LENGTH if search.done else SequenceStatus.FINISHED_ABORTED)
+                self._drop(
+                    parent, SequenceStatus.FINISHED_LENGTH if search.done else SequenceStatus.FINISHED_ABORTED
+                )
         for parent in old:
             for i, beam in enumerate(children.get(parent.seq_id, ())):
                 target = parent if i == 0 else self._fork(parent)

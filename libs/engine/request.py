@@ -41,6 +41,19 @@ class _Output:
         return "".join(self.pieces[start:])
 
 
+def _record_logprob(out: _Output, sample: SampledToken) -> None:
+    """A sampled token's log-prob (when the sampler gave one: logprobs asked for, or best_of
+    ranking the outputs by them) into its output's sum and, when asked for, its logprobs."""
+    if sample.logprob is None:
+        return
+    out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
+    if out.logprobs is not None:
+        token = sample.token_id
+        ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
+        ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
+        out.logprobs.append(ranked)
+
+
 class Request:
     """A prompt, its settings and its outputs; turns sampled tokens into text and stop decisions."""
 
@@ -117,12 +130,7 @@ class Request:
         out = self._outputs[seq.index]
         token = sample.token_id
         out.token_ids.append(token)
-        if sample.logprob is not None:  # logprobs asked for, or best_of ranking the outputs by them
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
-            if out.logprobs is not None:
-                ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
-                ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
-                out.logprobs.append(ranked)
+        _record_logprob(out, sample)
 
         if token in self.eos_ids or token in self.stop_ids:
             out.add_text(out.stream.finish())

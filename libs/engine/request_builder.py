@@ -64,18 +64,9 @@ class RequestBuilder:
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if session is not None:
-            if not session.session_id:
-                raise InvalidRequestError("session.session_id", "must be a non-empty string")
-            if params.n != 1:  # one conversation continues from one output
-                raise InvalidRequestError("n", f"a session turn has one output, not {params.n}")
-            if params.num_seqs != 1:  # ... and keeps the KV of that one sequence
-                raise InvalidRequestError("best_of", "a session turn runs one sequence: no best_of or beams")
+        self._check_sequences(params, session)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
-        if params.num_seqs > self.max_num_seqs:
-            name = "n" if params.best_of is None else "best_of"
-            raise InvalidRequestError(name, f"{params.num_seqs} sequences exceed max_num_seqs {self.max_num_seqs}")
         resolved = self.experts.resolve(experts)
         text, token_ids = self._tokenize(prompt)
         self._check_lengths(token_ids, params, resolved.num_virtual_tokens)
@@ -110,10 +101,28 @@ class RequestBuilder:
             self._resume(request, list(resume))
         return request
 
+    def _check_sequences(self, params: SamplingParams, session: SessionRef | None) -> None:
+        """The sequences the request runs (n, best_of or beams) fit the batch, and a session turn
+        runs exactly one."""
+        if session is not None:
+            if not session.session_id:
+                raise InvalidRequestError("session.session_id", "must be a non-empty string")
+            if params.n != 1:  # one conversation continues from one output
+                raise InvalidRequestError("n", f"a session turn has one output, not {params.n}")
+            if params.num_seqs != 1:  # ... and keeps the KV of that one sequence
+                raise InvalidRequestError("best_of", "a session turn runs one sequence: no best_of or beams")
+        if params.num_seqs > self.max_num_seqs:
+            name = "n" if params.best_of is None else "best_of"
+            raise InvalidRequestError(
+                name, f"{params.num_seqs} sequences exceed max_num_seqs {self.max_num_seqs}"
+            )
+
     def _beam_search(self, params: SamplingParams, seq: Sequence) -> BeamSearch:
         """The request's beam search, its first beam the prompt's sequence. Its end tokens are the
         ones that stop an ordinary output; max_tokens (else the context window) bounds its length."""
-        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        ending = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
         room = self.max_model_len - seq.num_tokens
         search = BeamSearch(
             width=params.num_seqs,

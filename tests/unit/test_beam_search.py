@@ -41,7 +41,10 @@ def _step(search: BeamSearch, offers: dict[int, list[tuple[int, float]]]) -> lis
 def test_the_first_step_takes_the_best_continuations_of_the_prompt():
     search = _search(width=2)
     beams = _step(search, {0: [(5, -0.1), (6, -0.5), (7, -1.0), (8, -2.0)]})
-    assert [(b.token_ids, float(b.logprob)) for b in beams] == [([5], pytest.approx(-0.1)), ([6], pytest.approx(-0.5))]
+    assert [(b.token_ids, float(b.logprob)) for b in beams] == [
+        ([5], pytest.approx(-0.1)),
+        ([6], pytest.approx(-0.5)),
+    ]
     assert not search.done and search.finished == []
 
 
@@ -205,7 +208,10 @@ def test_beam_search_turns_speculation_off_and_counts_its_beams():
             {"use_beam_search": True, "n": 2, "temperature": 0.7, "top_k": 5, "stop": ["."]},
             ["request.temperature", "request.top_k", "request.stop"],
         ),
-        ({"length_penalty": 0.5, "early_stopping": "true"}, ["request.length_penalty", "request.early_stopping"]),
+        (
+            {"length_penalty": 0.5, "early_stopping": "true"},
+            ["request.length_penalty", "request.early_stopping"],
+        ),
         ({"use_beam_search": True, "n": 2, "early_stopping": "maybe"}, ["request.early_stopping"]),
     ],
 )

@@ -102,7 +102,10 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--logprobs", type=_INT32, metavar="K", help="show each token's logprob and its K best alternatives"
     )
     parser.add_argument(
-        "--best-of", type=_INT32, metavar="N", help="generate N, return the n most likely (with --beam-search: beams)"
+        "--best-of",
+        type=_INT32,
+        metavar="N",
+        help="generate N, return the n most likely (with --beam-search: beams)",
     )
     parser.add_argument(
         "--beam-search",
@@ -113,7 +116,9 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--length-penalty", type=float, metavar="X", help="beam search: score / length ** X")
     parser.add_argument(
-        "--early-stopping", choices=("true", "false", "never"), help="beam search: when to stop (default false)"
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        help="beam search: when to stop (default false)",
     )
     parser.add_argument("--priority", type=_INT32, metavar="N", help="0-9, higher first")
     parser.add_argument("--timeout-ms", type=_INT64, metavar="N", help="the job's time limit")

@@ -36,7 +36,9 @@ def beam_problems(request: common_pb2.InferenceRequest) -> list[tuple[str, str]]
     n = request.n if request.HasField("n") else 1
     problems = []
     if request.HasField("best_of") and not n <= request.best_of <= MAX_CHOICES:
-        problems.append(("request.best_of", f"must be in [n, {MAX_CHOICES}] (n = {n}), got {request.best_of}"))
+        problems.append(
+            ("request.best_of", f"must be in [n, {MAX_CHOICES}] (n = {n}), got {request.best_of}")
+        )
     problems += _scoring(request)
     if request.use_beam_search:
         problems += _beam_fields(request, request.best_of if request.HasField("best_of") else n)

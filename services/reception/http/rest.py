@@ -18,8 +18,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from libs.gen.expert.v1 import common_pb2
-from services.reception.admission.core import Admission, Submitted
 from services.reception.admission.beams import early_stopping_word
+from services.reception.admission.core import Admission, Submitted
 from services.reception.http.calls import infer
 from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.response_format import parse_response_format
