@@ -225,3 +225,10 @@ def test_reception_accepts_beams_with_neutral_values():
         prompt="hi", n=2, best_of=4, use_beam_search=True, temperature=0.0, top_p=1.0, early_stopping="never"
     )
     assert beam_problems(request) == []
+
+
+def test_the_sdk_sends_early_stopping_as_the_protos_text():
+    from expert_system.request import build_request
+
+    assert build_request("infer", "hi", {"early_stopping": True}).early_stopping == "true"
+    assert build_request("infer", "hi", {"early_stopping": "never"}).early_stopping == "never"
