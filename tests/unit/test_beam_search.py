@@ -232,3 +232,20 @@ def test_the_sdk_sends_early_stopping_as_the_protos_text():
 
     assert build_request("infer", "hi", {"early_stopping": True}).early_stopping == "true"
     assert build_request("infer", "hi", {"early_stopping": "never"}).early_stopping == "never"
+
+
+def test_the_router_neutralises_its_tuned_sampling_for_beams():
+    from services.router.planner import copy_beam_search
+
+    params = common_pb2.GenerationParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1, n=2)
+    trace: list[str] = []
+    request = common_pb2.InferenceRequest(
+        prompt="hi", n=2, best_of=3, use_beam_search=True, early_stopping="true"
+    )
+    copy_beam_search(request, params, trace)
+    assert (params.best_of, params.use_beam_search, params.early_stopping) == (3, True, "true")
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (0.0, 1.0, 1.0)
+    assert not params.HasField("length_penalty") and trace
+    sampled = common_pb2.GenerationParams(temperature=0.6)
+    copy_beam_search(common_pb2.InferenceRequest(prompt="hi", n=1, best_of=2), sampled, [])
+    assert (sampled.best_of, sampled.use_beam_search, sampled.temperature) == (2, False, pytest.approx(0.6))
