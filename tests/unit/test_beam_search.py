@@ -249,3 +249,16 @@ def test_the_router_neutralises_its_tuned_sampling_for_beams():
     sampled = common_pb2.GenerationParams(temperature=0.6)
     copy_beam_search(common_pb2.InferenceRequest(prompt="hi", n=1, best_of=2), sampled, [])
     assert (sampled.best_of, sampled.use_beam_search, sampled.temperature) == (2, False, pytest.approx(0.6))
+
+
+def test_the_rest_body_carries_early_stopping_as_the_protos_text():
+    from services.reception.http.rest import to_request
+    from services.reception.http.rest_schema import JobBody
+
+    body = JobBody(
+        prompt="hi", n=2, best_of=3, use_beam_search=True, length_penalty=0.5, early_stopping=False
+    )
+    request = to_request(body)
+    assert (request.best_of, request.use_beam_search, request.early_stopping) == (3, True, "false")
+    assert request.length_penalty == 0.5
+    assert to_request(JobBody(prompt="hi", early_stopping="never")).early_stopping == "never"
