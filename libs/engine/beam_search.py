@@ -87,7 +87,7 @@ class BeamSearch:
         candidates = self._candidates()
         at_length = generated + 1 >= self.max_new_tokens
         ended = [at_length or token in self.end_ids for _, _, token in candidates]
-        self._add_hypotheses(candidates[: self.width], ended, generated + 1, at_length)
+        self._add_hypotheses(candidates[: self.width], ended, generated + 1)
         nxt = [c for c, e in zip(candidates, ended, strict=True) if not e][: self.width]
         self.offers.clear()
         if nxt:
@@ -108,13 +108,14 @@ class BeamSearch:
             for b, beam in enumerate(self.running)
             for token, logprob in self.offers[beam.seq_id]
         ]
-        # Ties go to the lower beam, then the lower token id, as a top-k over beam * vocab does.
+        # A fixed order for exact ties (the lower beam, then the lower token id); torch's top-k in
+        # transformers promises none, so an exact tie is the one place the two may differ.
         scored.sort(key=lambda c: (-c[0], c[1], c[2]))
         return scored[: self.keep]
 
-    def _add_hypotheses(
-        self, top: list[tuple[np.float32, int, int]], ended: list[bool], length: int, at_length: bool
-    ) -> None:
+    def _add_hypotheses(self, top: list[tuple[np.float32, int, int]], ended: list[bool], length: int) -> None:
+        """The continuations among the first `width` that ended become hypotheses (none once the
+        search cannot improve, or once it is full with early_stopping True)."""
         if not self.improvable or (len(self.finished) == self.width and self.early_stopping is True):
             return
         denominator = _F32(float(length) ** self.length_penalty)
