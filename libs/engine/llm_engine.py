@@ -16,6 +16,7 @@ import torch
 
 from libs.engine import host_memory, kv_cache
 from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManager, ExpertSpec
+from libs.engine.beam_search import BeamDriver
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import ConfigError, EngineConfig
 from libs.engine.errors import InvalidRequestError
@@ -152,6 +153,7 @@ class LLMEngine:
         self._builder = self._request_builder()
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
+        self._beams = BeamDriver(self.scheduler.add_fork, self.scheduler.finish, self._seqs)
         self._aborted: list[Request] = []
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
@@ -332,13 +334,16 @@ class LLMEngine:
             if request is None:
                 continue
             now = time.monotonic()
+            if request.beam is not None:
+                self._abort_beams(request, now)
+                continue
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                     request.mark_finished(seq, SequenceStatus.FINISHED_ABORTED, now)
                 self._seqs.pop(seq.seq_id, None)
             # Outputs not yet forked (n > 1) are aborted too.
-            for index in range(len(request.seqs), request.params.n):
+            for index in range(len(request.seqs), request.params.num_seqs):
                 seq = request.seqs[0].fork(index)
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 request.add_sequence(seq)
@@ -346,6 +351,15 @@ class LLMEngine:
             self.experts.unpin(request.experts)
             self._finished_by_reason["abort"] += 1
             self._aborted.append(request)
+
+    def _abort_beams(self, request: Request, now: float) -> None:
+        """Abort a beam search: its beams are freed and its output is the best it has."""
+        self._beams.abort(request.beam)
+        self._beams.forget(request.request_id)
+        request.record_finish(now)
+        self.experts.unpin(request.experts)
+        self._finished_by_reason["abort"] += 1
+        self._aborted.append(request)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -435,6 +449,9 @@ class LLMEngine:
             seq = self._seqs[seq_id]
             request = self._requests[seq.request_id]
             touched[request.request_id] = request
+            if request.beam is not None:
+                self._on_beam_sample(request, seq, sampled[0], now)
+                continue
             if seq_id in kept:
                 self._append_verified(seq, request, sampled[: kept[seq_id] + 1], now)
                 continue
@@ -444,6 +461,17 @@ class LLMEngine:
             for target, sample in zip(targets, sampled, strict=True):
                 self._append_one(target, request, sample, now)
         return touched
+
+    def _on_beam_sample(self, request: Request, seq: Sequence, sample: SampledToken, now: float) -> None:
+        """A beam's candidates; the beam search steps once every beam has given its own."""
+        self._counters["generation_tokens"] += 1
+        request.metrics.num_generation_tokens += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        self._beams.on_sample(request.beam, seq, list(sample.top_logprobs))
+        if request.beam.done:
+            self._beams.forget(request.request_id)
+            request.record_finish(now)
 
     def _append_one(self, seq: Sequence, request: Request, sample: SampledToken, now: float) -> bool:
         """Append one token; True if it ended the sequence."""

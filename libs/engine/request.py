@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from libs.engine.adapters.registry import ExpertUse
+from libs.engine.beam_search import BeamSearch
 from libs.engine.errors import InvalidRequestError
 from libs.engine.outputs import AppliedExpert, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from libs.engine.sampler import SampledToken
@@ -40,6 +41,19 @@ class _Output:
         return "".join(self.pieces[start:])
 
 
+def _record_logprob(out: _Output, sample: SampledToken) -> None:
+    """A sampled token's log-prob (when the sampler gave one: logprobs asked for, or best_of
+    ranking the outputs by them) into its output's sum and, when asked for, its logprobs."""
+    if sample.logprob is None:
+        return
+    out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
+    if out.logprobs is not None:
+        token = sample.token_id
+        ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
+        ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
+        out.logprobs.append(ranked)
+
+
 class Request:
     """A prompt, its settings and its outputs; turns sampled tokens into text and stop decisions."""
 
@@ -66,6 +80,7 @@ class Request:
         self._outputs: list[_Output] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.session: SessionRef | None = None  # set when the request is a turn of a session
+        self.beam: BeamSearch | None = None  # set for use_beam_search: its beams are not outputs
         self.experts: tuple[ExpertUse, ...] = first.experts
         self.applied = [
             AppliedExpert(u.expert.name, u.expert.version, u.expert.adapter_type, u.weight)
@@ -75,7 +90,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+        if self.beam is not None:
+            return self.beam.done
+        return len(self.seqs) == self.params.num_seqs and all(seq.is_finished for seq in self.seqs)
 
     def add_sequence(self, seq: Sequence) -> None:
         self.seqs.append(seq)
@@ -113,11 +130,7 @@ class Request:
         out = self._outputs[seq.index]
         token = sample.token_id
         out.token_ids.append(token)
-        if out.logprobs is not None and sample.logprob is not None:
-            ranked = {tid: Logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(sample.top_logprobs)}
-            ranked.setdefault(token, Logprob(token, sample.logprob, sample.rank or 0))
-            out.logprobs.append(ranked)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sample.logprob
+        _record_logprob(out, sample)
 
         if token in self.eos_ids or token in self.stop_ids:
             out.add_text(out.stream.finish())
@@ -152,17 +165,54 @@ class Request:
             out.add_text(out.stream.finish())
         out.finish_reason = status.finish_reason
         if self.finished:
-            self.metrics.finished_time = now
-            self.metrics.num_cached_tokens = self.seqs[0].num_cached_tokens
-            self.metrics.num_preemptions = sum(s.num_preemptions for s in self.seqs)
+            self.record_finish(now)
+
+    def record_finish(self, now: float) -> None:
+        """The end of the request in its metrics (every output, or its beam search, is done)."""
+        self.metrics.finished_time = now
+        self.metrics.num_cached_tokens = self.seqs[0].num_cached_tokens
+        self.metrics.num_preemptions = sum(s.num_preemptions for s in self.seqs)
+
+    def _returned(self) -> list[_Output]:
+        """The outputs the caller gets: all of them, or best_of's n with the highest cumulative
+        log-prob (best first), or a beam search's n best hypotheses."""
+        if self.beam is not None:
+            return self._beam_outputs()
+        outputs = sorted(self._outputs, key=lambda o: o.index)
+        if self.params.ranks_outputs:
+            outputs.sort(key=lambda o: -(o.cumulative_logprob or 0.0))  # stable: lower index wins ties
+            return outputs[: self.params.n]
+        return outputs
+
+    def _beam_outputs(self) -> list[_Output]:
+        outputs = []
+        for hyp in self.beam.best(self.params.n):
+            stream = TextStream(
+                self.tokenizer, self.prompt_token_ids, skip_special_tokens=self.params.skip_special_tokens
+            )
+            ending = hyp.token_ids[-1:] if hyp.finish_reason == "stop" else []
+            body = hyp.token_ids[: len(hyp.token_ids) - len(ending)]
+            out = _Output(0, stream, token_ids=list(hyp.token_ids), cumulative_logprob=hyp.cumulative_logprob)
+            out.add_text(stream.append(body).text)
+            out.add_text(stream.finish())
+            out.finish_reason = hyp.finish_reason
+            out.stop_reason = ending[0] if ending and ending[0] in self.stop_ids else None
+            outputs.append(out)
+        return outputs
 
     def output(self) -> RequestOutput | None:
         """What the caller gets now, shaped by the request's output kind (None: nothing to send)."""
         kind = self.params.output_kind
-        if kind == OutputKind.FINAL_ONLY and not self.finished:
+        if self.beam is not None or self.params.ranks_outputs:
+            # Which outputs are returned is known only at the end: nothing is sent before it.
+            if not self.finished:
+                return None
+            kind = OutputKind.FINAL_ONLY
+        elif kind == OutputKind.FINAL_ONLY and not self.finished:
             return None
         completions = []
-        for out in sorted(self._outputs, key=lambda o: o.index):
+        for index, out in enumerate(self._returned()):
+            out.index = index
             start_piece, start_token = (
                 (out.sent_pieces, out.sent_tokens) if kind == OutputKind.DELTA else (0, 0)
             )

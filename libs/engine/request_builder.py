@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from libs.engine.adapters.manager import ExpertManager, ExpertSpec
+from libs.engine.beam_search import BeamSearch
 from libs.engine.errors import InvalidRequestError
 from libs.engine.grammar import GrammarCompiler
 from libs.engine.models.config import ModelConfig
@@ -63,15 +64,9 @@ class RequestBuilder:
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if session is not None:
-            if not session.session_id:
-                raise InvalidRequestError("session.session_id", "must be a non-empty string")
-            if params.n != 1:  # one conversation continues from one output
-                raise InvalidRequestError("n", f"a session turn has one output, not {params.n}")
+        self._check_sequences(params, session)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"expected an integer, got {priority!r}")
-        if params.n > self.max_num_seqs:
-            raise InvalidRequestError("n", f"{params.n} outputs exceed max_num_seqs {self.max_num_seqs}")
         resolved = self.experts.resolve(experts)
         text, token_ids = self._tokenize(prompt)
         self._check_lengths(token_ids, params, resolved.num_virtual_tokens)
@@ -100,9 +95,45 @@ class RequestBuilder:
         )
         request = Request(request_id, text, token_ids, params, seq, self.tokenizer, self.max_model_len, now)
         request.session = session
+        if params.use_beam_search:
+            request.beam = self._beam_search(params, seq)
         if resume:
             self._resume(request, list(resume))
         return request
+
+    def _check_sequences(self, params: SamplingParams, session: SessionRef | None) -> None:
+        """The sequences the request runs (n, best_of or beams) fit the batch, and a session turn
+        runs exactly one."""
+        if session is not None:
+            if not session.session_id:
+                raise InvalidRequestError("session.session_id", "must be a non-empty string")
+            if params.n != 1:  # one conversation continues from one output
+                raise InvalidRequestError("n", f"a session turn has one output, not {params.n}")
+            if params.num_seqs != 1:  # ... and keeps the KV of that one sequence
+                raise InvalidRequestError("best_of", "a session turn runs one sequence: no best_of or beams")
+        if params.num_seqs > self.max_num_seqs:
+            name = "n" if params.best_of is None else "best_of"
+            raise InvalidRequestError(
+                name, f"{params.num_seqs} sequences exceed max_num_seqs {self.max_num_seqs}"
+            )
+
+    def _beam_search(self, params: SamplingParams, seq: Sequence) -> BeamSearch:
+        """The request's beam search, its first beam the prompt's sequence. Its end tokens are the
+        ones that stop an ordinary output; max_tokens (else the context window) bounds its length."""
+        ending = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
+        room = self.max_model_len - seq.num_tokens
+        search = BeamSearch(
+            width=params.num_seqs,
+            max_new_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            end_ids=frozenset(ending),
+            length_penalty=float(params.length_penalty),
+            early_stopping=params.early_stopping,
+        )
+        search.start(seq.seq_id)
+        seq.beam_candidates = search.keep
+        return search
 
     def _resume(self, request: Request, tokens: list[int]) -> None:
         """Make `tokens` the start of the request's one output, as if it had sampled them: they take
@@ -110,7 +141,7 @@ class RequestBuilder:
         request goes on as an uninterrupted run would), its format is advanced over them, and its
         text stream, stop strings and max_tokens count them. Only what follows is sent."""
         params, seq = request.params, request.seqs[0]
-        if params.n != 1 or request.session is not None:
+        if params.num_seqs != 1 or request.session is not None:
             raise InvalidRequestError(
                 "resume_token_ids", "only a request with one output, not a session turn"
             )

@@ -205,7 +205,7 @@ def _collect(seqs: list[Sequence], result: SamplerOutput) -> dict[int, list[Samp
     top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None
     out: dict[int, list[SampledToken]] = {}
     for i, seq in enumerate(seqs):
-        wanted = seq.params.logprobs
+        wanted = seq.num_top_logprobs
         top: tuple[tuple[int, float], ...] = ()
         if wanted and top_ids is not None:
             top = tuple(zip(top_ids[i][:wanted], top_vals[i][:wanted], strict=True))

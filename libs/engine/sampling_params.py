@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from libs.engine.beam_params import check_beam_search
 from libs.engine.errors import InvalidRequestError
 from libs.limits import ENGINE_BOUNDS, Bound, sampling_problems
 from libs.structured_output import StructuredOutput
@@ -35,6 +36,12 @@ class SamplingParams:
     per position (0: only the sampled token's). `structured` constrains every output to a format
     (JSON, a JSON schema, a regex or a grammar): only tokens that keep the output a prefix of one
     the format accepts are sampled, and an end-of-sequence token only where the format can end.
+
+    `best_of` (vLLM's and OpenAI's): that many outputs are generated and the `n` with the highest
+    cumulative logprob returned. `use_beam_search`: beam search with `best_of` beams (else `n`),
+    returning the `n` best (beam_search.py); `length_penalty` and `early_stopping` as transformers'
+    `generate(num_beams=...)`. Beams rank by the model's own probabilities, so they refuse what
+    reshapes or randomises them (temperature > 0, top-p/k, min-p, penalties, formats), as vLLM did.
     """
 
     n: int = 1
@@ -58,6 +65,10 @@ class SamplingParams:
     # Speculative decoding for this request: True/False, or None for the engine's setting
     # (EXPERT_SPECULATIVE). True on an engine without a drafter decodes as usual.
     speculative: bool | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -79,6 +90,9 @@ class SamplingParams:
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
+        check_beam_search(self)
+        if self.use_beam_search:
+            self.speculative = False  # a beam's next tokens are ranked, never drafted
 
     def _validate(self) -> None:
         """The sampling values against the engine's bounds (libs.limits: wider than the public
@@ -107,6 +121,16 @@ class SamplingParams:
             raise InvalidRequestError(
                 "structured", f"expected a StructuredOutput, got {type(self.structured).__name__}"
             )
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs: its beams, or best_of samples, or its n outputs."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_outputs(self) -> bool:
+        """Whether the n outputs are picked from more samples by cumulative logprob (best_of > n)."""
+        return not self.use_beam_search and self.num_seqs > self.n
 
     @property
     def greedy(self) -> bool:

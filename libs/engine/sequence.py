@@ -115,9 +115,12 @@ class Sequence:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
-        # Samples still to draw from the first logits row: n for a request's first sequence
-        # with n > 1 (it forks into n), 1 otherwise.
-        self.num_pending_forks = params.n if index == 0 else 1
+        # Samples still to draw from the first logits row: n (or best_of) for a request's first
+        # sequence with several (it forks into them), 1 otherwise. A beam search's first sequence
+        # counts its beams too (the admission reserves room for them) but draws one row.
+        self.num_pending_forks = params.num_seqs if index == 0 else 1
+        # A beam's next-token candidates: the sampler reports this many most likely tokens (0: not a beam).
+        self.beam_candidates = 0
         # The session this sequence is a turn of (SessionTable.begin_turn): kept, not freed, at its end.
         self.session_id: str | None = None
         # Speculative decoding: drafted tokens sit at the end of token_ids during the step that
@@ -176,9 +179,19 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Most likely tokens (with the sampled token's log-prob) the sampler reports per position:
+        a beam's candidates, the request's logprobs, or 0 when best_of ranks outputs by log-prob."""
+        if self.beam_candidates:
+            return self.beam_candidates
+        if self.params.logprobs is None and self.params.ranks_outputs:
+            return 0
+        return self.params.logprobs
+
     def sample_seeds(self) -> list[int]:
         """Seeds of the rows to sample from this sequence's next logits (several when it forks)."""
-        if self.num_pending_forks > 1:
+        if self.num_pending_forks > 1 and not self.beam_candidates:
             return [output_seed(self.request_seed, i) for i in range(self.num_pending_forks)]
         return [self.seed]
 

@@ -260,7 +260,9 @@ def sampling_batch(views: dict[str, torch.Tensor], sample: SampleRows) -> Sampli
         seed_lo=views["seed_lo"],
         seed_hi=views["seed_hi"],
         step=views["step"],
-        num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        num_logprobs=max(
+            (q.num_top_logprobs for q in sample.seqs if q.num_top_logprobs is not None), default=-1
+        ),
         all_greedy=all(p.greedy for p in params),
         any_top_k=any(p.top_k > 0 for p in params),
         any_top_p=any(p.top_p < 1.0 for p in params),

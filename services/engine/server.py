@@ -50,6 +50,10 @@ FINISH_REASONS = {
 }
 
 
+# GenerationParams.early_stopping's words for SamplingParams' values ("never" is both).
+_EARLY_STOPPING = {"": False, "false": False, "true": True}
+
+
 def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
     """The engine's SamplingParams; zero top_p / repetition_penalty / max_tokens mean "not set", and
     `response_format` becomes the format the engine enforces (`structured`)."""
@@ -71,6 +75,10 @@ def sampling_params(params: common_pb2.GenerationParams) -> SamplingParams:
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         speculative=params.speculative if params.HasField("speculative") else None,
+        best_of=params.best_of or None,
+        use_beam_search=params.use_beam_search,
+        length_penalty=params.length_penalty if params.HasField("length_penalty") else 1.0,
+        early_stopping=_EARLY_STOPPING.get(params.early_stopping, params.early_stopping),
     )
 
 

@@ -95,16 +95,18 @@ class Engine:
 
 def kv_blocks_needed(plan: common_pb2.ExpertPlan, model: common_pb2.ModelSpec) -> int:
     """Blocks for the prompt (its byte count bounds its tokens) plus max_tokens of output, for each
-    of the n choices. The engine forks the choices after the prompt, and the forks share the
-    prompt's full blocks (its last, partly filled block is copied on a fork's first write), so the
-    full prompt blocks count once and everything after them once per choice."""
+    of the n choices (or best_of's samples, or beams). The engine forks them after the prompt, and
+    the forks share the prompt's full blocks (its last, partly filled block is copied on a fork's
+    first write), so the full prompt blocks count once and everything after them once per sequence."""
     block_size = max(model.block_size, 1)
     tokens = plan.prompt_bytes + plan.generation_params.max_tokens
     if model.max_model_len:
         tokens = min(tokens, model.max_model_len)
     one = math.ceil(tokens / block_size)
     shared = min(plan.prompt_bytes // block_size, one)
-    return shared + max(1, plan.generation_params.n) * (one - shared)
+    params = plan.generation_params
+    sequences = max(1, params.n, params.best_of)  # choices, best_of's samples or beams
+    return shared + sequences * (one - shared)
 
 
 def kv_bytes(blocks: int, model: common_pb2.ModelSpec) -> int:

@@ -50,6 +50,25 @@ def _format_trace(request: common_pb2.InferenceRequest, format_kind: str | None)
     return [f"format: {format_kind} (the request's {source}), enforced by the engine as it samples"]
 
 
+def copy_beam_search(
+    request: common_pb2.InferenceRequest, params: common_pb2.GenerationParams, trace: list[str]
+) -> None:
+    """The request's best_of and beam-search settings. A beam search ranks by the model's own
+    probabilities: the tuned sampling (which reception let through only where the user left it
+    unset) goes back to neutral, temperature 0."""
+    if request.HasField("best_of"):
+        params.best_of = request.best_of
+    if not request.use_beam_search:
+        return
+    params.use_beam_search = True
+    if request.HasField("length_penalty"):
+        params.length_penalty = request.length_penalty
+    params.early_stopping = request.early_stopping if request.HasField("early_stopping") else ""
+    params.temperature, params.top_p, params.top_k, params.min_p = 0.0, 1.0, 0, 0.0
+    params.repetition_penalty, params.presence_penalty, params.frequency_penalty = 1.0, 0.0, 0.0
+    trace.append("tuning: beam search ranks by the model's probabilities (temperature 0, no penalties)")
+
+
 class Planner:
     """Builds ExpertPlans: the reasoning stage over the expert index (without an index, or with
     nothing registered, every plan is the base-model fallback)."""
@@ -90,6 +109,7 @@ class Planner:
             )
         if request.HasField("speculative"):
             params.speculative = request.speculative
+        copy_beam_search(request, params, tuning_trace)
         model_in, text = model_input(request)
         trace = _reasoning_trace(request, features, prompt_features, format_kind, selection, tuning_trace)
         chosen = selection.chosen if selection else []

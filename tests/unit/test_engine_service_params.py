@@ -57,3 +57,25 @@ def test_the_speculative_flag_reaches_the_engine_unset_true_or_false():
         assert (
             sampling_params(common_pb2.GenerationParams(max_tokens=8, speculative=flag)).speculative is flag
         )
+
+
+def test_the_plans_beam_search_reaches_the_engine():
+    params = common_pb2.GenerationParams(
+        max_tokens=8, n=2, best_of=4, use_beam_search=True, length_penalty=0.5, early_stopping="never"
+    )
+    engine = sampling_params(params)
+    assert (engine.n, engine.best_of, engine.use_beam_search) == (2, 4, True)
+    assert (engine.length_penalty, engine.early_stopping) == (0.5, "never")
+    plain = sampling_params(common_pb2.GenerationParams(max_tokens=8, temperature=1.0))
+    assert (plain.best_of, plain.use_beam_search, plain.length_penalty, plain.early_stopping) == (
+        None,
+        False,
+        1.0,
+        False,
+    )
+    assert (
+        sampling_params(
+            common_pb2.GenerationParams(max_tokens=8, n=2, use_beam_search=True, early_stopping="true")
+        ).early_stopping
+        is True
+    )

@@ -94,6 +94,18 @@ def test_infer_options_become_request_fields(run, fakes, tmp_path):
     )
 
 
+def test_beam_search_options_become_request_fields(run, fakes):
+    status, _, _ = run(
+        "infer", "Finish this", "--n", "2", "--best-of", "4", "--beam-search", "--length-penalty", "0.5",
+        "--early-stopping", "never",
+    )  # fmt: skip
+    assert status == 0
+    assert fakes.reception.last_request == common_pb2.InferenceRequest(
+        prompt="Finish this", n=2, best_of=4, use_beam_search=True, length_penalty=0.5, early_stopping="never"
+    )
+    assert run("infer", "Finish this", "--early-stopping", "soon")[0] == 2  # a usage error
+
+
 @pytest.mark.parametrize("command", ["infer", "stream", "submit"])
 def test_a_regex_or_a_grammar_file_becomes_the_requests_format(run, fakes, tmp_path, command):
     assert run(command, "Phone?", "--regex", "[0-9]{3}-[0-9]{4}")[0] == 0

@@ -16,12 +16,13 @@ ENGINE = REPO / "libs/engine"
 # (kernels, tokenizer, the GGUF importer) are one unit each.
 LAYERS: list[set[str]] = [
     {"errors", "sampler", "tokenizer", "models.errors", "adapters", "models", "host_memory", "staging"},
+    {"beam_params"},
     {"sampling_params", "config", "models.rope", "models.generation_config", "grammar", "cuda_graphs"},
     {"models.config", "quant"},
     {"adapters.weights", "kv_cache", "models.loader", "kernels", "models.gguf"},
     {"adapters.registry"},
     {"sequence", "adapters.device"},
-    {"block_manager", "adapters.batch", "step_inputs"},
+    {"block_manager", "adapters.batch", "step_inputs", "beam_search"},
     {"sessions"},
     {"outputs"},
     {"speculative"},

@@ -66,6 +66,10 @@ ALL_FIELDS = {
     "ignore_eos": True,
     "skip_special_tokens": False,
     "speculative": True,
+    "best_of": 4,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "early_stopping": "never",
     # in OpenAI's shape (reception refuses it beside json_schema; the SDK sends what it is given)
     "response_format": {
         "type": "json_schema",

@@ -101,6 +101,25 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--logprobs", type=_INT32, metavar="K", help="show each token's logprob and its K best alternatives"
     )
+    parser.add_argument(
+        "--best-of",
+        type=_INT32,
+        metavar="N",
+        help="generate N, return the n most likely (with --beam-search: beams)",
+    )
+    parser.add_argument(
+        "--beam-search",
+        dest="use_beam_search",
+        action="store_true",
+        default=None,
+        help="beam search with --best-of (else --n) beams; temperature 0",
+    )
+    parser.add_argument("--length-penalty", type=float, metavar="X", help="beam search: score / length ** X")
+    parser.add_argument(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        help="beam search: when to stop (default false)",
+    )
     parser.add_argument("--priority", type=_INT32, metavar="N", help="0-9, higher first")
     parser.add_argument("--timeout-ms", type=_INT64, metavar="N", help="the job's time limit")
     parser.add_argument("--force-expert", dest="force_experts", action="append", metavar="NAME")

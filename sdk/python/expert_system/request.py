@@ -72,6 +72,16 @@ class RequestFields(TypedDict, total=False):
     skip_special_tokens: bool
     # Speculative decoding on (True) or off (False) for this request; unset: the engine's setting.
     speculative: bool
+    # Generate this many sequences (n-16) and return the n with the highest cumulative logprob;
+    # with use_beam_search, the number of beams.
+    best_of: int
+    # Beam search with best_of (else n) beams, returning the n best (temperature 0, no sampling
+    # settings, stop strings, logprobs or formats with it).
+    use_beam_search: bool
+    # Beam search: score = logprob / length ** length_penalty (unset: 1), as transformers.
+    length_penalty: float
+    # Beam search: True, False or "never", as transformers' generate (unset: False).
+    early_stopping: bool | str
     # A regex the whole output matches: response_format={"type": "regex", "regex": ...}.
     regex: str
     # A grammar in llguidance's Lark dialect: response_format={"type": "grammar", "grammar": ...}.
@@ -131,6 +141,8 @@ def _set_field(request: common_pb2.InferenceRequest, name: str, value: Any) -> N
         _response_format(request, value)
     elif name in ("regex", "grammar"):
         _set(request.response_format, name, value)
+    elif name == "early_stopping" and isinstance(value, bool):
+        request.early_stopping = "true" if value else "false"  # the proto holds it as text
     else:
         _set(request, name, value)
 

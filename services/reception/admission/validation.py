@@ -22,6 +22,7 @@ from libs.limits import API_BOUNDS, MAX_EXPERTS, sampling_problems
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
 from libs.response_format import from_request, to_structured
 from libs.structured_output import MAX_FORMAT_BYTES, format_problem
+from services.reception.admission.beams import beam_problems
 from services.reception.admission.tools import tool_problems
 
 # Bounds of what one request may hold (docs/design.md#input-limits): each keeps a request's cost
@@ -111,6 +112,7 @@ def validate(request: common_pb2.InferenceRequest, max_model_len: int = 0) -> No
             ("request.prompt", f"Prompt too long ({len(request.prompt)} > {MAX_PROMPT_CHARS} characters)")
         )
     problems += _sampling(request)
+    problems += beam_problems(request)
     if request.HasField("max_experts") and not 1 <= request.max_experts <= MAX_EXPERTS:
         problems.append(("request.max_experts", f"max_experts must be in [1, {MAX_EXPERTS}]"))
     if request.HasField("priority") and not 0 <= request.priority <= 9:

@@ -194,7 +194,8 @@ class Pipeline:
         """Start another attempt of the job: one that goes on from the output so far where it can
         (its followers see nothing of the change), else one from the prompt, whose followers are
         told to discard the text so far."""
-        resume = run.choices.resumable(run.plan.generation_params.n) if run.turn.resumable else None
+        params = run.plan.generation_params
+        resume = run.choices.resumable(max(params.n, params.best_of)) if run.turn.resumable else None
         if resume is None:
             run.choices.clear()
         run.resume = resume or []

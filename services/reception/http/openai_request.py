@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from libs.gen.expert.v1 import common_pb2
 from libs.limits import SAMPLING_FIELDS
+from services.reception.admission.beams import early_stopping_word
 from services.reception.http.body_text import is_encodable
 from services.reception.http.errors import HttpError, not_supported
 from services.reception.http.openai_schema import (
@@ -29,12 +30,22 @@ def _refuse_unsupported(body: SamplingFields) -> None:
             raise not_supported("echo", "echo")
         if body.suffix:
             raise not_supported("suffix", "suffix")
-        if body.best_of not in (None, 1):
-            raise not_supported("best_of", f"best_of={body.best_of}")
+        _refuse_unstreamable(body)
     if body.stream_options is not None and not body.stream:
         raise HttpError(
             400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value"
         )
+
+
+def _refuse_unstreamable(body: CompletionRequest) -> None:
+    """OpenAI's rule: best_of > n picks its outputs at the end, so it cannot stream; nor can a beam
+    search, whose beams change until it ends."""
+    if not body.stream:
+        return
+    if body.best_of is not None and body.best_of > (body.n if body.n is not None else 1):
+        raise HttpError(400, "best_of greater than n cannot be streamed", "best_of", "invalid_value")
+    if body.use_beam_search:
+        raise HttpError(400, "use_beam_search cannot be streamed", "use_beam_search", "invalid_value")
 
 
 def _refuse_other_outputs(body: SamplingFields) -> None:
@@ -156,6 +167,18 @@ def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest 
         request.top_k = 0
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if isinstance(body, CompletionRequest):
+        _beam_search(request, body)
+
+
+def _beam_search(request: common_pb2.InferenceRequest, body: CompletionRequest) -> None:
+    """OpenAI's best_of and vLLM's beam-search extras (reception's validation checks them)."""
+    for name in ("best_of", "use_beam_search", "length_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(request, name, value)
+    if body.early_stopping is not None:
+        request.early_stopping = early_stopping_word(body.early_stopping)
 
 
 def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:

@@ -112,7 +112,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
     suffix: Text | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=-INT32, le=INT32)
+    # vLLM's beam-search extras (completions only)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Text | None = None
 
 
 FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)

@@ -18,6 +18,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from libs.gen.expert.v1 import common_pb2
+from services.reception.admission.beams import early_stopping_word
 from services.reception.admission.core import Admission, Submitted
 from services.reception.http.calls import infer
 from services.reception.http.errors import HttpError, ToHttpError, error_response
@@ -40,6 +41,8 @@ def to_request(body: JobBody) -> common_pb2.InferenceRequest:
     """The InferenceRequest a REST body spells out field for field (its unset fields stay unset),
     and the format its `response_format` asks for in OpenAI's shape."""
     fields = body.model_dump(exclude_none=True, exclude={"stream", "response_format"})
+    if "early_stopping" in fields:
+        fields["early_stopping"] = early_stopping_word(fields["early_stopping"])
     try:
         request = json_format.ParseDict(fields, common_pb2.InferenceRequest())
     except json_format.ParseError as exc:  # e.g. a float beyond float32's range

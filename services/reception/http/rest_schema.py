@@ -61,6 +61,11 @@ class JobBody(_Body):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     speculative: bool | None = None
+    best_of: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    # true, false or "never" (transformers' values); InferenceRequest holds it as text
+    early_stopping: bool | Text | None = None
 
 
 class InferBody(JobBody):
