@@ -240,7 +240,8 @@ def test_a_checkpoint_on_request_then_cancel_within_a_step_then_resume_from_it(t
     resumed = training.http.post(
         path + "/resume", json={"checkpoint_id": checkpoint_id}, headers=training.train_headers
     )
-    assert resumed.status_code == 200 and resumed.json()["status"] == "PENDING", resumed.text
+    # Queued again: the idle trainer may have taken it before the answer was read back.
+    assert resumed.status_code == 200 and resumed.json()["status"] in ("PENDING", "RUNNING"), resumed.text
     training.wait(
         job["id"],
         lambda j: any(
