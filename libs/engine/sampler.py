@@ -18,8 +18,12 @@ The other rows are not touched at all, and a masked row's numbers depend on its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from libs.engine.speculative_sampling import RejectionRows
 
 _M32 = 0xFFFFFFFF
 CANDIDATES = 256  # tokens examined for top-k / top-p before falling back to a full sort
@@ -215,7 +219,11 @@ class Sampler:
     def __init__(self, sync_free: bool = False) -> None:
         self.sync_free = sync_free
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, rejection: RejectionRows | None = None
+    ) -> SamplerOutput:
+        """`rejection`: rows verifying a model drafter's sampled drafts (speculative_sampling.py),
+        whose tokens the rejection rule decides; only with sampled (temperature > 0) rows."""
         logits = logits.float()
         raw = logits
         if (
@@ -233,6 +241,8 @@ class Sampler:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
             probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free)
             tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
+            if rejection is not None:
+                tokens = rejection.apply(probs, tokens, batch)
             tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
         if batch.num_logprobs >= 0:
