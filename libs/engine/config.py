@@ -21,6 +21,7 @@ def valid_drafter(name: str) -> bool:
         return bool(name[len(DRAFT_PREFIX) :].strip())
     return name in SPECULATIVE_DRAFTERS
 
+
 # dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
 DTYPE_NAMES = {
     "auto": "auto",

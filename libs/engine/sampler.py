@@ -18,12 +18,9 @@ The other rows are not touched at all, and a masked row's numbers depend on its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from libs.engine.speculative_sampling import RejectionRows
 
 _M32 = 0xFFFFFFFF
 CANDIDATES = 256  # tokens examined for top-k / top-p before falling back to a full sort
@@ -203,6 +200,13 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, probs.argmax(dim=-1), tokens)
 
 
+class Rejection(Protocol):
+    """Rows whose tokens a rule other than the plain draw decides (speculative_sampling.RejectionRows)."""
+
+    def apply(self, probs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`tokens` with those rows' tokens replaced, given the filtered probabilities [S, V]."""
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One sequence's token from a step, as the runner hands it to its request."""
@@ -220,7 +224,7 @@ class Sampler:
         self.sync_free = sync_free
 
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, rejection: RejectionRows | None = None
+        self, logits: torch.Tensor, batch: SamplingBatch, rejection: Rejection | None = None
     ) -> SamplerOutput:
         """`rejection`: rows verifying a model drafter's sampled drafts (speculative_sampling.py),
         whose tokens the rejection rule decides; only with sampled (temperature > 0) rows."""
