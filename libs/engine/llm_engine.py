@@ -584,6 +584,7 @@ class LLMEngine:
             experts=self.experts.stats(),
             sessions=self.sessions.stats(),
             speculative=None if self.speculator is None else self.speculator.snapshot(),
+            speculative_fallback=None if self.speculator is None else self.speculator.fallback_snapshot(),
         )
 
 
