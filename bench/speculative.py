@@ -1,18 +1,25 @@
-"""Tokens/s with and without speculative decoding (the n-gram drafter), greedy, on one engine.
+"""Tokens/s with and without speculative decoding, greedy, for each drafter, in one run.
 
     python bench/speculative.py [--model DIR] [--batch 1 8] [--max-tokens 96] [--threads 2]
+        [--drafters ngram base int4 draft:DIR]
 
-Each workload runs twice on the same engine (EXPERT_SPECULATIVE=ngram): with speculation turned off
-per request, then with it on; the outputs must be identical, and the script says so. Workloads:
-extraction (JSON from a paragraph, where the output copies the input) and free chat. Only the
-n-gram drafter exists so far. Figures are only meaningful on an idle machine.
+One engine per drafter (EXPERT_SPECULATIVE=<drafter>). Each workload runs twice on it: with
+speculation turned off per request, then with it on; the outputs must be identical, and the script
+says so, with the acceptance rate (drafts kept / drafted). Workloads: extraction (JSON from a
+paragraph, where the output copies the input), free chat, and an expert request (free chat with a
+random rank-8 LoRA expert made and signed for the run, as bench/adapters.py makes them). The base
+drafter drafts only for the expert workload (the others use the n-gram drafter: see
+docs/engine.md#speculative-decoding). Figures are only meaningful on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import tempfile
 import time
+from pathlib import Path
 
 from libs.engine.config import DEFAULT_MODEL
 from libs.engine.llm_engine import LLMEngine
@@ -27,6 +34,10 @@ PARAGRAPHS = [
 CHATS = ["Tell me about the sea.", "Why do cats purr?", "Describe a busy market.", "What is rain?"]
 
 
+WORKLOADS = ("extraction", "chat", "expert")
+EXPERT = "bench-lora-0"  # the name bench/adapters.py gives its first package
+
+
 def workload(name: str, batch: int) -> list[list[dict[str, str]]]:
     if name == "extraction":
         texts = [
@@ -39,12 +50,60 @@ def workload(name: str, batch: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def timed(engine: LLMEngine, chats, params: SamplingParams) -> tuple[float, int, list[list[int]]]:
+def timed(engine: LLMEngine, chats, params: SamplingParams, experts) -> tuple[float, int, list[list[int]]]:
+    prompts = [engine.tokenizer.encode_chat(c) for c in chats]
     started = time.perf_counter()
-    outs = engine.chat(chats, params)
+    outs = engine.generate(prompts, params, experts=experts)
     elapsed = time.perf_counter() - started
     ids = [o.outputs[0].token_ids for o in outs]
     return elapsed, sum(len(i) for i in ids), ids
+
+
+def counters(engine: LLMEngine) -> tuple[int, int]:
+    """Drafted and accepted tokens so far, the base drafter's n-gram fallback included."""
+    stats = [engine.get_stats().speculative, engine.speculator.fallback_snapshot()]
+    return (
+        sum(s.drafted_tokens_total for s in stats if s is not None),
+        sum(s.accepted_tokens_total for s in stats if s is not None),
+    )
+
+
+def bench_expert(model: str, root: Path) -> tuple[Path, Path]:
+    """A signed random LoRA package for `model` and its trusted-keys directory."""
+    from adapters import make_adapters, make_packages  # bench/adapters.py, next to this script
+
+    packages, trusted = make_packages(model, make_adapters(model, root, 1, 8), root)
+    return packages[0], trusted
+
+
+def run_drafter(args: argparse.Namespace, drafter: str, expert: tuple[Path, Path]) -> None:
+    engine = LLMEngine.from_pretrained(
+        args.model,
+        num_threads=args.threads,
+        speculative=drafter,
+        speculative_k=args.k,
+        enable_prefix_caching=False,  # the second run of a workload must prefill as the first did
+    )
+    engine.load_expert(*expert)
+    on = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    off = dataclasses.replace(on, speculative=False)
+    engine.chat(workload("chat", 1), dataclasses.replace(off, max_tokens=4))  # warm-up
+    for name in WORKLOADS:
+        for batch in args.batch:
+            chats = workload("chat" if name == "expert" else name, batch)
+            experts = [[(EXPERT, 1.0)]] * batch if name == "expert" else None
+            t_off, n_off, ids_off = timed(engine, chats, off, experts)
+            before = counters(engine)
+            t_on, n_on, ids_on = timed(engine, chats, on, experts)
+            drafted, accepted = (a - b for a, b in zip(counters(engine), before, strict=True))
+            rate = f"{accepted / drafted:.0%}" if drafted else "-"
+            print(
+                f"{drafter[:14]:<14} {name:<11} {batch:>5} {n_off / t_off:>10.1f} {n_on / t_on:>10.1f} "
+                f"{t_off / t_on * n_on / n_off:>5.2f}x {rate:>9} {ids_on == ids_off}",
+                flush=True,
+            )
+    del engine
+    gc.collect()
 
 
 def main() -> None:
@@ -54,34 +113,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--drafters", nargs="+", default=["ngram", "base", "int4"])
     args = parser.parse_args()
-    engine = LLMEngine.from_pretrained(
-        args.model,
-        num_threads=args.threads,
-        speculative="ngram",
-        speculative_k=args.k,
-        enable_prefix_caching=False,  # the second run of a workload must prefill as the first did
-    )
-    on = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    off = dataclasses.replace(on, speculative=False)
-    engine.chat(workload("chat", 1), dataclasses.replace(off, max_tokens=4))  # warm-up
     print(
-        f"{'workload':<11} {'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'kept':>5} same"
+        f"{'drafter':<14} {'workload':<11} {'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} "
+        f"{'accepted':>9} same"
     )
-    for name in ("extraction", "chat"):
-        for batch in args.batch:
-            chats = workload(name, batch)
-            t_off, n_off, ids_off = timed(engine, chats, off)
-            before = engine.get_stats().speculative
-            t_on, n_on, ids_on = timed(engine, chats, on)
-            after = engine.get_stats().speculative
-            drafted = after.drafted_tokens_total - before.drafted_tokens_total
-            accepted = after.accepted_tokens_total - before.accepted_tokens_total
-            rate = f"{accepted / drafted:.0%}" if drafted else "-"
-            print(
-                f"{name:<11} {batch:>5} {n_off / t_off:>10.1f} {n_on / t_on:>12.1f} "
-                f"{t_off / t_on * n_on / n_off:>5.2f}x {rate:>5} {ids_on == ids_off}"
-            )
+    with tempfile.TemporaryDirectory() as tmp:
+        expert = bench_expert(args.model, Path(tmp))
+        for drafter in args.drafters:
+            run_drafter(args, drafter, expert)
 
 
 if __name__ == "__main__":

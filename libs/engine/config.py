@@ -10,7 +10,17 @@ from libs.config import ConfigError, EnvReader
 
 DEFAULT_MODEL = "data/models/SmolLM2-135M-Instruct"
 QUANTIZATIONS = ("int8", "int4")  # libs/engine/quant.py; kept here so config needs no torch
-SPECULATIVE_DRAFTERS = ("off", "ngram")  # libs/engine/speculative.py
+# libs/engine/speculative.py and libs/engine/drafters/: "draft:<path>" names a draft checkpoint.
+SPECULATIVE_DRAFTERS = ("off", "ngram", "base", "int4", "draft:<path>")
+DRAFT_PREFIX = "draft:"
+
+
+def valid_drafter(name: str) -> bool:
+    """Whether `name` is a drafter setting: one of SPECULATIVE_DRAFTERS, or draft: and a path."""
+    if name.startswith(DRAFT_PREFIX):
+        return bool(name[len(DRAFT_PREFIX) :].strip())
+    return name in SPECULATIVE_DRAFTERS
+
 
 # dtype names as vLLM accepts them, to the canonical name the engine keeps ("auto" picks per device).
 DTYPE_NAMES = {
@@ -81,13 +91,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     aging_seconds: float = 2.0  # one priority level gained per this many seconds of waiting
     max_sessions: int = 256  # sessions whose KV the engine keeps between turns (sessions.py)
-    # Speculative decoding (speculative.py): the drafter ("off" or "ngram") and the most tokens a
-    # sequence drafts per step.
+    # Speculative decoding (speculative.py): the drafter ("off", "ngram", "base", "int4" or
+    # "draft:<checkpoint path>") and the most tokens a sequence drafts per step.
     speculative: str = "off"
     speculative_k: int = 4
 
     def __post_init__(self) -> None:
-        if self.speculative not in SPECULATIVE_DRAFTERS:
+        if not isinstance(self.speculative, str) or not valid_drafter(self.speculative):
             raise ConfigError(
                 f"speculative: expected one of {', '.join(SPECULATIVE_DRAFTERS)}, got {self.speculative!r}"
             )

@@ -19,6 +19,8 @@ from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManag
 from libs.engine.beam_search import BeamDriver
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import ConfigError, EngineConfig
+from libs.engine.drafters.loading import is_model_drafter, load_drafter
+from libs.engine.drafters.verification import PendingDrafts
 from libs.engine.errors import InvalidRequestError
 from libs.engine.grammar import GrammarCompiler
 from libs.engine.info import ModelInfo
@@ -138,9 +140,7 @@ class LLMEngine:
         )
         self.sessions = SessionTable(self.kv, config.scheduler.max_sessions)
         sched = config.scheduler
-        self.speculator = (
-            None if sched.speculative == "off" else Speculator(sched.speculative, sched.speculative_k)
-        )
+        self.speculator = self._speculator(num_blocks)
         self.scheduler = Scheduler(
             sched,
             self.kv,
@@ -159,6 +159,19 @@ class LLMEngine:
         self._finished_by_reason: Counter[str] = Counter()
         self.model_info = self._model_info()
         self._log_ready(ops.name, reason, num_blocks, started)
+
+    def _speculator(self, num_blocks: int) -> Speculator | None:
+        """The engine's drafter (EXPERT_SPECULATIVE); a model drafter brings its own KV cache of
+        `num_blocks` blocks and hands its drafts' q to the runner's sampler."""
+        sched = self.config.scheduler
+        if sched.speculative == "off":
+            return None
+        if not is_model_drafter(sched.speculative):
+            return Speculator(sched.speculative, sched.speculative_k)
+        model = load_drafter(self.config, self.model, self.tokenizer, num_blocks, self.max_model_len)
+        pending = PendingDrafts()
+        self.runner.rejection_rows = pending.rejection_rows
+        return Speculator(sched.speculative, sched.speculative_k, model, pending)
 
     def _load_model(self, ops: TorchOps) -> DecoderModel:
         """The checkpoint's weights, laid out for `ops` on the engine's device."""
@@ -599,6 +612,7 @@ class LLMEngine:
             experts=self.experts.stats(),
             sessions=self.sessions.stats(),
             speculative=None if self.speculator is None else self.speculator.snapshot(),
+            speculative_fallback=None if self.speculator is None else self.speculator.fallback_snapshot(),
         )
 
 

@@ -204,3 +204,5 @@ class EngineStats:
     experts: ExpertStats | None = None
     sessions: SessionStats | None = None
     speculative: SpeculativeStats | None = None  # None: the engine does not speculate
+    # The base drafter's n-gram fallback (requests without experts), counted apart; else None.
+    speculative_fallback: SpeculativeStats | None = None

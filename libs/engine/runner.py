@@ -12,6 +12,7 @@ draws every row at once.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from libs.engine.models.decoder import DecoderModel
 from libs.engine.sampler import SampledToken, Sampler, SamplerOutput
 from libs.engine.scheduler import SchedulerOutput
 from libs.engine.sequence import Sequence
+from libs.engine.speculative_sampling import RejectionRows
 from libs.engine.staging import Layout, StagingBuffers
 from libs.engine.step_inputs import (
     SampleRows,
@@ -61,6 +63,9 @@ class ModelRunner:
         self.staging = StagingBuffers(self.device)
         # On a GPU nothing in sampling may wait for the device (no branch on a device value).
         self.sampler = Sampler(sync_free=self.device.type == "cuda")
+        # Speculative decoding with a model drafter: the rows whose tokens the rejection rule decides
+        # (drafters/verification.py PendingDrafts.rejection_rows), set by the engine.
+        self.rejection_rows: Callable[[SampleRows], RejectionRows | None] | None = None
         self.graphs: DecodeGraphs | None = None
         if graphs is not None:
             if graphs not in GRAPH_MODES:
@@ -123,7 +128,8 @@ class ModelRunner:
             if not sample.rows:
                 return {}
             logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
-        result = self.sampler(logits, sampling_batch(views, sample))
+        rejection = None if self.rejection_rows is None else self.rejection_rows(sample)
+        result = self.sampler(logits, sampling_batch(views, sample), rejection)
         return _collect(sample.seqs, result)
 
     # -- eager steps ---------------------------------------------------------------------------

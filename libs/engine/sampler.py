@@ -18,6 +18,7 @@ The other rows are not touched at all, and a masked row's numbers depend on its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -199,6 +200,13 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, probs.argmax(dim=-1), tokens)
 
 
+class Rejection(Protocol):
+    """Rows whose tokens a rule other than the plain draw decides (speculative_sampling.RejectionRows)."""
+
+    def apply(self, probs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`tokens` with those rows' tokens replaced, given the filtered probabilities [S, V]."""
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One sequence's token from a step, as the runner hands it to its request."""
@@ -215,7 +223,11 @@ class Sampler:
     def __init__(self, sync_free: bool = False) -> None:
         self.sync_free = sync_free
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, rejection: Rejection | None = None
+    ) -> SamplerOutput:
+        """`rejection`: rows verifying a model drafter's sampled drafts (speculative_sampling.py),
+        whose tokens the rejection rule decides; only with sampled (temperature > 0) rows."""
         logits = logits.float()
         raw = logits
         if (
@@ -233,6 +245,8 @@ class Sampler:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
             probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free)
             tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
+            if rejection is not None:
+                tokens = rejection.apply(probs, tokens, batch)
             tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
         if batch.num_logprobs >= 0:

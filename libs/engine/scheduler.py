@@ -124,6 +124,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if seq.session_id is None or self.sessions is None or not self.sessions.park(seq):
             self.kv.free(seq)
 
@@ -141,6 +143,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.discard_draft()
+        if self.speculator is not None:
+            self.speculator.discard(seq)
+            self.speculator.release(seq)
         self.running.remove(seq)
         self._release_adapters(seq)
         self.kv.free(seq)
@@ -163,6 +168,7 @@ class Scheduler:
         ordered = sorted(self.running, key=key)
         decoding = [s for s in ordered if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in ordered if s.num_uncomputed_tokens > 1]
+        self._prepare_drafts(decoding)
         for place, seq in enumerate(decoding + prefilling):
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -185,6 +191,11 @@ class Scheduler:
             self._admit(key, priority, step)
         return SchedulerOutput(list(step.scheduled.values()), self.kv.take_copies(), step.preempted)
 
+    def _prepare_drafts(self, decoding: list[Sequence]) -> None:
+        """A model drafter drafts for all the decoding sequences at once, before budgets are known."""
+        if self.speculator is not None:
+            self.speculator.prepare(decoding, self.max_model_len)
+
     def _draft(self, seq: Sequence, room: int) -> int:
         """Give a decoding sequence drafted tokens to verify this step, when its drafter proposes
         some and the pool has their slots (never preempting for them); returns how many."""
@@ -192,7 +203,9 @@ class Scheduler:
         if spec is None or room <= 0 or not spec.wants(seq):
             return 0
         draft = spec.propose(seq, room, self.max_model_len)
-        if not draft or not self.kv.allocate_slots(seq, 1 + len(draft)):
+        reserve = spec.reserved(seq, draft)
+        if not reserve or not self.kv.allocate_slots(seq, 1 + reserve):
+            spec.discard(seq)
             return 0
         seq.add_draft(draft)
         return len(draft)

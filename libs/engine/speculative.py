@@ -7,21 +7,28 @@ sample it there (same logits, penalties, format mask, seed and output position),
 are kept up to the first position whose sample differs from the draft; that sample is kept too
 (or, when every draft matched, the sample after the last one). See docs/engine.md#speculative-decoding
 for why this is the standard rejection rule for a drafter that proposes one token with certainty.
+A model drafter's drafts for a sampled request come with their distribution q instead, and the
+sampler decides them by the rule for q (speculative_sampling.py); its greedy drafts are certain.
 
 The n-gram drafter needs no model: it finds the most recent earlier occurrence of the sequence's
 last n tokens (n from NGRAM_MAX down to NGRAM_MIN) in its prompt and output and proposes the
-tokens that followed it. Pure host code, no torch.
+tokens that followed it. Pure host code, no torch (the model drafters are in drafters/).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from libs.engine.config import SPECULATIVE_DRAFTERS
+from libs.engine.config import DRAFT_PREFIX, SPECULATIVE_DRAFTERS, valid_drafter
 from libs.engine.outputs import SpeculativeStats
 from libs.engine.sequence import Sequence, SpeculationState
+
+if TYPE_CHECKING:
+    from libs.engine.drafters.model_drafter import Draft, ModelDrafter
+    from libs.engine.drafters.verification import PendingDrafts
 
 DRAFTERS = SPECULATIVE_DRAFTERS
 NGRAM_MAX = 4
@@ -73,47 +80,120 @@ def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
 
 
 class Speculator:
-    """Proposes drafts for decoding sequences and keeps each sequence's K and the counters."""
+    """Proposes drafts for decoding sequences and keeps each sequence's K and the counters.
 
-    def __init__(self, drafter: str, k: int) -> None:
-        if drafter not in DRAFTERS or drafter == "off":
+    `model`: a model drafter (drafters/model_drafter.py), or None for the n-gram drafter alone. A
+    model drafter drafts for all the decoding sequences of a step at once (`prepare`, before the
+    scheduler hands out the step's budget); a sequence it does not serve (the base drafter and a
+    request without experts) drafts with the n-gram drafter. `pending`: where the drafts of sampled
+    requests wait, with their q, for the step's sampler (drafters/verification.py)."""
+
+    def __init__(
+        self, drafter: str, k: int, model: ModelDrafter | None = None, pending: PendingDrafts | None = None
+    ) -> None:
+        if drafter == "off" or not valid_drafter(drafter):
             raise ValueError(f"speculative: expected one of {', '.join(DRAFTERS[1:])}, got {drafter!r}")
-        self.drafter = drafter
+        self.drafter = DRAFT_PREFIX.rstrip(":") if drafter.startswith(DRAFT_PREFIX) else drafter
         self.k = k
+        self.model = model
+        self.pending = pending
         self.stats = DrafterStats()
+        self.ngram_stats = DrafterStats() if model is not None and model.experts_only else None
+        self._prepared: dict[int, Draft] = {}
+        self._reserved: dict[int, int] = {}
 
     def wants(self, seq: Sequence) -> bool:
         """Whether the sequence drafts at all: its request's choice, else the engine's (on)."""
         return seq.params.speculative is not False and seq.num_pending_forks == 1
 
+    def _state(self, seq: Sequence) -> SpeculationState:
+        if seq.speculation is None:
+            seq.speculation = SpeculationState(self.k)
+        return seq.speculation
+
+    def _limit(self, seq: Sequence, room: int, max_model_len: int) -> int:
+        limit = min(self._state(seq).k, room, max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return limit
+
+    def _by_model(self, seq: Sequence) -> bool:
+        return self.model is not None and self.model.serves(seq)
+
+    def prepare(self, decoding: list[Sequence], max_model_len: int) -> None:
+        """Start a step: the model drafter drafts for every decoding sequence that will ask (up to
+        its K), in one batch; nothing for the n-gram drafter, which drafts on demand."""
+        self._prepared, self._reserved = {}, {}
+        if self.pending is not None:
+            self.pending.clear()
+        if self.model is None:
+            return
+        wanted = []
+        for seq in decoding:
+            if self.wants(seq) and self._by_model(seq) and self._state(seq).pause == 0:
+                limit = self._limit(seq, self.k, max_model_len)
+                if limit > 0:
+                    wanted.append((seq, limit))
+        if wanted:
+            self._prepared = self.model.draft(wanted)
+
     def propose(self, seq: Sequence, room: int, max_model_len: int) -> list[int]:
         """The drafts for the sequence's next step: at most its current K, `room` tokens of the
         step's budget, what max_tokens and the context window leave, and only tokens its format
         allows in a row. [] while it is paused for low acceptance."""
-        state = seq.speculation
-        if state is None:
-            state = seq.speculation = SpeculationState(self.k)
+        state = self._state(seq)
         if state.pause > 0:
             state.pause -= 1
             return []
-        limit = min(state.k, room, max_model_len - seq.num_tokens - 1)
-        if seq.params.max_tokens is not None:
-            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+        limit = self._limit(seq, room, max_model_len)
         if limit <= 0:
             return []
-        draft = ngram_proposal(seq.token_ids[seq.num_virtual_tokens :], limit)
-        if draft and seq.grammar is not None:
-            draft = draft[: seq.grammar.validate(draft)]
-        return draft
+        if not self._by_model(seq):
+            draft = ngram_proposal(seq.token_ids[seq.num_virtual_tokens :], limit)
+            return draft[: seq.grammar.validate(draft)] if draft and seq.grammar is not None else draft
+        prepared = self._prepared.pop(seq.seq_id, None)
+        if prepared is None:  # the drafter's cache had no room for it
+            return []
+        draft = prepared.tokens[:limit]
+        # Slots for every draft, whatever the format keeps of them: which tokens the format refuses
+        # depends on their values, and what the verification can do must not.
+        self._reserved[seq.seq_id] = len(draft)
+        kept = seq.grammar.validate(draft) if draft and seq.grammar is not None else len(draft)
+        if prepared.q is not None and self.pending is not None:
+            self.pending.add(seq.seq_id, draft[:kept], prepared.q, kept if kept < len(draft) else None)
+        return draft[:kept]
+
+    def reserved(self, seq: Sequence, draft: list[int]) -> int:
+        """KV slots to reserve after the sequence's last token for its drafts this step."""
+        return self._reserved.get(seq.seq_id, len(draft))
+
+    def discard(self, seq: Sequence) -> None:
+        """The sequence verifies nothing this step (no slots for its drafts): it decodes as usual."""
+        self._reserved.pop(seq.seq_id, None)
+        if self.pending is not None:
+            self.pending.discard(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was preempted: the model drafter frees its blocks."""
+        if self.model is not None:
+            self.model.release(seq)
 
     def snapshot(self) -> SpeculativeStats:
         st = self.stats
         return SpeculativeStats(self.drafter, st.drafted, st.accepted, st.steps, st.fallbacks)
 
+    def fallback_snapshot(self) -> SpeculativeStats | None:
+        """The n-gram drafter's counters for the requests the base drafter does not serve."""
+        st = self.ngram_stats
+        return (
+            None if st is None else SpeculativeStats("ngram", st.drafted, st.accepted, st.steps, st.fallbacks)
+        )
+
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Account for one verification and adapt the sequence's K: one more than it just kept
         (up to the engine's K), and a pause when its acceptance runs low."""
-        stats, state = self.stats, seq.speculation
+        state = seq.speculation
+        stats = self.stats if self.ngram_stats is None or self._by_model(seq) else self.ngram_stats
         stats.drafted += drafted
         stats.accepted += accepted
         stats.steps += 1

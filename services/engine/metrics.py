@@ -130,6 +130,9 @@ class EngineMetrics:
             self._update_sessions(stats.sessions, last.sessions if last else None)
         if stats.speculative is not None:
             self._update_speculative(stats.speculative, last.speculative if last else None)
+        if stats.speculative_fallback is not None:
+            fallback = stats.speculative_fallback
+            self._update_speculative(fallback, last.speculative_fallback if last else None)
         self._last = stats
 
     def _update_speculative(self, now, before) -> None:

@@ -50,3 +50,25 @@ def test_drafted_accepted_and_the_rate_are_exported_per_drafter():
     assert value("expert_engine_spec_decode_draft_tokens_total") - before[0] == 30
     assert value("expert_engine_spec_decode_accepted_tokens_total") - before[1] == 21
     assert value("expert_engine_spec_decode_acceptance_rate") == 0.7
+
+
+def test_the_base_drafters_ngram_fallback_is_exported_under_ngram():
+    metrics = shared_metrics(EngineMetrics)
+
+    def value(name: str, drafter: str) -> float:
+        return REGISTRY.get_sample_value(name, {"drafter": drafter}) or 0.0
+
+    def stats(base: int, ngram: int) -> EngineStats:
+        return dataclasses.replace(
+            _stats(0, 0),
+            speculative=SpeculativeStats("base", base, base // 2, 1, 0),
+            speculative_fallback=SpeculativeStats("ngram", ngram, ngram // 4, 1, 0),
+        )
+
+    metrics.update(dataclasses.replace(_stats(0, 0), speculative=None))
+    before = {d: value("expert_engine_spec_decode_draft_tokens_total", d) for d in ("base", "ngram")}
+    metrics.update(stats(0, 0))
+    metrics.update(stats(8, 12))
+    assert value("expert_engine_spec_decode_draft_tokens_total", "base") - before["base"] == 8
+    assert value("expert_engine_spec_decode_draft_tokens_total", "ngram") - before["ngram"] == 12
+    assert value("expert_engine_spec_decode_acceptance_rate", "ngram") == 0.25
