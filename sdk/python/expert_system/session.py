@@ -17,6 +17,11 @@ reply. `generate` with nothing appended goes on with a reply that was cut (finis
 or "abort" after `cancel`). `cancel` stops the running turn, keeping what it generated; `end` (or
 leaving the `with` block) frees what the session holds. A session unused for a while expires:
 calls on it then raise `NotFound`, as on one that ended.
+
+A turn may offer tools, as `infer` takes them: `session.generate(tools=[...], tool_choice=...)`;
+a reply that calls ends with `stream.end.tool_calls`, and each result goes back as a tool message,
+`session.append([{"role": "tool", "tool_call_id": call.id, "content": "..."}])`, before the next
+`generate`.
 """
 
 from __future__ import annotations
