@@ -424,7 +424,7 @@ def test_the_rest_api_takes_tools_and_returns_calls(stack):
         "temperature": 0.0,
         "max_tokens": MAX_TOKENS,
     }
-    answer = httpx.post(stack.http_url() + "/v1/infer", json=body, timeout=120)
+    answer = httpx.post(stack.http_url() + "/v1/infer", json=body, timeout=600)
     assert answer.status_code == 200, answer.text
     result = answer.json()
     assert result["finish_reason"] == "tool_calls"
@@ -458,6 +458,7 @@ def test_expertctl_takes_tools_from_a_file_and_prints_the_calls(stack, tmp_path)
         str(tools),
         "--tool-choice",
         "add",
+        "--no-parallel-tool-calls",
         "--temperature",
         "0",
         "--max-tokens",
