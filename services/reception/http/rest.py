@@ -39,6 +39,10 @@ _TIMESTAMP = "google.protobuf.Timestamp"
 def to_request(body: JobBody) -> common_pb2.InferenceRequest:
     """The InferenceRequest a REST body spells out field for field (its unset fields stay unset),
     and the format its `response_format` asks for in OpenAI's shape."""
+    for i, message in enumerate(body.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            param = f"messages[{i}].content"
+            raise HttpError(400, f"{param}: Field required", param, "invalid_type")
     fields = _proto_shapes(body.model_dump(exclude_none=True, exclude={"stream", "response_format"}))
     try:
         request = json_format.ParseDict(fields, common_pb2.InferenceRequest())

@@ -33,7 +33,8 @@ class ToolCallBody(_Body):
 
 class ChatMessageBody(_Body):
     role: Text
-    content: Text = ""
+    # required, but on an assistant message with tool_calls (rest.py checks it)
+    content: Text | None = None
     name: Text = ""
     tool_call_id: Text = ""
     tool_calls: list[ToolCallBody] = []
