@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from fastapi.testclient import TestClient
 
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.validation import validate
+from services.reception.http import create_app
 from services.reception.http.errors import HttpError, param_of
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_response import (
@@ -20,6 +22,7 @@ from services.reception.http.openai_response import (
     function_call_deltas,
 )
 from services.reception.http.openai_schema import ChatCompletionRequest
+from tests.unit.test_http_api import FakeAdmission, FakeCapacity, FakeModels
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "add", "description": "Adds", "parameters": ADD}}
@@ -233,3 +236,38 @@ def test_a_deprecated_call_is_a_function_call_named_then_in_pieces():
     first, *rest = function_call_deltas(call)
     assert first == {"function_call": {"name": "f", "arguments": ""}}
     assert "".join(d["function_call"]["arguments"] for d in rest) == call.arguments
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_streamed_call_comes_as_tool_calls_or_function_call_deltas(legacy):
+    admission = FakeAdmission()
+    call = common_pb2.ToolCall(id="call_a", type="function", name="add", arguments='{"a": 1}')
+    admission.result = common_pb2.InferenceResult(
+        job_id="j1",
+        status=common_pb2.JOB_STATUS_COMPLETED,
+        choices=[
+            common_pb2.Choice(
+                text='<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+                finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS,
+                tool_calls=[call],
+            )
+        ],
+    )
+    tools = {"functions": [TOOL["function"]]} if legacy else {"tools": [TOOL]}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, **tools}
+    answer = TestClient(create_app(admission, FakeCapacity(), FakeModels())).post(
+        "/v1/chat/completions", json=body
+    )
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)  # the call's text is never content
+    key = "function_call" if legacy else "tool_calls"
+    parts = [d[key] for d in deltas if key in d]
+    if legacy:
+        assert parts[0]["name"] == "add" and "".join(p["arguments"] for p in parts) == call.arguments
+    else:
+        assert (
+            parts[0][0]["id"] == "call_a"
+            and "".join(p[0]["function"]["arguments"] for p in parts) == call.arguments
+        )
+    assert chunks[-1]["choices"][0]["finish_reason"] == ("function_call" if legacy else "tool_calls")
