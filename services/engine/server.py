@@ -23,7 +23,7 @@ from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.response_format import to_structured
 from services.engine.metrics import EngineMetrics
-from services.engine.tool_calls import RequestTools
+from services.engine.tool_calls import RequestTools, session_messages
 
 
 def _attach_calls(
@@ -167,7 +167,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             (e.name + (f"@{e.version}" if e.version else ""), e.weight or 1.0) for e in request.experts
         ]
         params = sampling_params(request.params)
-        tools = RequestTools(self.engine.tokenizer, request.params)
+        # A session lists its tools in the fallback's system message (whatever the template), so
+        # its calls take the fallback's format.
+        tools = RequestTools(self.engine.tokenizer, request.params, fallback=request.HasField("session"))
         if tools.enabled:  # reception refuses a response_format beside enabled tools
             params.structured = tools.structured()
         # A format is compiled on an executor thread (cached by content) before the request joins
@@ -216,7 +218,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """A session turn's prompt (its history and the tokens the turn adds) and those added tokens."""
         if not turn.session_id:
             raise invalid_argument("session.session_id", "must not be empty")
-        messages = [{"role": m.role, "content": m.content} for m in turn.messages]
+        messages = session_messages(turn.messages, turn.tools)
         try:
             added = encode_turn(self.engine.tokenizer, list(turn.history), messages)
         except ChatTemplateError as exc:

@@ -4,26 +4,31 @@ model family's format, and the calls parsed out of each finished choice."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from libs.engine.tokenizer import ChatTemplateError, Tokenizer
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2
 from libs.structured_output import StructuredOutput
-from libs.tools.families import family_of
+from libs.tools.families import FALLBACK, family_of
 from libs.tools.grammar import FunctionSpec, parameters_schema, tool_grammar
 from libs.tools.parsing import new_call_id, parse_calls
-from libs.tools.rendering import conversation, template_messages, template_tools
+from libs.tools.rendering import conversation, fallback_messages, template_messages, template_tools
 from libs.tools.request import allows_text, callable_tools, calls_enabled
 
 
 class RequestTools:
     """The tools of one Generate call (none at all is the common case and changes nothing)."""
 
-    def __init__(self, tokenizer: Tokenizer, params: common_pb2.GenerationParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, params: common_pb2.GenerationParams, *, fallback: bool = False
+    ) -> None:
+        """`fallback`: the calls take the fallback rendering's format whatever the template (a
+        session's turn, whose tools session_messages lists)."""
         self.tokenizer = tokenizer
         self.params = params
-        self.family = family_of(tokenizer.template_source(tools=bool(params.tools)))
+        self.family = FALLBACK if fallback else family_of(tokenizer.template_source(tools=bool(params.tools)))
         self.enabled = calls_enabled(params)
 
     def structured(self) -> StructuredOutput | None:
@@ -67,3 +72,13 @@ class RequestTools:
             common_pb2.ToolCall(id=new_call_id(), type="function", name=c.name, arguments=c.arguments)
             for c in parsed
         ]
+
+
+def session_messages(
+    messages: Iterable[common_pb2.ChatMessage], tools: Iterable[common_pb2.Tool]
+) -> list[dict[str, str]]:
+    """A session turn's messages as the template renders them message by message: the fallback
+    rendering's (a tool result as a user turn in `<tool_response>` tags), `tools` listed in a system
+    message before them (or in the turn's own first system message)."""
+    rendered = fallback_messages(template_messages(messages), template_tools(tools))
+    return [{"role": m["role"], "content": m.get("content", "")} for m in rendered]

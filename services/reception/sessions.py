@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -227,16 +227,24 @@ class SessionStore:
         reply: str,
         finish_reason: int,
         usage: common_pb2.GenerationUsage,
+        tool_calls: Sequence[common_pb2.ToolCall] = (),
+        tools_shown: Sequence[common_pb2.Tool] | None = None,
     ) -> None:
-        """Record a turn the engine answered: its tokens join the history, its input and reply the
-        messages; the plan and the engine stay the session's."""
+        """Record a turn the engine answered: its tokens join the history, its input and reply (with
+        the calls it made) the messages; the plan and the engine stay the session's. `tools_shown`:
+        the tools the turn listed to the model (None: it listed none anew)."""
 
         def change(record: session_state_pb2.SessionRecord) -> None:
             if record.job_id != job_id:
                 return
+            if tools_shown is not None:
+                del record.tools_shown[:]
+                record.tools_shown.extend(tools_shown)
             if record.turn_input:
                 record.messages.extend(record.turn_input)
-                record.messages.append(common_pb2.ChatMessage(role="assistant", content=reply))
+                record.messages.append(
+                    common_pb2.ChatMessage(role="assistant", content=reply, tool_calls=tool_calls)
+                )
             elif record.messages and record.messages[-1].role == "assistant":  # a cut reply went on
                 record.messages[-1].content += reply
             record.token_ids.extend(input_ids)
@@ -359,6 +367,11 @@ def turn_request(
         request.response_format.CopyFrom(turn.response_format)
     if turn.HasField("timeout_ms"):
         request.timeout_ms = turn.timeout_ms
+    request.tools.extend(turn.tools)
+    if turn.HasField("tool_choice"):
+        request.tool_choice.CopyFrom(turn.tool_choice)
+    if turn.HasField("parallel_tool_calls"):
+        request.parallel_tool_calls = turn.parallel_tool_calls
     return request
 
 

@@ -163,7 +163,6 @@ def test_a_bad_type_is_openais_error_not_fastapis(client, model):
     "extra, param",
     [
         ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"functions": [{"name": "f"}]}, "functions"),  # deprecated: tools replaces it
         ({"something_else": 1}, "something_else"),
     ],
 )
@@ -267,6 +266,33 @@ def test_token_id_prompts_and_lists_of_prompts_complete_each_prompt(client, mode
     texts = [c.text for c in several.choices]
     assert texts[0] == texts[1] == texts[4] == texts[5] == text.choices[0].text  # greedy: the same
     assert several.usage.prompt_tokens == 2 * len(encoded) + len(tokenizer.encode("A cat"))
+
+
+def test_several_prompts_stream_interleaved_by_choice_index(client, model):
+    prompts = ["Once upon a time", "A cat"]
+    whole = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=4, temperature=0.0)
+    stream = client.completions.create(
+        model=model,
+        prompt=prompts,
+        n=2,
+        max_tokens=4,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage, ids = {}, {}, None, set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    # Greedy: each choice streams the text the non-streamed answer has under the same index.
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert len(ids) == 1 and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused_naming_it(client, model):

@@ -7,6 +7,8 @@ prompts' required and named calls (each parses and validates against its functio
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -230,8 +232,10 @@ def test_empty_tools_are_no_tools(oai):
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"functions": [{"name": "f"}]}, "functions"),
-        ({"function_call": "auto"}, "function_call"),
+        ({"tools": TOOLS, "functions": [{"name": "f"}]}, "functions"),
+        ({"tools": TOOLS, "function_call": "auto"}, "function_call"),
+        ({"functions": [{"name": "bad name!"}]}, "functions[0].name"),
+        ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call.name"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
@@ -352,3 +356,123 @@ def test_langchain_agent_loop_of_two_tool_calls(llm):
     final = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
     assert not final.tool_calls and final.content
     assert sum(isinstance(m, langchain_messages.ToolMessage) for m in messages) >= 2
+
+
+def test_the_deprecated_functions_form_calls_and_takes_its_result(oai):
+    functions = [tool["function"] for tool in TOOLS]
+    question = {"role": "user", "content": "What is 2 plus 3?"}
+    first = oai.chat.completions.create(
+        model=MODEL,
+        messages=[question],
+        functions=functions,
+        function_call={"name": "add"},
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call.name == "add" and choice.message.content is None
+    jsonschema.validate(json.loads(call.arguments), ADD)
+    history = [
+        question,
+        {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": call.arguments}},
+        {"role": "function", "name": "add", "content": "5"},
+    ]
+    answer = oai.chat.completions.create(
+        model=MODEL, messages=history, functions=functions, function_call="none", max_tokens=8
+    )
+    assert answer.choices[0].message.function_call is None and answer.choices[0].message.content
+
+
+def _turn(session, input, **fields):
+    session.append(input)
+    stream = session.generate(**fields)
+    text = "".join(chunk.text for chunk in stream)
+    assert stream.end is not None and text == stream.end.text
+    return stream.end
+
+
+def test_a_session_turn_calls_a_tool_and_answers_its_result(stack):
+    with (
+        ExpertClient(stack.target("reception")) as client,
+        client.session(temperature=0.0, max_new_tokens=MAX_TOKENS) as session,
+    ):
+        question = "What is the weather in Paris?"
+        first = _turn(session, question, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        assert first.finish_reason == "tool_calls" and len(first.tool_calls) == 1, first
+        call = first.tool_calls[0]
+        assert call.name in SCHEMAS and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        # The result goes back as a tool message; the same tools under none get a text answer.
+        result = {"role": "tool", "tool_call_id": call.id, "content": "21 degrees and sunny"}
+        second = _turn(session, [result], tools=TOOLS, tool_choice="none", max_new_tokens=8)
+        assert second.finish_reason in ("stop", "length") and not second.tool_calls and second.text
+        assert second.session.turns == 2
+        session.append("And what is 2 plus 3?")
+        with pytest.raises(InvalidRequest) as refused:
+            list(session.generate(tools=TOOLS, tool_choice="nope"))
+        assert [f for f, _ in refused.value.field_violations] == ["tool_choice.function"]
+
+
+def test_the_rest_api_takes_tools_and_returns_calls(stack):
+    body = {
+        "prompt": "What is 2 plus 3?",
+        "tools": [{"name": "add", "description": "The sum of two integers", "parameters": ADD}],
+        "tool_choice": {"function": "add"},
+        "parallel_tool_calls": False,
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+    }
+    answer = httpx.post(stack.http_url() + "/v1/infer", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text
+    result = answer.json()
+    assert result["finish_reason"] == "tool_calls"
+    [call] = result["choices"][0]["tool_calls"]
+    assert call["name"] == "add" and call["id"].startswith("call_") and call["type"] == "function"
+    jsonschema.validate(json.loads(call["arguments"]), ADD)
+    refused = httpx.post(stack.http_url() + "/v1/infer", json={**body, "tool_choice": "nope"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice", refused.text
+    unknown = httpx.post(
+        stack.http_url() + "/v1/infer", json={**body, "tool_choice": {"function": "sub"}}, timeout=30
+    )
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tool_choice.function"
+
+
+def _expertctl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.expertctl.main", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_expertctl_takes_tools_from_a_file_and_prints_the_calls(stack, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    target = ["--target", stack.target("reception")]
+    options = [
+        "--tools",
+        str(tools),
+        "--tool-choice",
+        "add",
+        "--no-parallel-tool-calls",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
+    infer = _expertctl("infer", "What is 2 plus 3?", *options, "--json", *target)
+    assert infer.returncode == 0, infer.stderr
+    [choice] = json.loads(infer.stdout)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and [c["name"] for c in choice["tool_calls"]] == ["add"]
+    jsonschema.validate(json.loads(choice["tool_calls"][0]["arguments"]), ADD)
+    # chat: the reply's call is printed, /result answers it, and the model (made to call add) calls again.
+    chat = _expertctl("chat", *options, *target, stdin="What is 2 plus 3?\n/result 5\n")
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
+    calls = [line for line in chat.stdout.splitlines() if line.startswith("[tool call call_")]
+    assert len(calls) == 2 and all(" add {" in line for line in calls), chat.stdout
+    unused = _expertctl("infer", "Hi", "--tool-choice", "add", *target)
+    assert unused.returncode == 2 and "--tool-choice: give the tools too" in unused.stderr

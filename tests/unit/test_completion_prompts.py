@@ -3,12 +3,16 @@ of test_http_api.py (tests/e2e/test_openai_api.py runs them with the openai clie
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
 from libs.errors import invalid_arguments
 from libs.gen.expert.v1 import common_pb2
+from services.reception.admission.core import Submitted
 from services.reception.http import create_app
+from services.reception.job_events import Delta, Finished
 from tests.unit.test_http_api import FakeAdmission, FakeCapacity, FakeModels
 
 
@@ -30,6 +34,14 @@ class PerPrompt(FakeAdmission):
             choices=[common_pb2.Choice(index=i, text=f"{text}/{i}") for i in range(request.n or 1)],
             metrics=common_pb2.InferenceMetrics(input_tokens=3, output_tokens=2 * (request.n or 1)),
         )
+
+    async def stream(self, request):
+        """The job's events: its result's choices, one delta each, then the result."""
+        result = await self.infer(request)
+        yield Submitted(common_pb2.JobSubmission(job_id=result.job_id, status=common_pb2.JOB_STATUS_QUEUED))
+        for choice in result.choices:
+            yield Delta(common_pb2.ChoiceDelta(index=choice.index, text=choice.text))
+        yield Finished(result)
 
 
 @pytest.fixture
@@ -78,10 +90,39 @@ def test_a_refused_prompt_is_named_by_its_place(parts):
         ([[1], [2, True]], False, "prompt[1][1]"),
         ([[1], {"a": 1}], False, "prompt[1]"),
         (["a"] * 17, False, "prompt"),
-        (["a", "b"], True, "stream"),
+        (["a"] * 17, True, "prompt"),
     ],
 )
 def test_a_bad_prompt_list_is_refused_naming_the_item(parts, prompt, stream, param):
     _, http = parts
     answer = http.post("/v1/completions", json={"model": "base", "prompt": prompt, "stream": stream})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def _events(answer) -> list:
+    return [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+
+
+def test_several_prompts_stream_interleaved_each_choice_by_its_index(parts):
+    admission, http = parts
+    body = {
+        "model": "base",
+        "prompt": ["a", [5, 6]],
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    answer = http.post("/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n"), answer.text
+    events = _events(answer)
+    texts = {c["index"]: c["text"] for e in events for c in e["choices"] if c["text"]}
+    assert texts == {0: "a/0", 1: "a/1", 2: "[5, 6]/0", 3: "[5, 6]/1"}
+    finishes = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
+    assert finishes == [0, 1, 2, 3]
+    assert {e["id"] for e in events} == {"cmpl-j1"}
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 14
+    assert all(e["usage"] is None for e in chunks)
+    admission.refused = [7, 8]
+    refused = http.post("/v1/completions", json={**body, "prompt": [[1], [7, 8]]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt[1][1]"

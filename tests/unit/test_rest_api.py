@@ -264,6 +264,9 @@ def test_service_errors_keep_the_proto_field_names(parts, error, status, param):
             "response_format.x",
             "unknown_parameter",
         ),
+        ({"prompt": "hi", "messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
+        ({"prompt": "hi", "tools": [{"name": "f"}], "tool_choice": "always"}, "tool_choice", "invalid_type"),
+        ({"prompt": "hi", "tools": [{"name": "f", "kind": 1}]}, "tools[0].kind", "unknown_parameter"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(parts, body, param, code):
@@ -278,3 +281,43 @@ def test_jobs_take_no_stream_field(parts):
     _, http = parts
     response = http.post("/v1/jobs", json={"prompt": "hi", "stream": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+
+
+def test_tools_take_the_protos_fields_with_schemas_as_objects():
+    body = JobBody.model_validate(
+        {
+            "prompt": "hi",
+            "tools": [{"name": "add", "parameters": {"type": "object"}}, {"name": "sub", "parameters": "{}"}],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"id": "c1", "name": "add", "arguments": {"a": 1}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "1", "name": "add"},
+            ],
+        }
+    )
+    request = to_request(body)
+    assert [(t.name, json.loads(t.parameters)) for t in request.tools] == [
+        ("add", {"type": "object"}),
+        ("sub", {}),
+    ]
+    assert (
+        request.tool_choice.mode == common_pb2.TOOL_CHOICE_MODE_REQUIRED and not request.parallel_tool_calls
+    )
+    call = request.messages[0].tool_calls[0]
+    assert (call.id, call.name, json.loads(call.arguments)) == ("c1", "add", {"a": 1})
+    assert (request.messages[1].tool_call_id, request.messages[1].name) == ("c1", "add")
+    named = to_request(
+        JobBody.model_validate({"prompt": "hi", "tools": [{"name": "f"}], "tool_choice": {"function": "f"}})
+    )
+    assert named.tool_choice.function == "f"
+    calls = common_pb2.InferenceResult(
+        choices=[
+            common_pb2.Choice(
+                tool_calls=[common_pb2.ToolCall(id="c", type="function", name="f", arguments="{}")]
+            )
+        ]
+    )
+    assert to_json(calls)["choices"][0]["tool_calls"] == [
+        {"id": "c", "type": "function", "name": "f", "arguments": "{}"}
+    ]

@@ -15,7 +15,7 @@ from libs.structured_output import StructuredOutput, text_problem
 from libs.tools.families import FALLBACK, ToolFamily, family_of
 from libs.tools.grammar import FunctionSpec, tool_grammar
 from libs.tools.parsing import ParsedCall, new_call_id, parse_calls
-from services.engine.tool_calls import RequestTools
+from services.engine.tool_calls import RequestTools, session_messages
 from tests.helpers.tokenizer_fixtures import SMOLLM2_TEMPLATE, save_checkpoint_dir, train_byte_level_bpe
 from tests.unit.test_chat_template import LLAMA3_STYLE_TEMPLATE, QWEN_STYLE_TEMPLATE
 
@@ -230,3 +230,22 @@ def test_tool_choice_none_shows_the_tools_but_enforces_and_parses_nothing(checkp
     assert tools.structured() is None
     assert "<tools>" in tools.prompt(HISTORY[:1])[0]["content"]
     assert tools.calls(hermes_call("get_time", {"zone": "UTC"})) == []
+
+
+def test_a_session_turn_lists_its_tools_before_its_messages_and_calls_in_the_fallback_format(checkpoint):
+    ours, _ = checkpoint(QWEN_STYLE_TEMPLATE)  # a native template: a session still takes the fallback
+    params = _params(tool_choice=common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED))
+    assert RequestTools(ours, params, fallback=True).family == FALLBACK
+    later = [common_pb2.ChatMessage(role="user", content="And in Rome?")]
+    listed = session_messages(later, TOOLS)
+    assert [m["role"] for m in listed] == ["system", "user"]
+    assert "<tools>\n" + json.dumps(OPENAI_TOOLS[0]) in listed[0]["content"]
+    assert listed[1] == {"role": "user", "content": "And in Rome?"}
+    # A result (and a turn that lists nothing anew) renders as the fallback's, role and content only.
+    assert session_messages(HISTORY[2:], []) == [
+        {"role": "user", "content": "<tool_response>\n21 C, sunny\n</tool_response>"}
+    ]
+    first = [common_pb2.ChatMessage(role="system", content="Be brief."), *HISTORY[:1]]
+    merged = session_messages(first, TOOLS)
+    assert [m["role"] for m in merged] == ["system", "user"]
+    assert merged[0]["content"].startswith("Be brief.\n\n") and "<tools>" in merged[0]["content"]

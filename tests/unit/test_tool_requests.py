@@ -7,14 +7,22 @@ from __future__ import annotations
 import json
 
 import pytest
+from fastapi.testclient import TestClient
 
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.validation import validate
+from services.reception.http import create_app
 from services.reception.http.errors import HttpError, param_of
 from services.reception.http.openai_request import to_request
-from services.reception.http.openai_response import HeldText, call_deltas, chat_message
+from services.reception.http.openai_response import (
+    HeldText,
+    call_deltas,
+    chat_message,
+    function_call_deltas,
+)
 from services.reception.http.openai_schema import ChatCompletionRequest
+from tests.unit.test_http_api import FakeAdmission, FakeCapacity, FakeModels
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "add", "description": "Adds", "parameters": ADD}}
@@ -72,8 +80,11 @@ def test_a_replayed_history_keeps_names_calls_and_ids():
         ),
         ({"tools": [{"type": "function", "function": {"name": "f", "other": 1}}]}, "tools[0].function.other"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
-        ({"functions": [{"name": "f"}]}, "functions"),
-        ({"function_call": "none"}, "function_call"),
+        ({"functions": [{"name": "f"}], "tools": [TOOL]}, "functions"),
+        ({"function_call": "none", "tool_choice": "none"}, "function_call"),
+        ({"functions": [{"name": "f"}], "parallel_tool_calls": True}, "functions"),
+        ({"functions": [{"name": 3}]}, "functions[0].name"),
+        ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call"),
     ],
 )
 def test_a_bad_shape_is_refused_naming_its_part(fields, param):
@@ -156,7 +167,7 @@ def test_calls_stream_as_openai_deltas_name_first_then_argument_pieces():
         common_pb2.ToolCall(id="call_a", name="echo", arguments=arguments),
         common_pb2.ToolCall(id="call_b", name="f"),
     ]
-    deltas = [d[0] for d in call_deltas(calls)]
+    deltas = [d["tool_calls"][0] for d in call_deltas(calls)]
     assert deltas[0] == {
         "index": 0,
         "id": "call_a",
@@ -183,3 +194,80 @@ def test_a_choice_of_calls_has_null_content():
         "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
     }
     assert chat_message(common_pb2.Choice(text="Hi")) == {"role": "assistant", "content": "Hi"}
+
+
+def test_the_deprecated_functions_map_onto_tools_with_one_call_at_most():
+    function = TOOL["function"]
+    request = to_request(body(functions=[function], function_call={"name": "add"}))
+    assert [t.name for t in request.tools] == ["add"] and json.loads(request.tools[0].parameters) == ADD
+    assert request.tool_choice.function == "add" and request.parallel_tool_calls is False
+    auto = to_request(body(functions=[function], function_call="auto"))
+    assert auto.tool_choice.mode == common_pb2.TOOL_CHOICE_MODE_AUTO
+    legacy = body(functions=[function])
+    assert param_of("request.tools[0].name", legacy) == "functions[0].name"
+    assert param_of("request.tool_choice.function", legacy) == "function_call.name"
+
+
+def test_a_deprecated_history_becomes_calls_and_results():
+    messages = [
+        {"role": "user", "content": "Add 1"},
+        {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": '{"a": 1}'}},
+        {"role": "function", "name": "add", "content": "1"},
+    ]
+    request = to_request(ChatCompletionRequest(model="m", messages=messages, functions=[TOOL["function"]]))
+    _, assistant, result = request.messages
+    [call] = assistant.tool_calls
+    assert (call.name, call.arguments, assistant.content) == ("add", '{"a": 1}', "")
+    assert (result.role, result.tool_call_id, result.content) == ("tool", call.id, "1")
+    bad = [messages[0], {"role": "assistant", "function_call": {"name": "add", "arguments": {}}}]
+    with pytest.raises(HttpError) as refused:
+        to_request(ChatCompletionRequest(model="m", messages=bad))
+    assert refused.value.param == "messages[1].function_call.arguments"
+
+
+def test_a_deprecated_call_is_a_function_call_named_then_in_pieces():
+    call = common_pb2.ToolCall(id="call_a", name="f", arguments=json.dumps({"text": "x" * 40}))
+    choice = common_pb2.Choice(text="<tool_call>…", tool_calls=[call])
+    assert chat_message(choice, legacy=True) == {
+        "role": "assistant",
+        "content": None,
+        "function_call": {"name": "f", "arguments": call.arguments},
+    }
+    first, *rest = function_call_deltas(call)
+    assert first == {"function_call": {"name": "f", "arguments": ""}}
+    assert "".join(d["function_call"]["arguments"] for d in rest) == call.arguments
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_streamed_call_comes_as_tool_calls_or_function_call_deltas(legacy):
+    admission = FakeAdmission()
+    call = common_pb2.ToolCall(id="call_a", type="function", name="add", arguments='{"a": 1}')
+    admission.result = common_pb2.InferenceResult(
+        job_id="j1",
+        status=common_pb2.JOB_STATUS_COMPLETED,
+        choices=[
+            common_pb2.Choice(
+                text='<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+                finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS,
+                tool_calls=[call],
+            )
+        ],
+    )
+    tools = {"functions": [TOOL["function"]]} if legacy else {"tools": [TOOL]}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, **tools}
+    answer = TestClient(create_app(admission, FakeCapacity(), FakeModels())).post(
+        "/v1/chat/completions", json=body
+    )
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)  # the call's text is never content
+    key = "function_call" if legacy else "tool_calls"
+    parts = [d[key] for d in deltas if key in d]
+    if legacy:
+        assert parts[0]["name"] == "add" and "".join(p["arguments"] for p in parts) == call.arguments
+    else:
+        assert (
+            parts[0][0]["id"] == "call_a"
+            and "".join(p[0]["function"]["arguments"] for p in parts) == call.arguments
+        )
+    assert chunks[-1]["choices"][0]["finish_reason"] == ("function_call" if legacy else "tool_calls")

@@ -5,6 +5,11 @@ Tokens are printed as they are produced. In process, the conversation is kept an
 (the prefix cache makes the repeated part cheap); through a session, each line is appended to the
 session and only the new tokens are computed. `/reset` starts over, `/exit` or Ctrl-D quits, Ctrl-C
 stops the current reply (with --target, `/continue` goes on with a reply that was cut).
+
+With --target and `--tools FILE`, every turn offers the tools (`--tool-choice`); a reply that calls
+them prints each call on a line, `[tool call <id>] <name> <arguments>`, and `/result TEXT` answers
+the first call not yet answered (a tool message), then the model replies once every call has its
+result.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from tools.expertctl.client_cmd import add_tool_arguments, format_call, tool_fields
 from tools.expertctl.credentials import add_api_key_argument, api_key
 from tools.expertctl.errors import UsageError
 
@@ -54,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len", type=int, help="context window to serve (default 4096; not with --target)"
     )
+    # Each turn offers the tools (with --target); `/result TEXT` answers the reply's next call.
+    add_tool_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -62,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_model_len is not None:
             raise UsageError("--max-model-len: the in-process engine's setting; not with --target")
         return _run_remote(args)
+    if args.tools is not None:
+        raise UsageError("--tools: tools are offered through a session; give --target")
     from libs.engine import ConfigError, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
     from libs.engine.models.errors import CheckpointError
 
@@ -185,8 +195,9 @@ def _chat_remote(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "model": None if args.model is None else str(args.model),
     }
+    turn = tool_fields(args)
     with ExpertClient(args.target, api_key=api_key(args)) as client:
-        chat = RemoteChat(client, {k: v for k, v in settings.items() if v is not None})
+        chat = RemoteChat(client, {k: v for k, v in settings.items() if v is not None}, turn)
         try:
             chat.start()
         except (TypeError, ValueError) as exc:  # a value the request cannot hold, e.g. a negative seed
@@ -205,9 +216,12 @@ class RemoteChat:
     appended to it and the reply streamed. A failed call is reported on one line and the loop goes
     on; the session is ended when the loop ends."""
 
-    def __init__(self, client: ExpertClient, settings: dict) -> None:
+    def __init__(self, client: ExpertClient, settings: dict, turn: dict | None = None) -> None:
         self.client = client
         self.settings = settings
+        # Each turn's fields (the tools), and the calls of the last reply not yet answered.
+        self.turn = turn or {}
+        self.unanswered: list = []
         self.session: Session | None = None
 
     @property
@@ -242,6 +256,8 @@ class RemoteChat:
                     elif text == "/continue":
                         self._ensure_session()
                         self.reply(stdout)
+                    elif text == "/result" or text.startswith("/result "):
+                        self.answer_call(text.removeprefix("/result").strip(), stdout)
                     else:
                         self.say(text, stdout)
                 except ExpertSystemError as exc:
@@ -268,25 +284,45 @@ class RemoteChat:
             self.session.append(text)
         return self.reply(stdout)
 
+    def answer_call(self, result: str, stdout: TextIO) -> None:
+        """Append `result` as the tool message of the first unanswered call; once every call of
+        the reply has its result, stream the next reply."""
+        if not self.unanswered:
+            _error("/result: no tool call waits for a result")
+            return
+        if not result:
+            _error("/result: give the call's result, e.g. /result 21 degrees")
+            return
+        assert self.session is not None
+        call = self.unanswered[0]
+        self.session.append([{"role": "tool", "tool_call_id": call.id, "content": result}])
+        self.unanswered.pop(0)
+        if not self.unanswered:
+            self.reply(stdout)
+
     def reply(self, stdout: TextIO) -> str:
         """Stream the session's next reply to `stdout` and return its text; Ctrl-C cancels it
-        (the session keeps what was generated)."""
+        (the session keeps what was generated). A reply of tool calls prints the calls instead."""
         from expert_system import ExpertSystemError
 
         assert self.session is not None
-        stream = self.session.generate()
+        self.unanswered = []
+        stream = self.session.generate(**self.turn)
+        # With tools, a reply may be calls: it is printed once it ended, as its text or its calls.
+        live = "tools" not in self.turn
         printed = ""
         try:
             for chunk in stream:
                 if chunk.restarted:
-                    if printed:
+                    if printed and live:
                         stdout.write("\n")
                     printed = ""
                     _notice(f"[the reply restarted (attempt {chunk.attempt}): its text starts over]")
                     continue
                 printed += chunk.text
-                stdout.write(chunk.text)
-                stdout.flush()
+                if live:
+                    stdout.write(chunk.text)
+                    stdout.flush()
         except KeyboardInterrupt:
             stream.cancel()
             stdout.write(" [stopped]\n")
@@ -294,13 +330,21 @@ class RemoteChat:
             self.session.cancel()  # the turn settles, keeping its text, before the next line
             return printed
         except ExpertSystemError:
-            if printed:
+            if printed and live:
                 stdout.write("\n")
                 stdout.flush()
             raise
-        stdout.write("\n")
+        return self._ended(stream.end, printed, live, stdout)
+
+    def _ended(self, end, printed: str, live: bool, stdout: TextIO) -> str:
+        """Finish the reply's output (its calls, or its text unless it was printed `live`), say how
+        it ended, and return what was printed."""
+        if end is not None and end.tool_calls:
+            self.unanswered = list(end.tool_calls)
+            printed = "\n".join(format_call(call) for call in end.tool_calls)
+            _notice("[answer each call with /result TEXT]")
+        stdout.write("\n" if live else printed + "\n")
         stdout.flush()
-        end = stream.end
         if end is not None and end.error:
             _error(f"the reply ended early ({end.finish_reason}): {end.error}")
         elif end is not None and end.finish_reason == "length":

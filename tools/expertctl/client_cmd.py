@@ -136,6 +136,65 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     formats.add_argument(
         "--grammar", type=Path, metavar="FILE", help="a grammar the output follows (llguidance's Lark)"
     )
+    add_tool_arguments(parser)
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tool calling (docs/api.md#tool-calling): the tools from a JSON file, and how to use them."""
+    parser.add_argument(
+        "--tools",
+        type=Path,
+        metavar="FILE",
+        help="functions the model may call: a JSON list in OpenAI's shape "
+        '([{"type": "function", "function": {"name", "description", "parameters"}}])',
+    )
+    parser.add_argument(
+        "--tool-choice",
+        metavar="MODE|NAME",
+        help="none, auto (the default with tools), required, or a function's name",
+    )
+    parser.add_argument(
+        "--parallel-tool-calls",
+        action=argparse.BooleanOptionalAction,
+        help="whether a reply may make several calls (default: yes)",
+    )
+
+
+def tool_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The SDK's tools, tool_choice and parallel_tool_calls from the tool options given."""
+    fields: dict[str, Any] = {}
+    if args.tools is not None:
+        fields["tools"] = read_tools(args.tools)
+    elif args.tool_choice is not None or args.parallel_tool_calls is not None:
+        option = "--tool-choice" if args.tool_choice is not None else "--parallel-tool-calls"
+        raise UsageError(f"{option}: give the tools too (--tools FILE)")
+    if args.tool_choice is not None:
+        fields["tool_choice"] = args.tool_choice
+    if args.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = args.parallel_tool_calls
+    return fields
+
+
+def read_tools(path: Path) -> list[dict[str, Any]]:
+    """The tools of a --tools file: a JSON list of OpenAI's tool objects."""
+    text = _read_file("--tools", path)
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--tools: {path} is not JSON: {exc}") from None
+    shape = '{"type": "function", "function": {"name": ...}}'
+    if not isinstance(tools, list):
+        kind = type(tools).__name__
+        raise UsageError(f"--tools: {path} must hold a JSON list of tools ({shape}), got {kind}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise UsageError(f"--tools: {path}: tools[{i}] must be {shape}")
+    return tools
+
+
+def format_call(call: Any) -> str:
+    """A tool call on one line: `[tool call <id>] <name> <arguments>`."""
+    return f"[tool call {call.id}] {call.name} {call.arguments}"
 
 
 def _add_common_arguments(
@@ -152,7 +211,10 @@ def _add_common_arguments(
 
 
 # Request fields that options do not set as is; every other field comes from the option of its name.
-_BUILT_FIELDS = frozenset({"body", "messages", "raw", "json_schema", "response_format", "regex", "grammar"})
+_BUILT_FIELDS = frozenset(
+    {"body", "messages", "raw", "json_schema", "response_format", "regex", "grammar"}
+    | {"tools", "tool_choice", "parallel_tool_calls"}
+)
 
 
 def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,6 +235,7 @@ def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
     response_format = _response_format(args)
     if response_format is not None:
         fields["response_format"] = response_format
+    fields.update(tool_fields(args))
     return fields
 
 
@@ -258,13 +321,16 @@ def _print_choices(result: Any) -> None:
     """The text of each choice (headed by its index when there are several), then its tokens'
     logprobs when they were asked for."""
     choices = result.choices or ()
-    if len(choices) <= 1 and not any(c.logprobs for c in choices):
+    if len(choices) <= 1 and not any(c.logprobs or c.tool_calls for c in choices):
         _print_text(result.text)
         return
     for choice in choices:
         if len(choices) > 1:
             print(f"--- choice {choice.index} ({choice.finish_reason}) ---")
-        _print_text(choice.text)
+        if choice.tool_calls:  # the calls, parsed, rather than their text
+            print("\n".join(format_call(call) for call in choice.tool_calls))
+        else:
+            _print_text(choice.text)
         for token in choice.logprobs:
             alternatives = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in token.top_logprobs)
             shown = f"  {token.logprob:9.4f}  {token.token!r}"
@@ -278,7 +344,8 @@ def _stream(args: argparse.Namespace) -> int:
 
     fields = _request_fields(args)
     # Several choices' deltas interleave: their texts are printed whole, from the result.
-    whole = (args.n or 1) > 1 or args.logprobs is not None
+    # So are tool calls (the text of a call is not printed: the call is, parsed).
+    whole = (args.n or 1) > 1 or args.logprobs is not None or args.tools is not None
     with ExpertClient(args.target, api_key=api_key(args)) as client:
         stream = client.infer_stream(args.prompt, **fields)
         printed = ""  # this attempt's text, to end it with a newline

@@ -17,6 +17,11 @@ reply. `generate` with nothing appended goes on with a reply that was cut (finis
 or "abort" after `cancel`). `cancel` stops the running turn, keeping what it generated; `end` (or
 leaving the `with` block) frees what the session holds. A session unused for a while expires:
 calls on it then raise `NotFound`, as on one that ended.
+
+A turn may offer tools, as `infer` takes them: `session.generate(tools=[...], tool_choice=...)`;
+a reply that calls ends with `stream.end.tool_calls`, and each result goes back as a tool message,
+`session.append([{"role": "tool", "tool_call_id": call.id, "content": "..."}])`, before the next
+`generate`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .results import (
     finish_reason_name,
 )
 from .stream import AsyncInferStream, InferStream
+from .tools import ToolCall, tool_call_from_proto, tool_choice_into, tools_into
 
 SessionStateName = Literal["unspecified", "idle", "generating", "ended"]
 _SESSION_STATE = _enum_names(session_pb2.SessionState, "SESSION_STATE_")
@@ -89,6 +95,10 @@ class TurnFields(SamplingFields, total=False):
     grammar: str
     # Longest the turn may take; on expiry it ends with what it generated.
     timeout_ms: int
+    # Functions the model may call in this turn, as `infer` takes them (expert_system.tools).
+    tools: Sequence[Mapping[str, Any]]
+    tool_choice: str | Mapping[str, Any]
+    parallel_tool_calls: bool
 
 
 def _keys(fields: type) -> frozenset[str]:
@@ -159,6 +169,9 @@ class TurnEnd:
     experts: tuple[AppliedExpert, ...]
     session: SessionInfo | None
     error: str
+    # The calls the reply made (finish_reason "tool_calls"): answer each with a tool message,
+    # `session.append({"role": "tool", "tool_call_id": call.id, "content": ...})`.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 def session_info_from_proto(message: session_pb2.Session) -> SessionInfo:
@@ -199,6 +212,7 @@ def turn_end_from_proto(message: session_pb2.TurnEnd) -> TurnEnd:
         experts=tuple(applied_expert_from_proto(e) for e in message.experts),
         session=session_info_from_proto(message.session) if message.HasField("session") else None,
         error=message.error,
+        tool_calls=tuple(tool_call_from_proto(c) for c in message.tool_calls),
     )
 
 
@@ -268,7 +282,18 @@ def generate_request(session_id: str, fields: Mapping[str, Any]) -> session_pb2.
             request.response_format.CopyFrom(built.response_format)
     if fields.get("timeout_ms") is not None:
         _set(request, "timeout_ms", fields["timeout_ms"])
+    _turn_tools(request, fields)
     return request
+
+
+def _turn_tools(request: session_pb2.GenerateStreamRequest, fields: Mapping[str, Any]) -> None:
+    """The turn's tools, tool_choice and parallel_tool_calls, built as `infer` builds them."""
+    if fields.get("tools") is not None:
+        tools_into(request, fields["tools"])
+    if fields.get("tool_choice") is not None:
+        tool_choice_into(request, fields["tool_choice"])
+    if fields.get("parallel_tool_calls") is not None:
+        _set(request, "parallel_tool_calls", fields["parallel_tool_calls"])
 
 
 class _TurnEvents:

@@ -150,6 +150,7 @@ class SessionAdmission:
             text=result.text,
             experts=result.experts,
             error=result.error,
+            tool_calls=result.choices[0].tool_calls if result.choices else [],
         )
         with contextlib.suppress(ServiceError):  # ended meanwhile: the end says the rest
             record = await self.store.get(session_id)

@@ -113,8 +113,11 @@ class SessionTurn:
         return turn_plan(self.record, request) if self.record.planned else await route()
 
     def prompt_bytes(self, plan: common_pb2.ExpertPlan) -> int:
-        # The engine computes at most the history and the turn's messages (bytes bound tokens).
-        turn_bytes = sum(len(m.content.encode()) for m in self._engine_turn().messages)
+        # The engine computes at most the history, the turn's messages and the tools it lists
+        # (bytes bound tokens).
+        turn = self._engine_turn(plan)
+        turn_bytes = sum(len(m.content.encode()) for m in turn.messages)
+        turn_bytes += sum(len(t.SerializeToString()) + 256 for t in turn.tools)
         return len(self.record.token_ids) + turn_bytes + 64 * (1 + len(self.record.turn_input))
 
     def place(self, request: preparation_pb2.PrepareRequest) -> None:
@@ -122,7 +125,7 @@ class SessionTurn:
         request.session_engine = self.record.engine_id
 
     def engine_input(self, request: engine_pb2.GenerateRequest, plan: common_pb2.ExpertPlan) -> None:
-        request.session.CopyFrom(self._engine_turn())
+        request.session.CopyFrom(self._engine_turn(plan))
 
     def refuses(self, code: grpc.StatusCode) -> bool:
         # A turn the engine has no room for (its session limit) is refused, not retried elsewhere.
@@ -153,11 +156,13 @@ class SessionTurn:
             reply=result.text,
             finish_reason=result.finish_reason,
             usage=self.usage,
+            tool_calls=list(result.choices[0].tool_calls) if result.choices else [],
+            tools_shown=self._tools_to_show(plan),
         )
 
-    def _engine_turn(self) -> engine_pb2.SessionTurn:
-        """The SessionTurn the engine answers: the history, and the turn's messages (the whole
-        conversation for a first turn)."""
+    def _engine_turn(self, plan: common_pb2.ExpertPlan) -> engine_pb2.SessionTurn:
+        """The SessionTurn the engine answers: the history, the turn's messages (the whole
+        conversation for a first turn) and the tools it lists anew."""
         record, limits = self.record, self.store.limits
         history = list(record.token_ids)
         messages = [*([] if history else record.messages), *record.turn_input]
@@ -167,7 +172,17 @@ class SessionTurn:
             messages=messages,
             max_tokens=limits.max_tokens,
             idle_seconds=limits.idle_seconds,
+            tools=self._tools_to_show(plan) or [],
         )
+
+    def _tools_to_show(self, plan: common_pb2.ExpertPlan) -> list[common_pb2.Tool] | None:
+        """The turn's tools when the model has not seen them yet (the first turn that gives them,
+        or one that changes them); None when what it saw last still holds. A turn going on with a
+        cut reply lists nothing: it adds no message the listing could precede."""
+        tools = list(plan.generation_params.tools)
+        if not self.record.turn_input or not tools or tools == list(self.record.tools_shown):
+            return None
+        return tools
 
 
 class Turns:

@@ -2,8 +2,8 @@
 together, each with the body's `n`; the answer lists each prompt's choices in turn, numbered as
 OpenAI numbers them (prompt k's choice c is index k * n + c), with the usage summed. A refusal or
 failure of any prompt's job is the answer (its other jobs are cancelled), its `param` naming the
-prompt (`prompt[1]`, `prompt[1][4]` for a token id). Not streamed: a stream of several prompts is
-refused (openai_request.py)."""
+prompt (`prompt[1]`, `prompt[1][4]` for a token id). Streamed (`stream: true`), the prompts' chunks
+interleave, each naming its choice by that index (completion_streams.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.core import Admission
 from services.reception.http.calls import unless_disconnected
-from services.reception.http.errors import HttpError, ToHttpError, error_response, not_supported
+from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.openai_request import prompts_of, set_prompt
 from services.reception.http.openai_response import failure, response
 from services.reception.http.openai_schema import CompletionRequest
@@ -33,8 +33,6 @@ def per_prompt(body: CompletionRequest, inference: common_pb2.InferenceRequest) 
     if len(prompts) > MAX_PROMPTS:
         message = f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}"
         raise HttpError(400, message, "prompt", "invalid_value")
-    if body.stream:
-        raise not_supported("stream", "stream with several prompts")
     inferences = []
     for prompt in prompts:
         copy = common_pb2.InferenceRequest()
@@ -62,7 +60,7 @@ async def complete_prompts(
                 if answer is None:
                     return JSONResponse({}, status_code=499)  # the client went away: nobody reads it
                 if isinstance(answer, HttpError):
-                    return error_response(_for_prompt(answer, tasks.index(task)))
+                    return error_response(for_prompt(answer, tasks.index(task)))
     finally:
         for task in tasks:
             task.cancel()  # a job still running once another failed (or the client left) is cancelled
@@ -91,7 +89,7 @@ async def _one(
     return failure(result, body) or result
 
 
-def _for_prompt(error: HttpError, index: int) -> HttpError:
+def for_prompt(error: HttpError, index: int) -> HttpError:
     """The error with its `param` naming the prompt it is about (`prompt` -> `prompt[1]`)."""
     old = error.param
     if old is not None and old.startswith("prompt"):
@@ -101,10 +99,10 @@ def _for_prompt(error: HttpError, index: int) -> HttpError:
     return error
 
 
-def _summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
+def summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """The usages' sum, field by field, into nested details (`prompt_tokens_details`) too."""
     return {
-        name: _summed([u[name] for u in usages]) if isinstance(value, dict) else sum(u[name] for u in usages)
+        name: summed([u[name] for u in usages]) if isinstance(value, dict) else sum(u[name] for u in usages)
         for name, value in usages[0].items()
     }
 
@@ -118,7 +116,7 @@ def merged(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
         for k, answer in enumerate(answers)
         for choice in answer["choices"]
     ]
-    merged_answer["usage"] = _summed([a["usage"] for a in answers])
+    merged_answer["usage"] = summed([a["usage"] for a in answers])
     validation = [
         {**check, "index": k * n + check["index"]}
         for k, answer in enumerate(answers)

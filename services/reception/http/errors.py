@@ -128,6 +128,11 @@ def param_of(field: str, body: object) -> str | None:
         base = "top_logprobs" if body.top_logprobs is not None else "logprobs"
     elif base == "force_experts" and isinstance(body, (ChatCompletionRequest, CompletionRequest)):
         return _forced_param(rest, body)
+    elif (
+        base in ("tools", "tool_choice") and isinstance(body, ChatCompletionRequest) and body.legacy_functions
+    ):
+        # the deprecated form: functions[i].name, function_call.name
+        return ("functions" if base == "tools" else "function_call") + rest.replace(".function", ".name")
     elif base in ("tools", "tool_choice") and isinstance(body, ChatCompletionRequest):
         # OpenAI's nesting: tools[i].function.name, tool_choice.function.name
         rest = re.sub(r"^(\[\d+\])?\.(name|description|parameters|strict)$", r"\1.function.\2", rest)

@@ -15,6 +15,7 @@ from libs.gen.expert.v1 import common_pb2
 from services.reception.admission.core import Admission, Submitted
 from services.reception.http.calls import JobRunner, infer
 from services.reception.http.completion_prompts import complete_prompts, per_prompt
+from services.reception.http.completion_streams import stream_prompts
 from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.ignored_fields import report_ignored
 from services.reception.http.openai_request import to_request
@@ -59,6 +60,8 @@ async def _complete(
 ):
     inference = to_request(body)
     several = per_prompt(body, inference) if isinstance(body, CompletionRequest) else None
+    if several is not None and body.stream:
+        return await stream_prompts(admission, body, several, to_http_error)
     if several is not None:
         return await complete_prompts(admission, request, body, several, to_http_error)
     logprobs = inference.HasField("logprobs")

@@ -17,7 +17,7 @@ from services.reception.http.openai_schema import (
     Message,
     SamplingFields,
 )
-from services.reception.http.openai_tools import add_tools, message_tool_fields
+from services.reception.http.openai_tools import add_tools, function_result_ids, message_tool_fields
 from services.reception.http.response_format import parse_response_format
 
 
@@ -79,9 +79,12 @@ def to_request(body: ChatCompletionRequest | CompletionRequest) -> common_pb2.In
 
 def _chat_input(request: common_pb2.InferenceRequest, body: ChatCompletionRequest) -> int | None:
     """A chat's messages onto the request; its token limit (max_completion_tokens first)."""
+    results = function_result_ids(body.messages)  # deprecated function messages: their calls
     for i, message in enumerate(body.messages):
         chat_message = common_pb2.ChatMessage(role=_role(message.role), content=_text(message, i))
         message_tool_fields(message, chat_message, i)
+        if i in results:
+            chat_message.tool_call_id = results[i]
         request.messages.append(chat_message)
     add_tools(request, body)
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -192,11 +195,17 @@ def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 
 def _role(role: str) -> str:
-    return "system" if role == "developer" else role  # OpenAI's newer name for the system role
+    """OpenAI's roles as ours: developer is its newer name for system; function the deprecated
+    form of a tool result."""
+    return {"developer": "system", "function": "tool"}.get(role, role)
 
 
 def _text(message: Message, index: int) -> str:
-    if message.content is None and message.role == "assistant" and message.tool_calls:
+    if (
+        message.content is None
+        and message.role == "assistant"
+        and (message.tool_calls or message.function_call)
+    ):
         return ""  # an assistant's turn that only calls tools
     if message.content is None:
         raise HttpError(

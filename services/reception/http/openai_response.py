@@ -93,12 +93,12 @@ def response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: boo
     for c in result_choices(result):
         choice: dict[str, Any] = {"index": c.index}
         if chat:
-            choice["message"] = chat_message(c)
+            choice["message"] = chat_message(c, legacy=_legacy(body))
             choice["logprobs"] = chat_logprobs(c.logprobs) if logprobs else None
         else:
             choice["text"] = c.text
             choice["logprobs"] = completion_logprobs(c.logprobs) if logprobs else None
-        choice["finish_reason"] = finish_reason_name(c.finish_reason)
+        choice["finish_reason"] = _finish_reason(c, body)
         choices.append(choice)
     kind, prefix = _kind(chat, streamed=False)
     return {
@@ -112,10 +112,25 @@ def response(result: common_pb2.InferenceResult, body, chat: bool, logprobs: boo
     }
 
 
-def chat_message(choice: common_pb2.Choice) -> dict[str, Any]:
-    """A chat choice's message: its text, or (content null) the tool calls it made."""
+def _legacy(body) -> bool:
+    """Whether the request used the deprecated functions form (its calls are `function_call`s)."""
+    return bool(getattr(body, "legacy_functions", False))
+
+
+def _finish_reason(choice: common_pb2.Choice, body) -> str:
+    if choice.tool_calls and _legacy(body):
+        return "function_call"
+    return finish_reason_name(choice.finish_reason)
+
+
+def chat_message(choice: common_pb2.Choice, legacy: bool = False) -> dict[str, Any]:
+    """A chat choice's message: its text, or (content null) the tool calls it made (`legacy`: the
+    deprecated form's one `function_call`)."""
     if not choice.tool_calls:
         return {"role": "assistant", "content": choice.text}
+    if legacy:
+        call = choice.tool_calls[0]  # the form allows one call: the request asked for no more
+        return {"role": "assistant", "content": None, "function_call": _function(call)}
     return {
         "role": "assistant",
         "content": None,
@@ -123,8 +138,12 @@ def chat_message(choice: common_pb2.Choice) -> dict[str, Any]:
     }
 
 
+def _function(call: common_pb2.ToolCall) -> dict[str, str]:
+    return {"name": call.name, "arguments": call.arguments}
+
+
 def tool_call(call: common_pb2.ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call.id, "type": "function", "function": _function(call)}
 
 
 def event(data: dict[str, Any]) -> str:
@@ -137,9 +156,19 @@ class Chunks:
     named by its index), for the job `job_id`; `n` choices."""
 
     def __init__(
-        self, job_id: str, body, chat: bool, include_usage: bool, n: int, calls: bool = False
+        self,
+        job_id: str,
+        body,
+        chat: bool,
+        include_usage: bool,
+        n: int,
+        calls: bool = False,
+        first_index: int = 0,
     ) -> None:
+        """`first_index`: the index the job's first choice has in the answer (one prompt of several
+        streamed together: completion_streams.py)."""
         self.body, self.chat, self.include_usage = body, chat, include_usage
+        self.first_index = first_index
         self.created = int(time.time())
         self.kind, prefix = _kind(chat, streamed=True)
         self.id = prefix + job_id
@@ -172,21 +201,32 @@ class Chunks:
     def ending(self, result: common_pb2.InferenceResult) -> Iterator[str]:
         """Each choice's held text or tool calls, its finish chunk, the usage chunk if asked for,
         and `data: [DONE]`."""
-        for c in result_choices(result):
-            if c.tool_calls:
-                yield from (event(self._calls_chunk(c.index, part)) for part in call_deltas(c.tool_calls))
-            elif self.held is not None:
-                yield from (self._delta_event(d) for d in self.held.release(c.index))
-            finished = self._chunk(c.index, None if self.chat else "", finish_reason_name(c.finish_reason))
-            yield event({**finished, "expert_system": extra(result)})
+        yield from self.finishes(result)
+        yield from self.closing(usage(result))
+
+    def closing(self, total_usage: dict[str, Any]) -> Iterator[str]:
+        """The usage chunk if asked for, and `data: [DONE]`."""
         if self.include_usage:
-            yield event(self._head() | {"choices": [], "usage": usage(result)})
+            yield event(self._head() | {"choices": [], "usage": total_usage})
         yield "data: [DONE]\n\n"
 
-    def _calls_chunk(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def finishes(self, result: common_pb2.InferenceResult) -> Iterator[str]:
+        """Each choice's held text or tool calls, and its finish chunk."""
+        for c in result_choices(result):
+            if c.tool_calls:
+                parts = (
+                    function_call_deltas(c.tool_calls[0]) if _legacy(self.body) else call_deltas(c.tool_calls)
+                )
+                yield from (event(self._calls_chunk(c.index, part)) for part in parts)
+            elif self.held is not None:
+                yield from (self._delta_event(d) for d in self.held.release(c.index))
+            finished = self._chunk(c.index, None if self.chat else "", _finish_reason(c, self.body))
+            yield event({**finished, "expert_system": extra(result)})
+
+    def _calls_chunk(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
         data = self._head() | {
             "choices": [
-                {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+                {"index": self.first_index + index, "delta": delta, "logprobs": None, "finish_reason": None}
             ]
         }
         if self.include_usage:
@@ -209,10 +249,16 @@ class Chunks:
             if delta is not None:
                 content["content"] = delta
             shown = chat_logprobs(logprobs) if logprobs else None
-            choice = {"index": index, "delta": content, "logprobs": shown, "finish_reason": finish_reason}
+            choice = {"delta": content}
         else:
             shown = completion_logprobs(logprobs, self.offsets.get(index, 0)) if logprobs else None
-            choice = {"index": index, "text": delta or "", "logprobs": shown, "finish_reason": finish_reason}
+            choice = {"text": delta or ""}
+        choice = {
+            "index": self.first_index + index,
+            **choice,
+            "logprobs": shown,
+            "finish_reason": finish_reason,
+        }
         data = self._head() | {"choices": [choice]}
         if self.include_usage:
             data["usage"] = None
@@ -227,15 +273,31 @@ ARGUMENT_PIECE_CHARS = 32
 CALL_STARTS = ("<tool_call>", "{")
 
 
-def call_deltas(calls: Sequence[common_pb2.ToolCall]) -> Iterator[list[dict[str, Any]]]:
+def call_deltas(calls: Sequence[common_pb2.ToolCall]) -> Iterator[dict[str, Any]]:
     """The `tool_calls` deltas of a choice's calls, in OpenAI's order."""
     for k, call in enumerate(calls):
-        yield [
-            {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        ]
-        for start in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS):
-            piece = call.arguments[start : start + ARGUMENT_PIECE_CHARS]
-            yield [{"index": k, "function": {"arguments": piece}}]
+        named = {
+            "index": k,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        yield {"tool_calls": [named]}
+        for piece in _pieces(call.arguments):
+            yield {"tool_calls": [{"index": k, "function": {"arguments": piece}}]}
+
+
+def function_call_deltas(call: common_pb2.ToolCall) -> Iterator[dict[str, Any]]:
+    """The deprecated form's `function_call` deltas of a choice's one call: its name, then the
+    arguments' fragments."""
+    yield {"function_call": {"name": call.name, "arguments": ""}}
+    for piece in _pieces(call.arguments):
+        yield {"function_call": {"arguments": piece}}
+
+
+def _pieces(arguments: str) -> Iterator[str]:
+    for start in range(0, len(arguments), ARGUMENT_PIECE_CHARS):
+        yield arguments[start : start + ARGUMENT_PIECE_CHARS]
 
 
 class HeldText:

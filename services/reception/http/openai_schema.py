@@ -33,6 +33,9 @@ class Message(_Body):
     tool_call_id: Text | None = None
     # an assistant's calls, checked part by part in openai_tools.py (the errors name the part)
     tool_calls: list[Any] | None = None
+    # the deprecated form of an assistant's one call ({"name", "arguments"}), answered by a
+    # `function` message (its `name` the function's)
+    function_call: Any = None
 
 
 class StreamOptions(_Body):
@@ -101,8 +104,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # the deprecated form of tools and tool_choice (openai_tools.py maps it onto them)
     functions: list[Any] | None = None
     function_call: Any = None
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request uses the deprecated `functions` / `function_call` form (answered
+        with a message's `function_call` and finish_reason `function_call`)."""
+        return self.functions is not None or self.function_call is not None
 
 
 class CompletionRequest(SamplingFields):

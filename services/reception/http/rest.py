@@ -40,7 +40,11 @@ _TIMESTAMP = "google.protobuf.Timestamp"
 def to_request(body: JobBody) -> common_pb2.InferenceRequest:
     """The InferenceRequest a REST body spells out field for field (its unset fields stay unset),
     and the format its `response_format` asks for in OpenAI's shape."""
-    fields = body.model_dump(exclude_none=True, exclude={"stream", "response_format"})
+    for i, message in enumerate(body.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            param = f"messages[{i}].content"
+            raise HttpError(400, f"{param}: Field required", param, "invalid_type")
+    fields = _proto_shapes(body.model_dump(exclude_none=True, exclude={"stream", "response_format"}))
     if "early_stopping" in fields:
         fields["early_stopping"] = early_stopping_word(fields["early_stopping"])
     try:
@@ -54,6 +58,28 @@ def to_request(body: JobBody) -> common_pb2.InferenceRequest:
         if response_format is not None:
             request.response_format.CopyFrom(response_format)
     return request
+
+
+def _proto_shapes(fields: dict[str, Any]) -> dict[str, Any]:
+    """The body's tool fields as the proto's JSON spells them: schemas and arguments as JSON text,
+    a tool_choice mode as its enum value."""
+    for tool in fields.get("tools", []):
+        tool["parameters"] = _json_text(tool.get("parameters", ""))
+    for message in fields.get("messages", []):
+        for call in message.get("tool_calls", []):
+            call["arguments"] = _json_text(call.get("arguments", ""))
+    choice = fields.get("tool_choice")
+    if isinstance(choice, str):
+        choice = {"mode": choice}
+    if isinstance(choice, dict) and "mode" in choice:
+        choice["mode"] = "TOOL_CHOICE_MODE_" + choice["mode"].upper()
+    if choice is not None:
+        fields["tool_choice"] = choice
+    return fields
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def to_json(message: Message) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 InferenceRequest under their proto names. Unknown fields are refused, the integers are bounded to
 what the proto's fields hold, and the text to what UTF-8 can carry (body_text.py); every other bound
 is reception's validation. `response_format` is the one field in another shape: OpenAI's, as the
-SDK and the OpenAI endpoints take it."""
+SDK and the OpenAI endpoints take it. A JSON schema (a tool's parameters, a call's arguments) may
+be an object or its JSON text, and a tool_choice a mode's name alone."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,9 +22,38 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ToolCallBody(_Body):
+    """A call in an assistant message: ToolCall's fields, the arguments an object or its JSON text."""
+
+    id: Text = ""
+    type: Text = "function"
+    name: Text
+    arguments: dict[str, Any] | Text = ""
+
+
 class ChatMessageBody(_Body):
     role: Text
-    content: Text
+    # required, but on an assistant message with tool_calls (rest.py checks it)
+    content: Text | None = None
+    name: Text = ""
+    tool_call_id: Text = ""
+    tool_calls: list[ToolCallBody] = []
+
+
+class ToolBody(_Body):
+    """A Tool: its parameter schema an object or its JSON text."""
+
+    name: Text
+    description: Text = ""
+    parameters: dict[str, Any] | Text = ""
+    strict: bool = False
+
+
+class ToolChoiceBody(_Body):
+    """A ToolChoice: a `mode` or the `function` to call (exactly one: reception's validation)."""
+
+    mode: Literal["none", "auto", "required"] | None = None
+    function: Text | None = None
 
 
 class JobBody(_Body):
@@ -66,6 +96,10 @@ class JobBody(_Body):
     length_penalty: float | None = None
     # true, false or "never" (transformers' values); InferenceRequest holds it as text
     early_stopping: bool | Text | None = None
+    tools: list[ToolBody] = []
+    # A mode's name alone stands for {"mode": <it>}.
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceBody | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class InferBody(JobBody):
@@ -75,3 +109,4 @@ class InferBody(JobBody):
 
 
 FIELD_NAMES = set(InferBody.model_fields) | set(ChatMessageBody.model_fields)
+FIELD_NAMES |= set(ToolBody.model_fields) | set(ToolCallBody.model_fields) | set(ToolChoiceBody.model_fields)
