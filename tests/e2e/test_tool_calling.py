@@ -120,26 +120,41 @@ def test_auto_answers_with_text_where_no_call_is_needed(oai):
     assert choice.message.tool_calls is None and choice.message.content
 
 
-def test_streamed_calls_come_as_openai_deltas(oai):
-    stream = chat(
-        oai, "What is the weather in Rome?", tool_choice="required", parallel_tool_calls=False, stream=True
-    )
+def streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """A streamed chat's calls (id, name, arguments and how many argument pieces), its finish
+    reason and its content, put together from OpenAI's deltas."""
     calls: dict[int, dict] = {}
-    finish = None
+    finish, content = None, ""
     for chunk in stream:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
-            assert not choice.delta.content  # a call's text is never streamed as content
+            content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"arguments": ""})
+                call = calls.setdefault(delta.index, {"arguments": "", "pieces": 0})
                 if delta.id:  # the first delta of a call names it
                     assert "name" not in call and delta.type == "function"
                     call.update(id=delta.id, name=delta.function.name)
-                call["arguments"] += delta.function.arguments or ""
-    assert finish == "tool_calls" and calls
-    for call in calls.values():
-        assert call["id"].startswith("call_")
-        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+                if delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+                    call["pieces"] += 1
+    return calls, finish, content
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tool_choice"),
+    [("What is the weather in Rome?", "required"), ("<tool_call> get_weather for Paris", "auto")],
+)
+def test_streamed_calls_come_as_they_are_generated_and_match_the_unstreamed_call(oai, prompt, tool_choice):
+    fields = {"tool_choice": tool_choice, "parallel_tool_calls": False}
+    calls, finish, content = streamed_calls(chat(oai, prompt, stream=True, **fields))
+    assert finish == "tool_calls" and len(calls) == 1, calls
+    assert content == ""  # nothing of the call's markup is content
+    [call] = calls.values()
+    assert call["id"].startswith("call_") and call["pieces"] > 1  # the arguments come as generated
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    # Greedy: the same call as the unstreamed answer, arguments character for character.
+    [whole] = chat(oai, prompt, **fields).choices[0].message.tool_calls
+    assert (call["name"], call["arguments"]) == (whole.function.name, whole.function.arguments)
 
 
 def test_a_streamed_text_answer_is_content(oai):
@@ -206,6 +221,38 @@ def test_grpc_and_the_sdk_carry_tools_and_calls(stack):
         with pytest.raises(InvalidRequest) as refused:
             client.infer("Hi", tools=TOOLS, tool_choice="nope")
         assert [f for f, _ in refused.value.field_violations] == ["request.tool_choice.function"]
+
+
+def test_grpc_streams_calls_as_structured_deltas_without_markup(stack):
+    with ExpertClient(stack.target("reception")) as client:
+        stream = client.infer_stream(
+            "What is 2 plus 3?",
+            tools=TOOLS,
+            tool_choice="add",
+            parallel_tool_calls=False,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+        )
+        chunks = list(stream)
+    assert "".join(c.text for c in chunks) == ""  # a call is never text
+    deltas = [d for c in chunks for d in c.tool_calls]
+    [call] = stream.result.choices[0].tool_calls
+    assert (deltas[0].index, deltas[0].id, deltas[0].name) == (0, call.id, "add")
+    pieces = [d.arguments for d in deltas[1:]]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments
+    jsonschema.validate(json.loads(call.arguments), ADD)
+
+
+def test_langchain_streams_a_bound_tool_s_call(llm):
+    caller = llm.bind_tools([add, get_weather], tool_choice="required", parallel_tool_calls=False)
+    chunks = list(caller.stream("What is 2 plus 3?"))
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the call comes in pieces
+    message = chunks[0]
+    for chunk in chunks[1:]:
+        message += chunk
+    [call] = message.tool_calls
+    assert call["id"].startswith("call_") and not message.content
+    {"add": add, "get_weather": get_weather}[call["name"]].args_schema.model_validate(call["args"])
 
 
 def test_empty_tools_are_no_tools(oai):

@@ -27,7 +27,9 @@ HERMES_CALLS = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": [1, {"a": null}]}}'
     '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
-LLAMA3_CALLS = '{"name": "add", "parameters": {"a": 1, "b": -2.5e3}}; {"name": "neg", "parameters": {"x": true}}'
+LLAMA3_CALLS = (
+    '{"name": "add", "parameters": {"a": 1, "b": -2.5e3}}; {"name": "neg", "parameters": {"x": true}}'
+)
 # Arguments before the name: the name is announced first all the same.
 NAME_LAST = '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}\n</tool_call>'
 
