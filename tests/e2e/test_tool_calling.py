@@ -1,6 +1,7 @@
 """Tool calling (docs/api.md#tool-calling) against a real stack on the default model, with the real
-`openai` client and `langchain-openai`: required, named and auto calls, text under auto, streamed
-tool_calls deltas, a follow-up turn with the tool's result, a replayed history with `name`,
+`openai` client and `langchain-openai`: required, named and auto calls, text under auto, calls
+streamed as they are generated (OpenAI's deltas, gRPC's structured deltas, LangChain's
+streaming), a follow-up turn with the tool's result, a replayed history with `name`,
 `tool_calls` and `tool_call_id`, the refusals that name their part, and the validity of 50 of our
 prompts' required and named calls (each parses and validates against its function's schema)."""
 
