@@ -83,6 +83,21 @@ def chat(oai: openai.OpenAI, content: str, **fields):
     )
 
 
+@pytest.fixture(scope="module")
+def greedy(oai):
+    """A non-streamed greedy answer, asked once per module: several tests read the same one (each
+    generation costs seconds on a busy machine)."""
+    answers = {}
+
+    def answer(content: str, **fields):
+        key = (content, json.dumps(fields, sort_keys=True))
+        if key not in answers:
+            answers[key] = chat(oai, content, **fields)
+        return answers[key]
+
+    return answer
+
+
 def assert_valid_calls(message, names=SCHEMAS) -> None:
     assert message.content is None
     assert message.tool_calls
@@ -92,8 +107,8 @@ def assert_valid_calls(message, names=SCHEMAS) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_required_makes_a_valid_call(oai):
-    answer = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+def test_required_makes_a_valid_call(greedy):
+    answer = greedy("What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert_valid_calls(choice.message)
@@ -106,10 +121,10 @@ def test_a_named_function_is_the_one_called(oai):
     assert_valid_calls(answer.choices[0].message, names={"add"})
 
 
-def test_auto_chooses_a_call_where_one_is_needed(oai):
+def test_auto_chooses_a_call_where_one_is_needed(greedy):
     # The default model (135M parameters) rarely calls under auto (bench/tool_choice_auto.py); a
     # prompt that starts the call for it does, greedily.
-    answer = chat(oai, "<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
+    answer = greedy("<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
     assert_valid_calls(answer.choices[0].message)
 
@@ -143,9 +158,11 @@ def streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
 
 @pytest.mark.parametrize(
     ("prompt", "tool_choice"),
-    [("What is the weather in Rome?", "required"), ("<tool_call> get_weather for Paris", "auto")],
+    [("What is the weather in Paris?", "required"), ("<tool_call> get_weather for Paris", "auto")],
 )
-def test_streamed_calls_come_as_they_are_generated_and_match_the_unstreamed_call(oai, prompt, tool_choice):
+def test_streamed_calls_come_as_they_are_generated_and_match_the_unstreamed_call(
+    oai, greedy, prompt, tool_choice
+):
     fields = {"tool_choice": tool_choice, "parallel_tool_calls": False}
     calls, finish, content = streamed_calls(chat(oai, prompt, stream=True, **fields))
     assert finish == "tool_calls" and len(calls) == 1, calls
@@ -154,7 +171,7 @@ def test_streamed_calls_come_as_they_are_generated_and_match_the_unstreamed_call
     assert call["id"].startswith("call_") and call["pieces"] > 1  # the arguments come as generated
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     # Greedy: the same call as the unstreamed answer, arguments character for character.
-    [whole] = chat(oai, prompt, **fields).choices[0].message.tool_calls
+    [whole] = greedy(prompt, **fields).choices[0].message.tool_calls
     assert (call["name"], call["arguments"]) == (whole.function.name, whole.function.arguments)
 
 
@@ -164,8 +181,8 @@ def test_a_streamed_text_answer_is_content(oai):
     assert text and "<tool_call>" not in text
 
 
-def test_the_tools_result_is_answered_in_a_follow_up_turn(oai):
-    first = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+def test_the_tools_result_is_answered_in_a_follow_up_turn(oai, greedy):
+    first = greedy("What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
     history = [
         {"role": "user", "content": "What is the weather in Paris?", "name": "ann"},
