@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -24,24 +24,6 @@ from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from libs.response_format import to_structured
 from services.engine.metrics import EngineMetrics
 from services.engine.tool_calls import RequestTools, session_messages
-
-
-def _attach_calls(
-    tools: RequestTools, responses: list[engine_pb2.GenerateResponse], texts: dict[int, list[str]]
-) -> None:
-    """Gather each choice's text; a choice that ends as tool calls gets them on its last message,
-    and finish_reason TOOL_CALLS (one cut at max_tokens: its complete calls, as vLLM reports them)."""
-    ends = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-    for response in responses:
-        pieces = texts.setdefault(response.index, [])
-        pieces.append(response.text)
-        if response.finish_reason not in ends:
-            continue
-        calls = tools.calls("".join(pieces), cut=response.finish_reason == common_pb2.FINISH_REASON_LENGTH)
-        if calls:
-            response.tool_calls.extend(calls)
-            response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
-
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -199,12 +181,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         )
         expiry = _Expiry(self.engine, request_id, request.deadline if request.HasField("deadline") else None)
         finished: set[int] = set()  # the choices whose finish_reason was sent
-        texts: dict[int, list[str]] = {}  # each choice's text so far, when it may be tool calls
+        split = tools.split(self._resumed_text(request.resume_token_ids))
         try:
             async for output in stream:
                 responses = self._responses(output, finished, expiry.expired, request.params.logprobs)
-                if tools.enabled:
-                    _attach_calls(tools, responses, texts)
+                for response in responses if split is not None else ():
+                    split.apply(response)
                 if output.finished and turn_input:
                     responses[-1].session_input_token_ids.extend(turn_input)
                 for response in responses:
@@ -213,6 +195,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             expiry.cancel()
             if not stream.finished:  # the caller went away or was cancelled: free the KV now
                 self.engine.abort(request_id)
+
+    def _resumed_text(self, token_ids: Sequence[int]) -> str:
+        return self.engine.tokenizer.decode(list(token_ids)) if token_ids else ""
 
     def _session_turn(self, turn: engine_pb2.SessionTurn) -> tuple[list[int], list[int]]:
         """A session turn's prompt (its history and the tokens the turn adds) and those added tokens."""

@@ -1,6 +1,7 @@
 """A request's tools in the engine (docs/api.md#tool-calling): the conversation rendered with them
 (through the model's template, or the fallback rendering), the grammar that enforces a call in the
-model family's format, and the calls parsed out of each finished choice."""
+model family's format, and each choice's stream split into content and tool-call deltas, with its
+calls at its end."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Any
 
 from libs.engine.tokenizer import ChatTemplateError, Tokenizer
 from libs.errors import invalid_argument
-from libs.gen.expert.v1 import common_pb2
+from libs.gen.expert.v1 import common_pb2, engine_pb2
 from libs.structured_output import StructuredOutput
 from libs.tools.families import FALLBACK, family_of
 from libs.tools.grammar import FunctionSpec, parameters_schema, tool_grammar
-from libs.tools.parsing import new_call_id, parse_calls
 from libs.tools.rendering import conversation, fallback_messages, template_messages, template_tools
 from libs.tools.request import allows_text, callable_tools, calls_enabled
+from libs.tools.streaming import CallStream
 
 
 class RequestTools:
@@ -62,16 +63,52 @@ class RequestTools:
             field, _, message = str(exc).partition(": ")
             raise invalid_argument(f"input.{field}" if field else "input", message or str(exc)) from None
 
-    def calls(self, text: str, cut: bool = False) -> list[common_pb2.ToolCall]:
-        """The calls a finished choice's text consists of (none when it is text); `cut`: the text
-        ended at max_tokens, and its complete calls count."""
-        if not self.enabled:
-            return []
-        parsed = parse_calls(self.family, text, cut=cut) or []
-        return [
-            common_pb2.ToolCall(id=new_call_id(), type="function", name=c.name, arguments=c.arguments)
-            for c in parsed
-        ]
+    def split(self, resumed_text: str = "") -> ChoiceSplit | None:
+        """The split of the request's choices into content and calls (None: no call is allowed);
+        `resumed_text`: the output an earlier run already gave the caller, read without sending
+        anything again (GenerateRequest.resume_token_ids)."""
+        return ChoiceSplit(self, resumed_text) if self.enabled else None
+
+
+_ENDS = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+
+
+class ChoiceSplit:
+    """Each choice's messages rewritten: `text` is the content, the calls' pieces go in
+    `tool_call_deltas`, and a choice that ends as calls gets them (`tool_calls`) and
+    finish_reason TOOL_CALLS on its last message (one cut at max_tokens: its complete calls, as
+    vLLM reports them)."""
+
+    def __init__(self, tools: RequestTools, resumed_text: str) -> None:
+        self.family = tools.family
+        self.streams: dict[int, CallStream] = {}
+        if resumed_text:  # resumption is for one choice only
+            self._stream(0).feed(resumed_text)
+
+    def _stream(self, index: int) -> CallStream:
+        if index not in self.streams:
+            self.streams[index] = CallStream(self.family)
+        return self.streams[index]
+
+    def apply(self, response: engine_pb2.GenerateResponse) -> None:
+        stream = self._stream(response.index)
+        content, deltas = stream.feed(response.text)
+        calls = []
+        if response.finish_reason in _ENDS:
+            cut = response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            more, last, calls = stream.finish(cut)
+            content, deltas = content + more, deltas + last
+        response.text = content
+        response.tool_call_deltas.extend(
+            common_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+            for d in deltas
+        )
+        if calls:
+            response.tool_calls.extend(
+                common_pb2.ToolCall(id=c.id, type="function", name=c.name, arguments=c.arguments)
+                for c in calls
+            )
+            response.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
 
 def session_messages(

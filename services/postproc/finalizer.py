@@ -14,7 +14,7 @@ from libs.logging import get_logger
 from libs.response_format import to_structured
 from libs.timestamps import timestamp
 from services.postproc.metrics import PostprocMetrics
-from services.postproc.validation import Validation, validate_output
+from services.postproc.validation import Validation, validate_calls, validate_output
 
 log = get_logger(__name__)
 
@@ -73,7 +73,9 @@ def _validate(request: postproc_pb2.FinalizeRequest) -> list[Validation]:
     output_format = to_structured(request.response_format)
     task_type = _task_type(request)
     return [
-        validate_output(c.text, task_type, output_format, cut_by_max_tokens=_cut(c.finish_reason))
+        validate_calls(c.tool_calls)
+        if c.tool_calls
+        else validate_output(c.text, task_type, output_format, cut_by_max_tokens=_cut(c.finish_reason))
         for c in outcome.choices
     ] or [
         validate_output(outcome.text, task_type, output_format, cut_by_max_tokens=_cut(outcome.finish_reason))

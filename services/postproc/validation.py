@@ -1,6 +1,6 @@
 """Output validation (docs/design.md#post-processing): an output with a format must be exactly a
 text of that format; without one, JSON for JSON tasks, Python syntax for code tasks, non-empty text
-otherwise.
+otherwise; a choice of tool calls, arguments that are JSON objects.
 
 The format check is postproc's own, independent of the engine that enforced the format while
 sampling: a JSON output is parsed and checked against its schema with jsonschema, a regex or grammar
@@ -13,10 +13,12 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jsonschema
 
+from libs.gen.expert.v1 import common_pb2
 from libs.structured_output import StructuredOutput, text_problem
 
 # Models often fence their answer in markdown: validate what is inside a single fenced block.
@@ -61,6 +63,20 @@ def validate_output(
         cut = "cut by max_tokens (finish_reason length) before the format ended"
         return Validation(False, validator, f"{cut}: {problem}" if problem else cut)
     return Validation(problem is None, validator, problem or "")
+
+
+def validate_calls(calls: Sequence[common_pb2.ToolCall]) -> Validation:
+    """A choice that ended as tool calls (its text, the content, is empty): each call's arguments
+    must be a JSON object. The functions' schemas stay with the engine, which enforced them while
+    sampling (docs/api.md#tool-calling)."""
+    for i, call in enumerate(calls):
+        try:
+            arguments = json.loads(call.arguments)
+        except json.JSONDecodeError as exc:
+            return Validation(False, "tool_calls", f"tool_calls[{i}].arguments: not JSON: {exc}")
+        if not isinstance(arguments, dict):
+            return Validation(False, "tool_calls", f"tool_calls[{i}].arguments: not a JSON object")
+    return Validation(True, "tool_calls")
 
 
 def _validator(task_type: str, output_format: StructuredOutput | None) -> str:

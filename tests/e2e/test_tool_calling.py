@@ -1,6 +1,7 @@
 """Tool calling (docs/api.md#tool-calling) against a real stack on the default model, with the real
-`openai` client and `langchain-openai`: required, named and auto calls, text under auto, streamed
-tool_calls deltas, a follow-up turn with the tool's result, a replayed history with `name`,
+`openai` client and `langchain-openai`: required, named and auto calls, text under auto, calls
+streamed as they are generated (OpenAI's deltas, gRPC's structured deltas, LangChain's
+streaming), a follow-up turn with the tool's result, a replayed history with `name`,
 `tool_calls` and `tool_call_id`, the refusals that name their part, and the validity of 50 of our
 prompts' required and named calls (each parses and validates against its function's schema)."""
 
@@ -84,6 +85,21 @@ def chat(oai: openai.OpenAI, content: str, **fields):
     )
 
 
+@pytest.fixture(scope="module")
+def greedy(oai):
+    """A non-streamed greedy answer, asked once per module: several tests read the same one (each
+    generation costs seconds on a busy machine)."""
+    answers = {}
+
+    def answer(content: str, **fields):
+        key = (content, json.dumps(fields, sort_keys=True))
+        if key not in answers:
+            answers[key] = chat(oai, content, **fields)
+        return answers[key]
+
+    return answer
+
+
 def assert_valid_calls(message, names=SCHEMAS) -> None:
     assert message.content is None
     assert message.tool_calls
@@ -93,8 +109,8 @@ def assert_valid_calls(message, names=SCHEMAS) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_required_makes_a_valid_call(oai):
-    answer = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+def test_required_makes_a_valid_call(greedy):
+    answer = greedy("What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert_valid_calls(choice.message)
@@ -107,10 +123,10 @@ def test_a_named_function_is_the_one_called(oai):
     assert_valid_calls(answer.choices[0].message, names={"add"})
 
 
-def test_auto_chooses_a_call_where_one_is_needed(oai):
+def test_auto_chooses_a_call_where_one_is_needed(greedy):
     # The default model (135M parameters) rarely calls under auto (bench/tool_choice_auto.py); a
     # prompt that starts the call for it does, greedily.
-    answer = chat(oai, "<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
+    answer = greedy("<tool_call> get_weather for Paris", tool_choice="auto", parallel_tool_calls=False)
     assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
     assert_valid_calls(answer.choices[0].message)
 
@@ -122,26 +138,43 @@ def test_auto_answers_with_text_where_no_call_is_needed(oai):
     assert choice.message.tool_calls is None and choice.message.content
 
 
-def test_streamed_calls_come_as_openai_deltas(oai):
-    stream = chat(
-        oai, "What is the weather in Rome?", tool_choice="required", parallel_tool_calls=False, stream=True
-    )
+def streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """A streamed chat's calls (id, name, arguments and how many argument pieces), its finish
+    reason and its content, put together from OpenAI's deltas."""
     calls: dict[int, dict] = {}
-    finish = None
+    finish, content = None, ""
     for chunk in stream:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
-            assert not choice.delta.content  # a call's text is never streamed as content
+            content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"arguments": ""})
+                call = calls.setdefault(delta.index, {"arguments": "", "pieces": 0})
                 if delta.id:  # the first delta of a call names it
                     assert "name" not in call and delta.type == "function"
                     call.update(id=delta.id, name=delta.function.name)
-                call["arguments"] += delta.function.arguments or ""
-    assert finish == "tool_calls" and calls
-    for call in calls.values():
-        assert call["id"].startswith("call_")
-        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+                if delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+                    call["pieces"] += 1
+    return calls, finish, content
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tool_choice"),
+    [("What is the weather in Paris?", "required"), ("<tool_call> get_weather for Paris", "auto")],
+)
+def test_streamed_calls_come_as_they_are_generated_and_match_the_unstreamed_call(
+    oai, greedy, prompt, tool_choice
+):
+    fields = {"tool_choice": tool_choice, "parallel_tool_calls": False}
+    calls, finish, content = streamed_calls(chat(oai, prompt, stream=True, **fields))
+    assert finish == "tool_calls" and len(calls) == 1, calls
+    assert content == ""  # nothing of the call's markup is content
+    [call] = calls.values()
+    assert call["id"].startswith("call_") and call["pieces"] > 1  # the arguments come as generated
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    # Greedy: the same call as the unstreamed answer, arguments character for character.
+    [whole] = greedy(prompt, **fields).choices[0].message.tool_calls
+    assert (call["name"], call["arguments"]) == (whole.function.name, whole.function.arguments)
 
 
 def test_a_streamed_text_answer_is_content(oai):
@@ -150,8 +183,8 @@ def test_a_streamed_text_answer_is_content(oai):
     assert text and "<tool_call>" not in text
 
 
-def test_the_tools_result_is_answered_in_a_follow_up_turn(oai):
-    first = chat(oai, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+def test_the_tools_result_is_answered_in_a_follow_up_turn(oai, greedy):
+    first = greedy("What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
     history = [
         {"role": "user", "content": "What is the weather in Paris?", "name": "ann"},
@@ -208,6 +241,38 @@ def test_grpc_and_the_sdk_carry_tools_and_calls(stack):
         with pytest.raises(InvalidRequest) as refused:
             client.infer("Hi", tools=TOOLS, tool_choice="nope")
         assert [f for f, _ in refused.value.field_violations] == ["request.tool_choice.function"]
+
+
+def test_grpc_streams_calls_as_structured_deltas_without_markup(stack):
+    with ExpertClient(stack.target("reception")) as client:
+        stream = client.infer_stream(
+            "What is 2 plus 3?",
+            tools=TOOLS,
+            tool_choice="add",
+            parallel_tool_calls=False,
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+        )
+        chunks = list(stream)
+    assert "".join(c.text for c in chunks) == ""  # a call is never text
+    deltas = [d for c in chunks for d in c.tool_calls]
+    [call] = stream.result.choices[0].tool_calls
+    assert (deltas[0].index, deltas[0].id, deltas[0].name) == (0, call.id, "add")
+    pieces = [d.arguments for d in deltas[1:]]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments
+    jsonschema.validate(json.loads(call.arguments), ADD)
+
+
+def test_langchain_streams_a_bound_tool_s_call(llm):
+    caller = llm.bind_tools([add, get_weather], tool_choice="required", parallel_tool_calls=False)
+    chunks = list(caller.stream("What is 2 plus 3?"))
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the call comes in pieces
+    message = chunks[0]
+    for chunk in chunks[1:]:
+        message += chunk
+    [call] = message.tool_calls
+    assert call["id"].startswith("call_") and not message.content
+    {"add": add, "get_weather": get_weather}[call["name"]].args_schema.model_validate(call["args"])
 
 
 def test_empty_tools_are_no_tools(oai):

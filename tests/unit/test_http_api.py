@@ -37,7 +37,8 @@ class FakeAdmission:
         return self.result
 
     async def stream(self, request):
-        """The job's events: each choice's text in two deltas (one token each), then the result;
+        """The job's events: each choice's text in two deltas (one token each), or its tool calls'
+        pieces as the engine sends them (the name, then the arguments in two), then the result;
         `restart` inserts a restart after the first delta."""
         self.requests.append(request)
         if self.error is not None:
@@ -47,11 +48,26 @@ class FakeAdmission:
         )
         yield StatusChanged(common_pb2.JOB_STATUS_RUNNING)
         for choice in self.result.choices or [common_pb2.Choice(text=self.result.text)]:
+            if choice.tool_calls:
+                yield Delta(common_pb2.ChoiceDelta(index=choice.index, tool_calls=_pieces(choice.tool_calls)))
+                continue
             for i, token in enumerate(choice.logprobs or [common_pb2.TokenLogprob(token=choice.text)]):
                 yield Delta(common_pb2.ChoiceDelta(index=choice.index, text=token.token, logprobs=[token]))
                 if self.restart and i == 0:
                     yield Restarted(2)
         yield Finished(self.result)
+
+
+def _pieces(calls) -> list[common_pb2.ToolCallDelta]:
+    pieces = []
+    for k, call in enumerate(calls):
+        half = len(call.arguments) // 2
+        pieces.append(common_pb2.ToolCallDelta(index=k, id=call.id, name=call.name))
+        pieces += [
+            common_pb2.ToolCallDelta(index=k, arguments=part)
+            for part in (call.arguments[:half], call.arguments[half:])
+        ]
+    return pieces
 
 
 class FakeCapacity:

@@ -1,5 +1,6 @@
 """Postproc's output validation (docs/design.md#post-processing), one test per rule, without a
-server: by the output's format when the request had one, else by the task type."""
+server: by the output's format when the request had one, else by the task type; a choice of tool
+calls by its calls."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 
 import pytest
 
+from libs.gen.expert.v1 import common_pb2
 from libs.structured_output import StructuredOutput
-from services.postproc.validation import unfence, validate_output
+from services.postproc.validation import unfence, validate_calls, validate_output
 
 SCHEMA = json.dumps({"type": "object", "required": ["name"], "properties": {"age": {"type": "integer"}}})
 SCHEMA_FORMAT = StructuredOutput("json_schema", SCHEMA)
@@ -119,3 +121,13 @@ def test_what_is_nested_too_deeply_to_check_fails_instead_of_raising():
     )
     deep = validate_output("[" * 100_000, "json_parsing")
     assert (deep.valid, deep.validator) == (False, "json")
+
+
+def test_a_choice_of_tool_calls_needs_arguments_that_are_json_objects():
+    def call(arguments: str) -> common_pb2.ToolCall:
+        return common_pb2.ToolCall(id="call_a", name="f", arguments=arguments)
+
+    assert validate_calls([call('{"a": 1}'), call("{}")]) == validate_calls([call("{}")])
+    assert validate_calls([call("{}")]).valid and validate_calls([call("{}")]).validator == "tool_calls"
+    assert validate_calls([call("{}"), call('{"a": ')]).error.startswith("tool_calls[1].arguments: not JSON")
+    assert validate_calls([call("[1]")]).error == "tool_calls[0].arguments: not a JSON object"

@@ -201,7 +201,7 @@ def test_stream_sends_each_event(parts):
     events = [(b.split("\n")[0].removeprefix("event: "), json.loads(b.split("\n")[1][6:])) for b in blocks]
     assert [kind for kind, _ in events] == ["submitted", "status", "delta", "delta", "result"]
     assert events[1][1] == {"status": "running"} and events[2][1] == {
-        "delta": {"index": 0, "text": "Par", "logprobs": []}
+        "delta": {"index": 0, "text": "Par", "logprobs": [], "tool_calls": []}
     }
     assert events[-1][1]["result"]["text"] == "Paris"
 

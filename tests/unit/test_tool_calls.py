@@ -10,7 +10,7 @@ import json
 import pytest
 
 from libs.engine.tokenizer import Tokenizer
-from libs.gen.expert.v1 import common_pb2
+from libs.gen.expert.v1 import common_pb2, engine_pb2
 from libs.structured_output import StructuredOutput, text_problem
 from libs.tools.families import FALLBACK, ToolFamily, family_of
 from libs.tools.grammar import FunctionSpec, tool_grammar
@@ -229,7 +229,26 @@ def test_tool_choice_none_shows_the_tools_but_enforces_and_parses_nothing(checkp
     )
     assert tools.structured() is None
     assert "<tools>" in tools.prompt(HISTORY[:1])[0]["content"]
-    assert tools.calls(hermes_call("get_time", {"zone": "UTC"})) == []
+    assert tools.split() is None  # the output is text as it comes, whatever it looks like
+
+
+def test_the_engine_sends_a_call_as_deltas_and_ends_the_choice_with_it(checkpoint):
+    ours, _ = checkpoint(SMOLLM2_TEMPLATE)
+    required = common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED)
+    split = RequestTools(ours, _params(tool_choice=required)).split()
+    output = hermes_call("get_time", {"zone": "UTC"})
+    responses = [engine_pb2.GenerateResponse(text=output[i : i + 3]) for i in range(0, len(output), 3)]
+    responses.append(engine_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_STOP))
+    for response in responses:
+        split.apply(response)
+    assert all(r.text == "" for r in responses)
+    deltas = [d for r in responses for d in r.tool_call_deltas]
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    [call] = last.tool_calls
+    assert (deltas[0].id, deltas[0].name) == (call.id, "get_time") and call.id.startswith("call_")
+    assert "".join(d.arguments for d in deltas) == call.arguments == '{"zone": "UTC"}'
+
 
 
 def test_a_session_turn_lists_its_tools_before_its_messages_and_calls_in_the_fallback_format(checkpoint):

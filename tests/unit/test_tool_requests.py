@@ -1,6 +1,6 @@
 """Tool calling at reception (docs/api.md#tool-calling): OpenAI's shapes parsed into the request
 (a bad shape is a 400 naming its part), the validation rules (each violation naming its field),
-and the streamed answer: text held back while it may be calls, calls sent as OpenAI's deltas."""
+and a result's calls in OpenAI's message (their streaming: tests/unit/test_tool_call_streaming.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,7 @@ from services.reception.admission.validation import validate
 from services.reception.http import create_app
 from services.reception.http.errors import HttpError, param_of
 from services.reception.http.openai_request import to_request
-from services.reception.http.openai_response import (
-    HeldText,
-    call_deltas,
-    chat_message,
-    function_call_deltas,
-)
+from services.reception.http.openai_response import chat_message, legacy_call_delta
 from services.reception.http.openai_schema import ChatCompletionRequest
 from tests.unit.test_http_api import FakeAdmission, FakeCapacity, FakeModels
 
@@ -144,46 +139,6 @@ def test_violations_are_named_as_openai_nests_them():
     assert param_of("request.tools", openai_body) == "tools"
 
 
-def _delta(text: str, index: int = 0) -> common_pb2.ChoiceDelta:
-    return common_pb2.ChoiceDelta(index=index, text=text)
-
-
-def test_text_is_held_only_while_it_may_be_calls():
-    held = HeldText(2)
-    assert held.add(_delta("<tool")) == []
-    assert held.add(_delta("_call>\n{")) == []
-    assert [d.text for d in held.add(_delta("Hel", index=1))] == ["Hel"]  # cannot be a call
-    assert [d.text for d in held.add(_delta("lo", index=1))] == ["lo"]
-    assert held.add(_delta("<", index=1)) == [_delta("<", index=1)]  # a known text choice stays free
-    assert [d.text for d in held.release(0)] == ["<tool", "_call>\n{"]
-    late = HeldText(1)
-    assert late.add(_delta("<t")) == []
-    assert [d.text for d in late.add(_delta("able>"))] == ["<t", "able>"]  # diverged: all released
-
-
-def test_calls_stream_as_openai_deltas_name_first_then_argument_pieces():
-    arguments = json.dumps({"text": "x" * 70})
-    calls = [
-        common_pb2.ToolCall(id="call_a", name="echo", arguments=arguments),
-        common_pb2.ToolCall(id="call_b", name="f"),
-    ]
-    deltas = [d["tool_calls"][0] for d in call_deltas(calls)]
-    assert deltas[0] == {
-        "index": 0,
-        "id": "call_a",
-        "type": "function",
-        "function": {"name": "echo", "arguments": ""},
-    }
-    pieces = [d["function"]["arguments"] for d in deltas[1:] if d["index"] == 0]
-    assert "".join(pieces) == arguments and len(pieces) == 3
-    assert deltas[-1] == {
-        "index": 1,
-        "id": "call_b",
-        "type": "function",
-        "function": {"name": "f", "arguments": ""},
-    }
-
-
 def test_a_choice_of_calls_has_null_content():
     choice = common_pb2.Choice(
         text="<tool_call>…", tool_calls=[common_pb2.ToolCall(id="call_a", name="f", arguments="{}")]
@@ -233,7 +188,12 @@ def test_a_deprecated_call_is_a_function_call_named_then_in_pieces():
         "content": None,
         "function_call": {"name": "f", "arguments": call.arguments},
     }
-    first, *rest = function_call_deltas(call)
+    pieces = [
+        common_pb2.ToolCallDelta(index=0, id="call_a", name="f"),
+        common_pb2.ToolCallDelta(index=0, arguments=call.arguments[:9]),
+        common_pb2.ToolCallDelta(index=0, arguments=call.arguments[9:]),
+    ]
+    first, *rest = [legacy_call_delta(piece) for piece in pieces]
     assert first == {"function_call": {"name": "f", "arguments": ""}}
     assert "".join(d["function_call"]["arguments"] for d in rest) == call.arguments
 
@@ -247,7 +207,7 @@ def test_a_streamed_call_comes_as_tool_calls_or_function_call_deltas(legacy):
         status=common_pb2.JOB_STATUS_COMPLETED,
         choices=[
             common_pb2.Choice(
-                text='<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+                text="",  # the engine sends a call's pieces, never its markup (FakeAdmission.stream)
                 finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS,
                 tool_calls=[call],
             )

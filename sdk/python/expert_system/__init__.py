@@ -64,7 +64,7 @@ from .session import (
     TurnUsage,
 )
 from .stream import AsyncInferStream, InferStream
-from .tools import ToolCall
+from .tools import ToolCall, ToolCallDelta
 
 __all__ = [
     "AppliedExpert",
@@ -95,6 +95,7 @@ __all__ = [
     "StreamChunk",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "TurnEnd",
     "TurnFields",

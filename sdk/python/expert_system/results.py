@@ -15,7 +15,7 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from ._proto.expert.v1 import common_pb2
-from .tools import ToolCall, tool_call_from_proto
+from .tools import ToolCall, ToolCallDelta, tool_call_from_proto
 
 JobStatusName = Literal[
     "unspecified",
@@ -173,14 +173,18 @@ class InferenceResult:
 @dataclass(frozen=True)
 class StreamChunk:
     """A piece of a streamed job: new text of choice `index` (and its tokens' logprobs, when asked
-    for). `restarted` chunks carry no text: the job started over (attempt number `attempt`) and
-    everything received before is void."""
+    for), or new pieces of its tool calls (`tool_calls`: ToolCallDelta). `restarted` chunks carry
+    no text: the job started over (attempt number `attempt`) and everything received before is
+    void."""
 
     text: str
     restarted: bool = False
     attempt: int = 0
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    # With tools the model may call: the pieces of the choice's calls these tokens made known
+    # (a call's markup is never text).
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Streamed jobs: the events of `InferStream` turned into text chunks, plus what they reported.
 
-The server sends, in order: `submitted` (the job id), text deltas (each of one choice, named by
-its `index`) and status changes, and the
+The server sends, in order: `submitted` (the job id), deltas (each of one choice, named by its
+`index`: new text, and with tools new pieces of its calls) and status changes, and the
 result. A `restarted_attempt` event means the job started over (its dispatcher died or its engine
 failed): it is yielded as an empty chunk with `restarted=True`, and everything yielded before it
 is void. Leaving the loop early (break, an exception, Ctrl-C) cancels the call, and the server
@@ -25,6 +25,7 @@ from .results import (
     submission_from_proto,
     token_logprob_from_proto,
 )
+from .tools import tool_call_delta_from_proto
 
 
 class _StreamState:
@@ -56,7 +57,8 @@ class _StreamState:
         elif event == "delta":
             delta = response.delta
             logprobs = tuple(token_logprob_from_proto(t) for t in delta.logprobs)
-            return StreamChunk(text=delta.text, index=delta.index, logprobs=logprobs)
+            calls = tuple(tool_call_delta_from_proto(c) for c in delta.tool_calls)
+            return StreamChunk(text=delta.text, index=delta.index, logprobs=logprobs, tool_calls=calls)
         elif event == "restarted_attempt":
             self.restarts += 1
             return StreamChunk(text="", restarted=True, attempt=response.restarted_attempt)

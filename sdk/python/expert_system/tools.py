@@ -3,7 +3,8 @@
 "required" | {"type": "function", "function": {"name": ...}}` (or just the function's name),
 `parallel_tool_calls=`, and chat messages with `name`, `tool_call_id` and `tool_calls`
 (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, the arguments as JSON text or
-a dict). A result's choices carry `tool_calls` (ToolCall: id, name, arguments as JSON text)."""
+a dict). A result's choices carry `tool_calls` (ToolCall: id, name, arguments as JSON text); a
+stream's chunks carry the calls' pieces as they are generated (ToolCallDelta)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call `index` (0, 1, ... in its choice) as it is generated: the call's first piece
+    has its `id` and `name`, the next ones pieces of its `arguments`, which put together are the
+    arguments of the result's ToolCall."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+def tool_call_delta_from_proto(message: common_pb2.ToolCallDelta) -> ToolCallDelta:
+    return ToolCallDelta(message.index, message.id, message.name, message.arguments)
 
 
 def tool_call_from_proto(message: common_pb2.ToolCall) -> ToolCall:

@@ -1,6 +1,6 @@
 // A streamed job: `for await (const chunk of client.inferStream(...))` yields the text as it is
 // generated; once the loop ends, `result` holds the job's InferenceResult.
-import type { InferenceResult } from "./gen/expert/v1/common_pb.js";
+import type { InferenceResult, ToolCallDelta } from "./gen/expert/v1/common_pb.js";
 import type { InferStreamResponse } from "./gen/expert/v1/inference_pb.js";
 import { ExpertError } from "./errors.js";
 
@@ -8,6 +8,9 @@ export interface StreamChunk {
   /** New text of choice `choice` (empty on a restart). */
   text: string;
   choice: number;
+  /** With tools the model may call: new pieces of the choice's calls (a call's first piece has its
+   * id and name, the next ones pieces of its arguments); a call's markup is never `text`. */
+  toolCalls: ToolCallDelta[];
   /** The job started over (its engine failed): discard the text received so far. */
   restarted: boolean;
 }
@@ -27,8 +30,10 @@ export class InferStream implements AsyncIterable<StreamChunk> {
     try {
       for await (const { event } of this.open()) {
         if (event.case === "submitted") this.jobId = event.value.jobId;
-        else if (event.case === "delta") yield { text: event.value.text, choice: event.value.index, restarted: false };
-        else if (event.case === "restartedAttempt") yield { text: "", choice: 0, restarted: true };
+        else if (event.case === "delta") {
+          const { text, index, toolCalls } = event.value;
+          yield { text, choice: index, toolCalls, restarted: false };
+        } else if (event.case === "restartedAttempt") yield { text: "", choice: 0, toolCalls: [], restarted: true };
         else if (event.case === "result") this.result = event.value;
       }
     } catch (error) {

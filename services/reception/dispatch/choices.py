@@ -17,6 +17,9 @@ class _Choice:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
+    # The ids its streamed calls were announced with, by call index: a resumed run names the calls
+    # it reads again anew, and the result keeps the ids the job's readers already have.
+    call_ids: dict[int, str] = field(default_factory=dict)
 
 
 class Choices:
@@ -35,12 +38,22 @@ class Choices:
         choice.logprobs.extend(response.logprobs)
         if response.finish_reason:
             choice.finish_reason = response.finish_reason
+        for call in response.tool_call_deltas:
+            if call.id:
+                choice.call_ids.setdefault(call.index, call.id)
+        for k, call in enumerate(response.tool_calls):  # a choice's calls come in one message
+            call.id = choice.call_ids.get(k, call.id)
         choice.tool_calls.extend(response.tool_calls)
-        if not (response.text or response.logprobs):
+        if not (response.text or response.logprobs or response.tool_call_deltas):
             return None
         if response.text:
             choice.pieces.append(response.text)
-        return common_pb2.ChoiceDelta(index=response.index, text=response.text, logprobs=response.logprobs)
+        return common_pb2.ChoiceDelta(
+            index=response.index,
+            text=response.text,
+            logprobs=response.logprobs,
+            tool_calls=response.tool_call_deltas,
+        )
 
     def resumable(self, n: int) -> list[int] | None:
         """The output tokens a new run of the job goes on from (GenerateRequest.resume_token_ids):

@@ -95,7 +95,7 @@ def _lines(
 ) -> tuple[list[str], HttpError | None]:
     """The chunks of prompt k's event (or the error that ends the stream)."""
     match item:
-        case Delta(delta) if delta.text or delta.logprobs:
+        case Delta(delta) if delta.text or delta.logprobs or delta.tool_calls:
             sent.add(k)
             return chunks.delta(delta), None
         case Restarted() if k in sent:
@@ -105,7 +105,7 @@ def _lines(
             )
             return [], error
         case Restarted():
-            chunks.discard()
+            pass  # nothing of this prompt was sent yet: the new attempt's chunks are its answer
         case Finished(result):
             failed = failure(result, body)
             return ([], failed) if failed is not None else (list(chunks.finishes(result)), None)

@@ -115,7 +115,7 @@ async def _sse(
         try:
             async for job_event in events:
                 match job_event:
-                    case Delta(delta) if delta.text or delta.logprobs:
+                    case Delta(delta) if delta.text or delta.logprobs or delta.tool_calls:
                         for line in chunks.delta(delta):
                             sent = True
                             yield line
@@ -130,7 +130,7 @@ async def _sse(
                         )
                         return
                     case Restarted():
-                        chunks.discard()
+                        pass  # nothing was sent yet: the new attempt's chunks are the answer
                     case Finished(result):
                         failed = failure(result, body)
                         for line in [_error(failed)] if failed is not None else chunks.ending(result):

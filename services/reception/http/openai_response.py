@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from libs.gen.expert.v1 import common_pb2
@@ -169,12 +169,13 @@ class Chunks:
         streamed together: completion_streams.py)."""
         self.body, self.chat, self.include_usage = body, chat, include_usage
         self.first_index = first_index
+        # With tools the model may call, tokens without text are a call's (OpenAI gives no
+        # logprobs for calls), so their logprobs are not sent as content.
+        self.calls = calls
         self.created = int(time.time())
         self.kind, prefix = _kind(chat, streamed=True)
         self.id = prefix + job_id
         self.offsets = dict.fromkeys(range(n), 0)  # completions' text_offset: each choice's text so far
-        # With tools the model may call, a choice's text is held while it may still be calls.
-        self.held = HeldText(n) if calls else None
 
     def opening(self) -> Iterator[str]:
         """Chat's first chunk of each choice, which names the role (completions have none)."""
@@ -183,14 +184,14 @@ class Chunks:
                 yield event(self._chunk(index, "", role=True))
 
     def delta(self, delta: common_pb2.ChoiceDelta) -> list[str]:
-        """The events of a choice's new text and logprobs: none while the text may be tool calls."""
-        released = [delta] if self.held is None else self.held.add(delta)
-        return [self._delta_event(d) for d in released]
-
-    def discard(self) -> None:
-        """Forget the text held back (the job started over)."""
-        if self.held is not None:
-            self.held = HeldText(len(self.offsets))
+        """The events of a choice's new text (with its logprobs) and of its calls' new pieces (the
+        engine split them: a call's markup never arrives as text)."""
+        shown = delta.text or (delta.logprobs and not self.calls)
+        events = [self._delta_event(delta)] if shown else []
+        # One chunk per piece, as OpenAI sends them (a client may merge pieces by index per chunk).
+        piece = legacy_call_delta if _legacy(self.body) else call_delta
+        events += (event(self._calls_chunk(delta.index, piece(c))) for c in delta.tool_calls)
+        return events
 
     def _delta_event(self, delta: common_pb2.ChoiceDelta) -> str:
         data = self._chunk(delta.index, delta.text, logprobs=list(delta.logprobs))
@@ -199,8 +200,7 @@ class Chunks:
         return event(data)
 
     def ending(self, result: common_pb2.InferenceResult) -> Iterator[str]:
-        """Each choice's held text or tool calls, its finish chunk, the usage chunk if asked for,
-        and `data: [DONE]`."""
+        """Each choice's finish chunk, the usage chunk if asked for, and `data: [DONE]`."""
         yield from self.finishes(result)
         yield from self.closing(usage(result))
 
@@ -211,15 +211,8 @@ class Chunks:
         yield "data: [DONE]\n\n"
 
     def finishes(self, result: common_pb2.InferenceResult) -> Iterator[str]:
-        """Each choice's held text or tool calls, and its finish chunk."""
+        """Each choice's finish chunk."""
         for c in result_choices(result):
-            if c.tool_calls:
-                parts = (
-                    function_call_deltas(c.tool_calls[0]) if _legacy(self.body) else call_deltas(c.tool_calls)
-                )
-                yield from (event(self._calls_chunk(c.index, part)) for part in parts)
-            elif self.held is not None:
-                yield from (self._delta_event(d) for d in self.held.release(c.index))
             finished = self._chunk(c.index, None if self.chat else "", _finish_reason(c, self.body))
             yield event({**finished, "expert_system": extra(result)})
 
@@ -265,64 +258,19 @@ class Chunks:
         return data
 
 
-# The arguments of a streamed call go out in pieces of this many characters, after the chunk that
-# names the call (as OpenAI streams them: id, type and name first, then the arguments' fragments).
-ARGUMENT_PIECE_CHARS = 32
-
-# What every tool-call output starts with, in any family's format (libs/tools/families.py).
-CALL_STARTS = ("<tool_call>", "{")
-
-
-def call_deltas(calls: Sequence[common_pb2.ToolCall]) -> Iterator[dict[str, Any]]:
-    """The `tool_calls` deltas of a choice's calls, in OpenAI's order."""
-    for k, call in enumerate(calls):
-        named = {
-            "index": k,
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": ""},
-        }
-        yield {"tool_calls": [named]}
-        for piece in _pieces(call.arguments):
-            yield {"tool_calls": [{"index": k, "function": {"arguments": piece}}]}
+def call_delta(delta: common_pb2.ToolCallDelta) -> dict[str, Any]:
+    """A call's piece as OpenAI streams it (a `tool_calls` delta): the first names the call, the
+    others carry arguments."""
+    if delta.id:
+        function = {"name": delta.name, "arguments": delta.arguments}
+        named = {"index": delta.index, "id": delta.id, "type": "function", "function": function}
+        return {"tool_calls": [named]}
+    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
 
 
-def function_call_deltas(call: common_pb2.ToolCall) -> Iterator[dict[str, Any]]:
-    """The deprecated form's `function_call` deltas of a choice's one call: its name, then the
-    arguments' fragments."""
-    yield {"function_call": {"name": call.name, "arguments": ""}}
-    for piece in _pieces(call.arguments):
-        yield {"function_call": {"arguments": piece}}
-
-
-def _pieces(arguments: str) -> Iterator[str]:
-    for start in range(0, len(arguments), ARGUMENT_PIECE_CHARS):
-        yield arguments[start : start + ARGUMENT_PIECE_CHARS]
-
-
-class HeldText:
-    """Each choice's deltas, held back while its text may still be tool calls (it is empty, or
-    starts like a call); released at once when the text cannot be calls, and at the end when it
-    turned out not to be. Calls are sent from the result, parsed, never from the raw text."""
-
-    def __init__(self, n: int) -> None:
-        self._held: dict[int, list[common_pb2.ChoiceDelta]] = {i: [] for i in range(n)}
-        self._text: dict[int, str] = dict.fromkeys(range(n), "")
-        self._free: set[int] = set()  # the choices known to be text
-
-    def add(self, delta: common_pb2.ChoiceDelta) -> list[common_pb2.ChoiceDelta]:
-        """The deltas to send now."""
-        index = delta.index
-        if index in self._free:
-            return [delta]
-        self._held.setdefault(index, []).append(delta)
-        text = self._text.get(index, "") + delta.text
-        self._text[index] = text
-        if any(start.startswith(text) or text.startswith(start) for start in CALL_STARTS):
-            return []
-        self._free.add(index)
-        return self.release(index)
-
-    def release(self, index: int) -> list[common_pb2.ChoiceDelta]:
-        held, self._held[index] = self._held.get(index, []), []
-        return held
+def legacy_call_delta(delta: common_pb2.ToolCallDelta) -> dict[str, Any]:
+    """The deprecated form's piece of its one call (a `function_call` delta): the first names the
+    function, the others carry arguments."""
+    if delta.id:
+        return {"function_call": {"name": delta.name, "arguments": delta.arguments}}
+    return {"function_call": {"arguments": delta.arguments}}
