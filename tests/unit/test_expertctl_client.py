@@ -227,6 +227,7 @@ def test_stream_json_prints_one_object_per_chunk_then_the_result(run):
         "attempt": 2,
         "index": 0,
         "logprobs": [],
+        "tool_calls": [],
     }
     assert "".join(line["text"] for line in lines[3:-1]) == "please restart it"
     assert lines[-1]["result"]["text"] == "please restart it"
