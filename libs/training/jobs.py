@@ -286,8 +286,15 @@ class TrainingJobs:
             approximate=True,
         )
 
-    async def events(self, job_id: str, after: str = "", limit: int = 100) -> list[dict[str, Any]]:
-        """The job's events, oldest first, `limit` of them after event id `after`."""
+    async def events(
+        self, job_id: str, after: str = "", limit: int = 100, newest_first: bool = False
+    ) -> list[dict[str, Any]]:
+        """The job's events, oldest first, `limit` of them after event id `after`; with
+        `newest_first` (OpenAI's order) newest first, `after` then being the last of the page before."""
+        if newest_first:
+            end = f"({after}" if after else "+"
+            entries = await self.redis.xrevrange(events_key(job_id), max=end, min="-", count=limit)
+            return [_event(entry_id, fields) for entry_id, fields in entries]
         start = f"({after}" if after else "-"
         entries = await self.redis.xrange(events_key(job_id), min=start, max="+", count=limit)
         return [_event(entry_id, fields) for entry_id, fields in entries]

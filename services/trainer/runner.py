@@ -218,6 +218,8 @@ def _final_metrics(summary: dict, control: JobControl) -> dict:
         "eval_loss": best.get("eval_loss"),
         "best_epoch": adapter["best_epoch"],
         "tokens_per_second": adapter["tokens_per_second"],
+        # the tokens of every sample of every epoch (a checkpoint keeps the epochs run before it)
+        "trained_tokens": sum(e["tokens"] for e in epochs),
         "eta_seconds": 0,
         "training_seconds": control.training_seconds(),
         "device": adapter["device"],

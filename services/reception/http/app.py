@@ -23,6 +23,7 @@ from services.reception.http.auth import authentication
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from services.reception.http.errors import HttpError, as_http_error, error_response, validation_error
 from services.reception.http.files import FILES_PATH, FileUploads, add_files_routes
+from services.reception.http.fine_tuning import add_fine_tuning_routes
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
 from services.reception.http.rejections import count_refusal
@@ -82,6 +83,7 @@ def create_app(
     add_responses_routes(app, admission, responses, to_http_error, sessions)
     if training is not None:
         add_training_routes(app, training, to_http_error)
+        add_fine_tuning_routes(app, training, to_http_error)
     if files is not None:
         add_files_routes(app, files, to_http_error)
     return app

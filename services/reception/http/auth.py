@@ -23,6 +23,8 @@ ROUTE_ACCESS: tuple[tuple[str, frozenset[str] | None, Access], ...] = (
     ("/v1/files", None, Access.TRAIN),  # training files: uploading, listing, reading and deleting them
     # Changing a training job (create, cancel, checkpoint, resume); reading one's own needs any key.
     ("/v1/training/jobs", frozenset({"POST", "DELETE"}), Access.TRAIN),
+    # OpenAI's fine-tuning API over the same jobs: creating and cancelling one (both POST).
+    ("/v1/fine_tuning/jobs", frozenset({"POST"}), Access.TRAIN),
 )
 
 

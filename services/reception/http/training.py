@@ -22,7 +22,7 @@ ANY_OBJECT = Body(...)  # any JSON object: the admission names each field it ref
 OPTIONAL_OBJECT = Body(None)
 
 
-def _owner(request: Request) -> str:
+def caller_owner(request: Request) -> str:
     """Whose jobs (and files) the call sees: the same owner as the Files API's."""
     return owner_of(current_caller(), request.client.host if request.client else "")
 
@@ -40,38 +40,38 @@ class TrainingRoutes:
 
     async def create(self, request: Request, body: dict[str, Any] = ANY_OBJECT):
         async def call():
-            return (await self.admission.create(_owner(request), body)).to_dict()
+            return (await self.admission.create(caller_owner(request), body)).to_dict()
 
         return await self._answer(call, 201)
 
     async def list_jobs(self, request: Request, limit: int = 0, after: str = ""):
         async def call():
-            jobs, more = await self.admission.list(_owner(request), limit, after)
+            jobs, more = await self.admission.list(caller_owner(request), limit, after)
             return {"object": "list", "data": [j.to_dict() for j in jobs], "has_more": more}
 
         return await self._answer(call)
 
     async def get(self, request: Request, job_id: str):
         async def call():
-            return (await self.admission.get(_owner(request), job_id)).to_dict()
+            return (await self.admission.get(caller_owner(request), job_id)).to_dict()
 
         return await self._answer(call)
 
     async def cancel(self, request: Request, job_id: str):
         async def call():
-            return (await self.admission.cancel(_owner(request), job_id)).to_dict()
+            return (await self.admission.cancel(caller_owner(request), job_id)).to_dict()
 
         return await self._answer(call)
 
     async def checkpoint(self, request: Request, job_id: str):
         async def call():
-            return {"checkpoint_id": await self.admission.checkpoint(_owner(request), job_id)}
+            return {"checkpoint_id": await self.admission.checkpoint(caller_owner(request), job_id)}
 
         return await self._answer(call, 202)
 
     async def checkpoints(self, request: Request, job_id: str):
         async def call():
-            return {"object": "list", "data": await self.admission.checkpoints(_owner(request), job_id)}
+            return {"object": "list", "data": await self.admission.checkpoints(caller_owner(request), job_id)}
 
         return await self._answer(call)
 
@@ -80,13 +80,13 @@ class TrainingRoutes:
             checkpoint_id = (body or {}).get("checkpoint_id") or ""
             if not isinstance(checkpoint_id, str):
                 raise invalid_argument("checkpoint_id", "must be a string")
-            return (await self.admission.resume(_owner(request), job_id, checkpoint_id)).to_dict()
+            return (await self.admission.resume(caller_owner(request), job_id, checkpoint_id)).to_dict()
 
         return await self._answer(call)
 
     async def events(self, request: Request, job_id: str, after: str = "", limit: int = 0):
         async def call():
-            events = await self.admission.events(_owner(request), job_id, after, limit)
+            events = await self.admission.events(caller_owner(request), job_id, after, limit)
             return {"object": "list", "data": events}
 
         return await self._answer(call)

@@ -117,12 +117,14 @@ class TrainingAdmission:
             )
         return await self.get(owner, job_id)
 
-    async def events(self, owner: str, job_id: str, after: str, limit: int) -> list[dict[str, Any]]:
+    async def events(
+        self, owner: str, job_id: str, after: str, limit: int, newest_first: bool = False
+    ) -> list[dict[str, Any]]:
         await self.get(owner, job_id)
         if not 0 <= limit <= MAX_EVENTS:
             raise invalid_argument("limit", f"must be in [1, {MAX_EVENTS}] (0: 100), got {limit}")
         try:
-            return await self.jobs.events(job_id, after, limit or 100)
+            return await self.jobs.events(job_id, after, limit or 100, newest_first)
         except Exception as error:
             if "Invalid stream ID" in str(error):
                 raise invalid_argument("after", f"not an event id: {after[:64]!r}") from None

@@ -1,0 +1,179 @@
+"""OpenAI's fine-tuning API (docs/api.md#fine-tuning-api) driven by the real `openai` client against a
+stack on the tiny model with the trainer worker as a real process: a JSONL file uploaded with
+files.create, a job created, retrieved until it succeeded, its events and checkpoints listed, and
+its `fine_tuned_model` called through chat.completions and listed by models.list; a queued job
+cancelled; the fields a job cannot honour refused by name."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import grpc
+import openai
+import pytest
+
+from libs.auth.metadata import credentials_metadata
+from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
+from tests.e2e.conftest import TINY_SETTINGS, stack_env, wait_ready
+from tests.helpers.experts import Publisher
+from tools.stack import LocalStack
+
+TOKEN = "e2e-internal-token-fine-tuning-0123456789"
+WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
+DEADLINE_S = 300.0
+
+
+def _key(stack: LocalStack, name: str, scope: int) -> str:
+    with grpc.insecure_channel(stack.target("reception")) as channel:
+        response = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
+            keys_pb2.CreateKeyRequest(name=name, scope=scope),
+            metadata=credentials_metadata(internal_token=TOKEN),
+            timeout=10,
+        )
+    return response.secret
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fine-tuning-stack")
+    publisher = Publisher.create(root / "publisher")
+    settings = {
+        **TINY_SETTINGS,
+        "EXPERT_AUTH": "required",
+        "EXPERT_INTERNAL_TOKEN": TOKEN,
+        "EXPERT_STORE": str(root / "experts"),
+        "EXPERT_TRUSTED_KEYS": str(publisher.trusted),
+        "EXPERT_TRAINER_SIGNING_KEY": str(publisher.key),
+        "EXPERT_TRAINER_CHECKPOINT_DIR": str(root / "checkpoints"),
+        "EXPERT_TRAINER_DEVICE": "cpu",
+        "EXPERT_TRAINER_CHECKPOINT_STEPS": "2",
+        "EXPERT_NUM_THREADS": "1",
+    }
+    stack = LocalStack.on_free_ports(root / "stack", env=stack_env(tiny_llama, **settings), trainer=True)
+    stack.start()
+    try:
+        wait_ready(stack)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    key = _key(stack, "fine-tuner", keys_pb2.KEY_SCOPE_TRAIN)
+    with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=key, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def training_file(client) -> str:
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Shout the word {WORDS[i % 10]} {i}"},
+                {"role": "assistant", "content": f"{WORDS[i % 10].upper()}!"},
+            ]
+        }
+        for i in range(12)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    return client.files.create(file=("shout.jsonl", io.BytesIO(content)), purpose="fine-tune").id
+
+
+def _until(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...]):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert job.status in ("queued", "running"), job
+        time.sleep(0.1)
+    pytest.fail(f"job {job_id} never reached {statuses}: {client.fine_tuning.jobs.retrieve(job_id)}")
+
+
+def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
+    base = client.models.list().data[0].id
+    job = client.fine_tuning.jobs.create(
+        model=base,
+        training_file=training_file,
+        suffix="shout-ft",
+        seed=3,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 4}}},
+    )
+    assert job.object == "fine_tuning.job" and job.status == "queued" and job.fine_tuned_model is None
+    assert job.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 4
+    assert job.hyperparameters.learning_rate_multiplier == 1 and job.seed == 3 and job.model == base
+    assert job.id in [j.id for j in client.fine_tuning.jobs.list(limit=10).data]
+
+    done = _until(client, job.id, ("succeeded", "failed", "cancelled"))
+    assert done.status == "succeeded", done.error
+    assert done.fine_tuned_model == f"{base}:shout-ft"
+    assert done.trained_tokens > 0 and done.finished_at >= done.created_at and done.error is None
+
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    assert all(e.object == "fine_tuning.job.event" for e in events)
+    assert events[0].created_at >= events[-1].created_at  # newest first, as OpenAI lists them
+    assert "installed" in events[0].message
+    steps = [e.data["step"] for e in events if e.type == "metrics"]
+    assert steps == sorted(steps, reverse=True) and steps[0] == max(steps) >= 2
+    page = client.fine_tuning.jobs.list_events(job.id, limit=2)
+    after = client.fine_tuning.jobs.list_events(job.id, limit=2, after=page.data[-1].id)
+    assert page.has_more and [e.id for e in after.data] == [e.id for e in events[2:4]]
+
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert checkpoints, "the trainer checkpoints at least at the end of a run"
+    assert all(
+        c.object == "fine_tuning.job.checkpoint" and c.fine_tuning_job_id == job.id for c in checkpoints
+    )
+    assert [c.step_number for c in checkpoints] == sorted((c.step_number for c in checkpoints), reverse=True)
+
+    assert done.fine_tuned_model in [m.id for m in client.models.list().data]
+    answer = client.chat.completions.create(
+        model=done.fine_tuned_model,
+        messages=[{"role": "user", "content": "Shout the word tiger 99"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert answer.model == done.fine_tuned_model and answer.choices[0].message.content
+    assert answer.model_extra["expert_system"]["experts"] == ["shout-ft"]
+
+
+def test_a_queued_job_is_cancelled(client, training_file):
+    base = client.models.list().data[0].id
+    job = client.fine_tuning.jobs.create(model=base, training_file=training_file, suffix="to-cancel")
+    cancelled = client.fine_tuning.jobs.cancel(job.id)
+    # queued: cancelled at once; taken by the trainer meanwhile: stopped within a step
+    assert cancelled.status in ("cancelled", "running")
+    final = _until(client, job.id, ("cancelled",))
+    assert final.finished_at is not None and final.fine_tuned_model is None
+
+
+def test_what_a_job_cannot_honour_is_refused_by_name(client, training_file):
+    base = client.models.list().data[0].id
+    cases = [
+        ({"method": {"type": "dpo"}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method.type"),
+        ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
+        ({"suffix": "Not A Name!"}, "suffix"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.fine_tuning.jobs.create(model=base, training_file=training_file, **extra)
+        assert refused.value.body["param"] == param, refused.value.body
+        assert refused.value.body["code"] == "invalid_argument"
+    with pytest.raises(openai.BadRequestError) as missing:
+        client.fine_tuning.jobs.create(model=base, training_file="file-nothere")
+    assert missing.value.body["param"] == "training_file"
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.retrieve("ftjob-nothere")
+
+
+def test_only_a_train_key_creates_a_job(stack, client, training_file):
+    reader = _key(stack, "reader", keys_pb2.KEY_SCOPE_INFER)
+    with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=reader, max_retries=0) as other:
+        with pytest.raises(openai.PermissionDeniedError):
+            other.fine_tuning.jobs.create(model="any", training_file=training_file)
+        assert other.fine_tuning.jobs.list().data == []  # another key's jobs are not its own
