@@ -64,6 +64,7 @@ def _add_spec_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--lr", type=float, help="learning rate (by adapter type)")
     run.add_argument("--batch-size", type=int, help="samples per step (8)")
     run.add_argument("--seed", type=int, help="the run's seed (0)")
+    run.add_argument("--patience", type=int, help="epochs without a better held-out loss before stopping (1)")
     run.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="a checkpoint every STEPS steps")
     run.add_argument("--validation", type=Path, metavar="FILE", help="held-out samples (JSONL)")
 
@@ -83,6 +84,7 @@ def _spec_sections(args: argparse.Namespace) -> dict[str, Any]:
         learning_rate=args.lr,
         batch_size=args.batch_size,
         seed=args.seed,
+        patience=args.patience,
     )
     return given(
         expert=expert,
