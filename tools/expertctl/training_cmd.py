@@ -77,7 +77,7 @@ def _spec_sections(args: argparse.Namespace) -> dict[str, Any]:
 
     expert = given(name=args.name, version=args.version, description=args.description)
     if args.keywords:
-        expert["keywords"] = split_list(args.keywords)
+        expert["keywords"] = list(split_list(args.keywords))
     hyperparameters = given(
         epochs=args.epochs,
         max_steps=args.max_steps,
