@@ -177,10 +177,11 @@ def _show(job: TrainingJob, *, as_json: bool) -> None:
         return
     m = job.metrics
     print(f"{job.id}: {job.status}" + (" (cancel requested)" if job.cancel_requested else ""))
-    if m.total_steps:
+    if m.step:
+        of = f"/{m.total_steps}" if m.total_steps else ""  # a finished job's metrics may leave it out
         loss = f", train loss {m.train_loss:.4f}" if m.train_loss is not None else ""
         held_out = f", eval loss {m.eval_loss:.4f}" if m.eval_loss is not None else ""
-        print(f"  step {m.step}/{m.total_steps}, epoch {m.epoch}/{m.epochs}{loss}{held_out}")
+        print(f"  step {m.step}{of}, epoch {m.epoch}/{m.epochs}{loss}{held_out}")
     if job.checkpoints:
         last = job.checkpoints[-1]
         print(f"  checkpoints: {len(job.checkpoints)}, the last {last.id} at step {last.step}")

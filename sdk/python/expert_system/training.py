@@ -2,7 +2,7 @@
 
 ```python
 with ExpertClient(api_key=TRAIN_KEY) as client:  # creating jobs and uploading needs a key of scope train
-    file = client.training.upload("shout.jsonl")  # a bad line: InvalidRequest naming the line
+    file = client.training.upload("shout.jsonl")  # a bad line: InvalidRequest naming it (shout.jsonl:3)
     job = client.training.create(file.id, expert={"name": "shouter", "description": "..."},
                                  hyperparameters={"epochs": 2})
     for event in client.training.watch(job.id):  # events until the job is final
