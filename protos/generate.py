@@ -1,9 +1,9 @@
 """Generate the Python stubs (with .pyi types) of protos/expert/v1: the public API into the SDK, the
 rest into libs/gen/.
 
-- The public API (common.proto, files.proto, inference.proto, keys.proto, session.proto, training.proto: what a
-  client of the reception needs) goes into the SDK, sdk/python/expert_system/_proto/expert/v1/, imported as
-  `expert_system._proto.expert.v1`.
+- The public API (common.proto, files.proto, inference.proto, keys.proto, session.proto,
+  training.proto: what a client of the reception needs) goes into the SDK,
+  sdk/python/expert_system/_proto/expert/v1/, imported as `expert_system._proto.expert.v1`.
   The SDK ships them in its own distribution (`pip install ./sdk/python` runs `generate_public`
   through sdk/python/setup.py when they are missing).
 - The services' internal protos (engine, preparation, router, postproc) go into libs/gen/expert/v1/,
