@@ -27,7 +27,7 @@ def test_every_proto_has_exactly_one_module():
     protos = sorted(p.stem for p in (REPO / "protos" / "expert" / "v1").glob("*.proto"))
     sdk = {p.name.removesuffix("_pb2.py") for p in SDK_STUBS.glob("*_pb2.py")}
     internal = {p.name.removesuffix("_pb2.py") for p in LIBS_STUBS.glob("*_pb2.py")}
-    assert sdk == {"common", "inference", "keys", "session", "training"}
+    assert sdk == {"common", "files", "inference", "keys", "session", "training"}
     assert not sdk & internal
     assert sorted(sdk | internal) == protos
 

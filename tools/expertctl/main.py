@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tools.expertctl import chat_cmd, client_cmd, expert_cmd, keys_cmd, model_cmd, up_cmd
+from tools.expertctl import chat_cmd, client_cmd, expert_cmd, keys_cmd, model_cmd, training_cmd, up_cmd
 from tools.expertctl.errors import UsageError
 
 # Registering a command is one more module here.
-COMMAND_MODULES = (model_cmd, chat_cmd, expert_cmd, keys_cmd, client_cmd, up_cmd)
+COMMAND_MODULES = (model_cmd, chat_cmd, expert_cmd, keys_cmd, client_cmd, training_cmd, up_cmd)
 
 PROG = "expertctl"
 

@@ -43,3 +43,23 @@ def progress_bar(epoch: int, epochs: int):
             bar.close()
 
     return update
+
+
+def job_progress_bar():
+    """A tqdm bar over a training job's steps on stderr (`expertctl train watch`), fed with its
+    progress events' figures; returns update(step, total_steps, train_loss, tokens_per_second) and
+    close()."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, desc="training", unit="step", file=sys.stderr, leave=True)
+
+    def update(step: int, total_steps: int, loss: float | None, tokens_per_second: float) -> None:
+        if bar.total != total_steps:  # known with the first event, and again after a resume
+            bar.total = total_steps
+        postfix = {"tok_s": f"{tokens_per_second:.0f}"}
+        if loss is not None:
+            postfix["loss"] = f"{loss:.4f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(step - bar.n)
+
+    return update, bar.close

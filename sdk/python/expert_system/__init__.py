@@ -20,8 +20,9 @@ with ExpertClient("127.0.0.1:50051") as client:  # default: $EXPERT_RECEPTION_TA
             print(chunk.text, end="", flush=True)
 ```
 
-`AsyncExpertClient` offers the same calls for asyncio. Results are frozen dataclasses; a failed
-call raises an `ExpertSystemError` subclass.
+`client.training` uploads training files and creates, watches, cancels and resumes training jobs
+(see `expert_system.training`). `AsyncExpertClient` offers the same calls for asyncio. Results are
+frozen dataclasses; a failed call raises an `ExpertSystemError` subclass.
 """
 
 from .aio import AsyncExpertClient
@@ -65,12 +66,22 @@ from .session import (
 )
 from .stream import AsyncInferStream, InferStream
 from .tools import ToolCall, ToolCallDelta
+from .training import AsyncTraining, Training
+from .training_results import (
+    TrainedExpert,
+    TrainingCheckpoint,
+    TrainingFile,
+    TrainingJob,
+    TrainingJobEvent,
+    TrainingMetrics,
+)
 
 __all__ = [
     "AppliedExpert",
     "AsyncExpertClient",
     "AsyncInferStream",
     "AsyncSession",
+    "AsyncTraining",
     "AsyncTurnStream",
     "Choice",
     "DeadlineExceeded",
@@ -97,6 +108,13 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
+    "TrainedExpert",
+    "Training",
+    "TrainingCheckpoint",
+    "TrainingFile",
+    "TrainingJob",
+    "TrainingJobEvent",
+    "TrainingMetrics",
     "TurnEnd",
     "TurnFields",
     "TurnStream",

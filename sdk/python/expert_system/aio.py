@@ -20,6 +20,7 @@ from .results import (
 )
 from .session import AsyncSession, SessionFields
 from .stream import AsyncInferStream
+from .training import AsyncTraining
 
 
 class AsyncExpertClient:
@@ -44,6 +45,8 @@ class AsyncExpertClient:
         else:
             self._channel = grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        # Training jobs and their files (expert_system.training).
+        self.training = AsyncTraining(self._channel, self._metadata)
 
     async def infer(
         self, prompt: str = "", *, timeout: float | None = None, **fields: Unpack[RequestFields]

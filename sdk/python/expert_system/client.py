@@ -29,6 +29,7 @@ from .results import (
 )
 from .session import Session, SessionFields
 from .stream import InferStream
+from .training import Training
 
 __all__ = [
     "API_KEY_ENV",
@@ -67,6 +68,8 @@ class ExpertClient:
         else:
             self._channel = grpc.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        # Training jobs and their files (expert_system.training).
+        self.training = Training(self._channel, self._metadata)
 
     def infer(
         self, prompt: str = "", *, timeout: float | None = None, **fields: Unpack[RequestFields]
