@@ -489,17 +489,24 @@ def test_an_agents_sdk_agent_calls_its_function_tool(stack):
 
 
 def test_an_agents_sdk_tool_loop_chained_by_response_ids_is_one_session(stack, client, sessions):
-    """The agent calls its tool, then answers from the tool's result: two model calls, the second
-    sending only the result (`previous_response_id`), both turns of one session."""
-    from agents import Agent, ModelSettings, function_tool
+    """The agent calls its tool and runs the model again on the result: at least two model calls,
+    each after the first sending only what is new (`previous_response_id`), all turns of one
+    session."""
+    from agents import Agent, ModelSettings, ToolsToFinalOutputResult, function_tool
 
     @function_tool
     def get_weather(city: str) -> str:
         """The weather in a city."""
         return f"Sunny in {city}"
 
-    # `required` for the first call; the SDK drops it after the tool ran (reset_tool_choice), and
-    # `none` is not expressible then, so the answer's length is what keeps the loop short.
+    calls = []
+
+    def stop_after_two_calls(context, results) -> ToolsToFinalOutputResult:
+        # After the first call the model runs again under `auto` (the SDK drops `required` once a
+        # tool ran), where the small model calls again: its second call's result ends the run.
+        calls.extend(results)
+        return ToolsToFinalOutputResult(len(calls) >= 2, results[-1].output if len(calls) >= 2 else None)
+
     settings = ModelSettings(tool_choice="required", max_tokens=48, temperature=0.0)
     result = _run_agent(
         stack,
@@ -509,6 +516,7 @@ def test_an_agents_sdk_tool_loop_chained_by_response_ids_is_one_session(stack, c
             model=m,
             model_settings=settings,
             tools=[get_weather],
+            tool_use_behavior=stop_after_two_calls,
         ),
         "What is the weather in Paris?",
         chained=True,
