@@ -30,8 +30,9 @@ ANSWER_SCHEMA = {
 }
 
 
-# Sessions the engine keeps: room for this module's chains, few enough to fill (the last test).
-MAX_SESSIONS = 10
+# Sessions the engine keeps: room for this module's chains and tool turns (about 15 sessions),
+# few enough to fill (the last test).
+MAX_SESSIONS = 20
 
 
 @pytest.fixture(scope="module")
@@ -261,21 +262,6 @@ def test_a_continuation_outlives_its_session(chain, client, model, sessions):
     # The stored conversation seeds a new session: its first turn computes the whole of it.
     assert _link(later)[0] != session_id and _link(later)[1] == 1
     assert later.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
-
-
-def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
-    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
-    then the engine refuses the turn, and the response is answered as a plain job, as it would be
-    with `store: false`, and stored (its conversation continues it later)."""
-    for _ in range(MAX_SESSIONS + 1):
-        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
-        if _link(response) is None:
-            break
-    assert _link(response) is None and response.status in ("completed", "incomplete")
-    assert client.responses.retrieve(response.id).output_text == response.output_text
-    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
-    assert events[-1].type in ("response.completed", "response.incomplete")
-    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text
 
 
 def test_an_unknown_previous_response_is_not_found(client, model):
@@ -526,3 +512,21 @@ def test_an_agents_sdk_tool_loop_chained_by_response_ids_is_one_session(stack, c
     session_id = links[0][0]
     assert links == [(session_id, turn) for turn in range(1, len(links) + 1)]
     assert _session(sessions, session_id).turns == len(links)
+
+
+# -- last: it fills the engine's table of sessions, which the tests above need room in ---------
+
+
+def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
+    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
+    then the engine refuses the turn, and the response is answered as a plain job, as it would be
+    with `store: false`, and stored (its conversation continues it later)."""
+    for _ in range(MAX_SESSIONS + 1):
+        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+        if _link(response) is None:
+            break
+    assert _link(response) is None and response.status in ("completed", "incomplete")
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text
