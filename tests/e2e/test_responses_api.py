@@ -4,8 +4,8 @@ the default model, through the official `openai` client: string and message inpu
 (one session per chain whose engine keeps its KV, a branch forking a new one, a continuation
 outliving its session, `store: false` opening none, a full engine answering with a plain job),
 `responses.retrieve`/`delete`, refusals that name the field, function tools (forced calls,
-streamed arguments, the tool's result continuing the conversation) and the OpenAI Agents SDK
-running an agent with one function tool."""
+streamed arguments, the tool's result continuing the call's session) and the OpenAI Agents SDK
+running an agent with one function tool, its tool loop one session when chained by response ids."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ ANSWER_SCHEMA = {
 }
 
 
-# Sessions the engine keeps: room for this module's chains, few enough to fill (the last test).
-MAX_SESSIONS = 10
+# Sessions the engine keeps: room for this module's chains and tool turns (about 15 sessions),
+# few enough to fill (the last test).
+MAX_SESSIONS = 20
 
 
 @pytest.fixture(scope="module")
@@ -263,21 +264,6 @@ def test_a_continuation_outlives_its_session(chain, client, model, sessions):
     assert later.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
 
 
-def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
-    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
-    then the engine refuses the turn, and the response is answered as a plain job, as it would be
-    with `store: false`, and stored (its conversation continues it later)."""
-    for _ in range(MAX_SESSIONS + 1):
-        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
-        if _link(response) is None:
-            break
-    assert _link(response) is None and response.status in ("completed", "incomplete")
-    assert client.responses.retrieve(response.id).output_text == response.output_text
-    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
-    assert events[-1].type in ("response.completed", "response.incomplete")
-    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text
-
-
 def test_an_unknown_previous_response_is_not_found(client, model):
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.create(
@@ -323,9 +309,10 @@ def test_refusals_name_the_field(client, model, fields, param):
     assert error["code"] and error["type"] == "invalid_request_error"
 
 
-def _run_agent(stack: LocalStack, agent_for, prompt: str):
+def _run_agent(stack: LocalStack, agent_for, prompt: str, chained: bool = False):
     """Run the agent `agent_for(model)` makes on `prompt` with the OpenAI Agents SDK, its model our
-    `/v1/responses` (tracing off: nothing leaves the machine)."""
+    `/v1/responses` (tracing off: nothing leaves the machine); `chained`: each model call continues
+    the last by `previous_response_id` (the SDK's `auto_previous_response_id`)."""
     from agents import OpenAIResponsesModel, RunConfig, Runner
 
     async def run():
@@ -334,7 +321,13 @@ def _run_agent(stack: LocalStack, agent_for, prompt: str):
         ) as client:
             model = (await client.models.list()).data[0].id
             agent = agent_for(OpenAIResponsesModel(model=model, openai_client=client))
-            return await Runner.run(agent, prompt, max_turns=3, run_config=RunConfig(tracing_disabled=True))
+            return await Runner.run(
+                agent,
+                prompt,
+                max_turns=3,
+                run_config=RunConfig(tracing_disabled=True),
+                auto_previous_response_id=chained,
+            )
 
     return asyncio.run(run())
 
@@ -389,7 +382,7 @@ def test_a_streamed_call_sends_its_arguments_as_deltas(client, model):
     assert final.type == "response.completed" and final.response.output[0].arguments == arguments
 
 
-def test_the_tool_s_result_continues_the_conversation(client, model):
+def test_the_tool_s_result_continues_the_conversation_s_session(client, model, sessions):
     first = client.responses.create(
         model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=48
     )
@@ -408,7 +401,17 @@ def test_the_tool_s_result_continues_the_conversation(client, model):
     )
     assert [item.type for item in follow_up.output] == ["message"]
     assert follow_up.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    # The same turn replayed in full (as the Agents SDK sends it) answers the same.
+    # The call and its result are one session: the result is the turn after the call's, and the
+    # engine computes only it (the call's turn, its tool listing included, is the KV it kept).
+    session_id, _ = _link(first)
+    assert [_link(first), _link(follow_up)] == [(session_id, 1), (session_id, 2)]
+    assert _session(sessions, session_id).turns == 2
+    history = first.usage.input_tokens + first.usage.output_tokens
+    assert history - 1 <= follow_up.usage.input_tokens_details.cached_tokens < follow_up.usage.input_tokens
+    # The same turn replayed in full (as the Agents SDK sends it unchained) opens a session of its
+    # own, whose first turn renders the call from its text as a chat completion does, and answers as
+    # that chat completion (the chain's session holds the model's own tokens of the call instead,
+    # e.g. its indented arguments, so its answer may differ).
     replayed = client.responses.create(
         model=model,
         input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True), result],
@@ -417,8 +420,31 @@ def test_the_tool_s_result_continues_the_conversation(client, model):
         max_output_tokens=8,
         temperature=0.0,
     )
-    assert replayed.output_text == follow_up.output_text
-    assert replayed.usage.input_tokens == follow_up.usage.input_tokens
+    assert _link(replayed)[0] != session_id and _link(replayed)[1] == 1
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        tool_choice="none",
+        max_completion_tokens=8,
+        temperature=0.0,
+    )
+    assert replayed.output_text == chat.choices[0].message.content
+    assert replayed.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_an_agents_sdk_agent_calls_its_function_tool(stack):
@@ -446,3 +472,61 @@ def test_an_agents_sdk_agent_calls_its_function_tool(stack):
         "What is the weather in Paris?",
     )
     assert cities and result.final_output == f"Sunny in {cities[0]}"
+
+
+def test_an_agents_sdk_tool_loop_chained_by_response_ids_is_one_session(stack, client, sessions):
+    """The agent calls its tool and runs the model again on the result: at least two model calls,
+    each after the first sending only what is new (`previous_response_id`), all turns of one
+    session."""
+    from agents import Agent, ModelSettings, ToolsToFinalOutputResult, function_tool
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"Sunny in {city}"
+
+    calls = []
+
+    def stop_after_two_calls(context, results) -> ToolsToFinalOutputResult:
+        # After the first call the model runs again under `auto` (the SDK drops `required` once a
+        # tool ran), where the small model calls again: its second call's result ends the run.
+        calls.extend(results)
+        return ToolsToFinalOutputResult(len(calls) >= 2, results[-1].output if len(calls) >= 2 else None)
+
+    settings = ModelSettings(tool_choice="required", max_tokens=48, temperature=0.0)
+    result = _run_agent(
+        stack,
+        lambda m: Agent(
+            name="forecaster",
+            instructions="Use the tool.",
+            model=m,
+            model_settings=settings,
+            tools=[get_weather],
+            tool_use_behavior=stop_after_two_calls,
+        ),
+        "What is the weather in Paris?",
+        chained=True,
+    )
+    links = [_link(client.responses.retrieve(r.response_id)) for r in result.raw_responses]
+    assert len(links) >= 2 and links[0] is not None, links
+    session_id = links[0][0]
+    assert links == [(session_id, turn) for turn in range(1, len(links) + 1)]
+    assert _session(sessions, session_id).turns == len(links)
+
+
+# -- last: it fills the engine's table of sessions, which the tests above need room in ---------
+
+
+def test_a_response_the_engine_has_no_session_room_for_runs_as_a_plain_job(client, model):
+    """Every stored response opens a session until the engine's table (EXPERT_MAX_SESSIONS) is full;
+    then the engine refuses the turn, and the response is answered as a plain job, as it would be
+    with `store: false`, and stored (its conversation continues it later)."""
+    for _ in range(MAX_SESSIONS + 1):
+        response = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+        if _link(response) is None:
+            break
+    assert _link(response) is None and response.status in ("completed", "incomplete")
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(events[-1].response.id).output_text == events[-1].response.output_text

@@ -7,10 +7,16 @@ session's next turn, through the same session calls as SessionService (admission
 chat path calls: as the next turn of the previous response's session when that response is still
 its latest turn; otherwise (a branch from an older response, a session that expired or ended,
 other instructions or another model) as the first turn of a new session seeded with the whole
-conversation; and as a plain job, as a chat completion is, when the conversation uses tools (an
-engine's session turn renders neither tool definitions nor calls), when its owner has no room for
-another session (EXPERT_SESSION_MAX_PER_KEY, EXPERT_SESSION_CREATE_PER_MINUTE), or when the
-engines refuse the turn for want of room for a session (EXPERT_MAX_SESSIONS)."""
+conversation; and as a plain job, as a chat completion is, when its owner has no room for another
+session (EXPERT_SESSION_MAX_PER_KEY, EXPERT_SESSION_CREATE_PER_MINUTE), or when the engines refuse
+the turn for want of room for a session (EXPERT_MAX_SESSIONS).
+
+Tools are a turn's like any other field of the job (its `tools`, `tool_choice`,
+`parallel_tool_calls`, docs/api.md#tools-in-a-session): a response's function calls end its turn
+(the session keeps them as the reply's `tool_calls`), and the next response's
+`function_call_output` items are that session's next input, as `tool` messages. So a tool loop
+chained by `previous_response_id` (the OpenAI Agents SDK's `auto_previous_response_id`) is one
+session. The Responses API's input has no participant `name`, which a session turn would not render."""
 
 from __future__ import annotations
 
@@ -57,14 +63,6 @@ def http_peer(request: Request) -> str:
         return ""
     host, port = client.host, client.port
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
-
-
-def uses_tools(inference: common_pb2.InferenceRequest) -> bool:
-    """Whether the job needs what a session turn does not render: tools, tool calls or results,
-    participant names."""
-    return bool(inference.tools) or any(
-        m.role == "tool" or m.tool_calls or m.tool_call_id or m.name for m in inference.messages
-    )
 
 
 class SessionResponder:
@@ -124,8 +122,6 @@ class SessionResponder:
         return await self.admission.admit(inference, streaming=streaming)
 
     async def _begin(self, inference: common_pb2.InferenceRequest, streaming: bool) -> Admitted:
-        if uses_tools(inference):
-            return await self.admission.admit(inference, streaming=streaming)
         if self.follows is not None:
             admitted = await self._continue(inference, streaming)
             if admitted is not None:
