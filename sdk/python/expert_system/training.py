@@ -99,11 +99,11 @@ class Training:
         """Queue a job on an uploaded file; `sections` are TrainingJobSpec's other fields
         (adapter, hyperparameters, expert, validation_file, checkpoint_every_steps, ...)."""
         request = training_pb2.CreateTrainingJobRequest(spec=build_spec(training_file, sections))
-        return job_from_proto(self._call(self._jobs.CreateTrainingJob, request, timeout))
+        return job_from_proto(self._call(self._jobs.CreateTrainingJob, request, timeout).job)
 
     def get(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> TrainingJob:
         request = training_pb2.GetTrainingJobRequest(job_id=job_id)
-        return job_from_proto(self._call(self._jobs.GetTrainingJob, request, timeout))
+        return job_from_proto(self._call(self._jobs.GetTrainingJob, request, timeout).job)
 
     def list(
         self, *, limit: int = 0, after: str = "", timeout: Timeout = DEFAULT_TIMEOUT
@@ -115,7 +115,7 @@ class Training:
     def cancel(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> TrainingJob:
         """A pending job is cancelled at once, a running one stops within a step."""
         request = training_pb2.CancelTrainingJobRequest(job_id=job_id)
-        return job_from_proto(self._call(self._jobs.CancelTrainingJob, request, timeout))
+        return job_from_proto(self._call(self._jobs.CancelTrainingJob, request, timeout).job)
 
     def checkpoint(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> str:
         """Ask a running job for a checkpoint after its current step; returns the id it will have."""
@@ -132,7 +132,7 @@ class Training:
     ) -> TrainingJob:
         """Queue a cancelled or failed job again from `checkpoint_id` (by default its last one)."""
         request = training_pb2.ResumeTrainingJobRequest(job_id=job_id, checkpoint_id=checkpoint_id)
-        return job_from_proto(self._call(self._jobs.ResumeTrainingJob, request, timeout))
+        return job_from_proto(self._call(self._jobs.ResumeTrainingJob, request, timeout).job)
 
     def events(
         self, job_id: str, *, after: str = "", limit: int = 0, timeout: Timeout = DEFAULT_TIMEOUT
@@ -194,11 +194,11 @@ class AsyncTraining:
         self, training_file: str, *, timeout: Timeout = DEFAULT_TIMEOUT, **sections: Any
     ) -> TrainingJob:
         request = training_pb2.CreateTrainingJobRequest(spec=build_spec(training_file, sections))
-        return job_from_proto(await self._call(self._jobs.CreateTrainingJob, request, timeout))
+        return job_from_proto((await self._call(self._jobs.CreateTrainingJob, request, timeout)).job)
 
     async def get(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> TrainingJob:
         request = training_pb2.GetTrainingJobRequest(job_id=job_id)
-        return job_from_proto(await self._call(self._jobs.GetTrainingJob, request, timeout))
+        return job_from_proto((await self._call(self._jobs.GetTrainingJob, request, timeout)).job)
 
     async def list(
         self, *, limit: int = 0, after: str = "", timeout: Timeout = DEFAULT_TIMEOUT
@@ -209,7 +209,7 @@ class AsyncTraining:
 
     async def cancel(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> TrainingJob:
         request = training_pb2.CancelTrainingJobRequest(job_id=job_id)
-        return job_from_proto(await self._call(self._jobs.CancelTrainingJob, request, timeout))
+        return job_from_proto((await self._call(self._jobs.CancelTrainingJob, request, timeout)).job)
 
     async def checkpoint(self, job_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> str:
         request = training_pb2.CheckpointTrainingJobRequest(job_id=job_id)
@@ -226,7 +226,7 @@ class AsyncTraining:
         self, job_id: str, *, checkpoint_id: str = "", timeout: Timeout = DEFAULT_TIMEOUT
     ) -> TrainingJob:
         request = training_pb2.ResumeTrainingJobRequest(job_id=job_id, checkpoint_id=checkpoint_id)
-        return job_from_proto(await self._call(self._jobs.ResumeTrainingJob, request, timeout))
+        return job_from_proto((await self._call(self._jobs.ResumeTrainingJob, request, timeout)).job)
 
     async def events(
         self, job_id: str, *, after: str = "", limit: int = 0, timeout: Timeout = DEFAULT_TIMEOUT

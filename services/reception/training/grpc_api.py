@@ -95,17 +95,20 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         self.admission = admission
 
     async def CreateTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.create(_owner(context), spec_from_proto(request.spec)))
+        job = await self.admission.create(_owner(context), spec_from_proto(request.spec))
+        return training_pb2.CreateTrainingJobResponse(job=job_proto(job))
 
     async def GetTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.get(_owner(context), request.job_id))
+        job = await self.admission.get(_owner(context), request.job_id)
+        return training_pb2.GetTrainingJobResponse(job=job_proto(job))
 
     async def ListTrainingJobs(self, request, context: grpc.aio.ServicerContext):
         jobs, more = await self.admission.list(_owner(context), request.limit, request.after)
         return training_pb2.ListTrainingJobsResponse(jobs=[job_proto(j) for j in jobs], has_more=more)
 
     async def CancelTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.cancel(_owner(context), request.job_id))
+        job = await self.admission.cancel(_owner(context), request.job_id)
+        return training_pb2.CancelTrainingJobResponse(job=job_proto(job))
 
     async def CheckpointTrainingJob(self, request, context: grpc.aio.ServicerContext):
         checkpoint_id = await self.admission.checkpoint(_owner(context), request.job_id)
@@ -118,7 +121,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         )
 
     async def ResumeTrainingJob(self, request, context: grpc.aio.ServicerContext):
-        return job_proto(await self.admission.resume(_owner(context), request.job_id, request.checkpoint_id))
+        job = await self.admission.resume(_owner(context), request.job_id, request.checkpoint_id)
+        return training_pb2.ResumeTrainingJobResponse(job=job_proto(job))
 
     async def ListTrainingJobEvents(self, request, context: grpc.aio.ServicerContext):
         events = await self.admission.events(_owner(context), request.job_id, request.after, request.limit)
