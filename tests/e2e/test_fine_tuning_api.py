@@ -93,6 +93,16 @@ def _until(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...]):
     pytest.fail(f"job {job_id} never reached {statuses}: {client.fine_tuning.jobs.retrieve(job_id)}")
 
 
+def _listed(client: openai.OpenAI, model: str) -> None:
+    """Waits until /v1/models lists `model` (reception reuses the router's expert list for
+    EXPERTS_TTL_S, so a just-registered expert shows up within that)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while model not in (listed := [m.id for m in client.models.list().data]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"/v1/models never listed {model}: {listed}")
+        time.sleep(0.2)
+
+
 def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
     base = client.models.list().data[0].id
     job = client.fine_tuning.jobs.create(
@@ -129,7 +139,7 @@ def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
     )
     assert [c.step_number for c in checkpoints] == sorted((c.step_number for c in checkpoints), reverse=True)
 
-    assert done.fine_tuned_model in [m.id for m in client.models.list().data]
+    _listed(client, done.fine_tuned_model)
     answer = client.chat.completions.create(
         model=done.fine_tuned_model,
         messages=[{"role": "user", "content": "Shout the word tiger 99"}],

@@ -24,7 +24,7 @@ from libs.gen.expert.v1 import (
     router_pb2_grpc,
 )
 from tests.e2e.conftest import ready_tiny_stack
-from tools.stack import SERVICES, LocalStack, health_status
+from tools.stack import SERVICES, TRAINER, LocalStack, health_status
 
 TOKEN = "e2e-mtls-internal-token-0123456789abcdef"
 INTERNAL = credentials_metadata(internal_token=TOKEN)
@@ -118,7 +118,7 @@ def test_the_certificates_are_readable_by_the_owner_only(secured):
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     names = sorted(path.name for path in directory.iterdir())
     assert names == sorted(
-        ["ca.pem", *(f"{s}.{ext}" for s in (*SERVICES, "client") for ext in ("pem", "key"))]
+        ["ca.pem", *(f"{s}.{ext}" for s in (*SERVICES, TRAINER, "client") for ext in ("pem", "key"))]
     )
     for path in directory.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

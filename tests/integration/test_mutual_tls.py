@@ -25,7 +25,7 @@ from libs.grpc_client import Channels
 from libs.tls import is_loopback_target, may_send_token
 from tests.helpers.grpc_services import plan_request, running
 from tools import local_ca
-from tools.stack import SERVICES, LocalStack
+from tools.stack import SERVICES, TRAINER, LocalStack
 
 TOKEN = "internal-token-for-tests-0123456789"
 
@@ -180,7 +180,7 @@ def test_a_stack_makes_certificates_only_for_required_auth_without_given_ones(pk
     for name in [n for n in os.environ if n.startswith("EXPERT_")]:
         monkeypatch.delenv(name)
     made = LocalStack(tmp_path / "made", env={"EXPERT_AUTH": "required"})
-    assert set(made.identities()) == {*SERVICES, "client"} and made.client_credentials() is not None
+    assert set(made.identities()) == {*SERVICES, TRAINER, "client"} and made.client_credentials() is not None
     given = LocalStack(tmp_path / "given", env={"EXPERT_AUTH": "required", **pki["client"].env()})
     assert given.identities() == {} and given.client_credentials() is not None  # its own, for all
     assert not (tmp_path / "given" / "tls").exists()
