@@ -69,6 +69,8 @@ bench: setup model
 	$(PY) bench/experts.py --model $(MODEL_DIR)
 	$(PY) bench/structured.py --model $(MODEL_DIR)
 	$(PY) bench/sessions.py --model $(MODEL_DIR)
+	$(PY) bench/speculative.py --model $(MODEL_DIR)
+	$(PY) bench/kv_cache.py --model $(MODEL_DIR)
 
 # A bounded soak of the whole stack (docs/operations.md#benchmarks): SOAK_MINUTES of mixed traffic
 # (infer, streams, sessions, regex and JSON-schema formats), then what is left unfinished, every

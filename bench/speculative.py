@@ -5,7 +5,8 @@
 
 One engine per drafter (EXPERT_SPECULATIVE=<drafter>). Each workload runs twice on it: with
 speculation turned off per request, then with it on; the outputs must be identical, and the script
-says so, with the acceptance rate (drafts kept / drafted). Workloads: extraction (JSON from a
+says so, with the acceptance rate (drafts kept / drafted). Batch b runs each workload's prompts b
+at a time (batch 1: every prompt alone, one after another). Workloads: extraction (JSON from a
 paragraph, where the output copies the input), free chat, and an expert request (free chat with a
 random rank-8 LoRA expert made and signed for the run, as bench/adapters.py makes them). The base
 drafter drafts only for the expert workload (the others use the n-gram drafter: see
@@ -50,12 +51,18 @@ def workload(name: str, batch: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def timed(engine: LLMEngine, chats, params: SamplingParams, experts) -> tuple[float, int, list[list[int]]]:
+def timed(
+    engine: LLMEngine, chats, params: SamplingParams, experts, batch: int
+) -> tuple[float, int, list[list[int]]]:
+    """Runs the chats `batch` at a time, one batch after another; the time and tokens of all."""
     prompts = [engine.tokenizer.encode_chat(c) for c in chats]
-    started = time.perf_counter()
-    outs = engine.generate(prompts, params, experts=experts)
-    elapsed = time.perf_counter() - started
-    ids = [o.outputs[0].token_ids for o in outs]
+    elapsed, ids = 0.0, []
+    for start in range(0, len(prompts), batch):
+        group = prompts[start : start + batch]
+        started = time.perf_counter()
+        outs = engine.generate(group, params, experts=None if experts is None else experts[: len(group)])
+        elapsed += time.perf_counter() - started
+        ids += [o.outputs[0].token_ids for o in outs]
     return elapsed, sum(len(i) for i in ids), ids
 
 
@@ -82,6 +89,7 @@ def run_drafter(args: argparse.Namespace, drafter: str, expert: tuple[Path, Path
         num_threads=args.threads,
         speculative=drafter,
         speculative_k=args.k,
+        speculative_max_rows=args.max_rows,
         enable_prefix_caching=False,  # the second run of a workload must prefill as the first did
     )
     engine.load_expert(*expert)
@@ -90,11 +98,13 @@ def run_drafter(args: argparse.Namespace, drafter: str, expert: tuple[Path, Path
     engine.chat(workload("chat", 1), dataclasses.replace(off, max_tokens=4))  # warm-up
     for name in WORKLOADS:
         for batch in args.batch:
-            chats = workload("chat" if name == "expert" else name, batch)
-            experts = [[(EXPERT, 1.0)]] * batch if name == "expert" else None
-            t_off, n_off, ids_off = timed(engine, chats, off, experts)
+            # Every distinct prompt of the workload at least once: batch 1 runs them one by one.
+            source = "chat" if name == "expert" else name
+            chats = workload(source, max(batch, len(PARAGRAPHS if source == "extraction" else CHATS)))
+            experts = [[(EXPERT, 1.0)]] * len(chats) if name == "expert" else None
+            t_off, n_off, ids_off = timed(engine, chats, off, experts, batch)
             before = counters(engine)
-            t_on, n_on, ids_on = timed(engine, chats, on, experts)
+            t_on, n_on, ids_on = timed(engine, chats, on, experts, batch)
             drafted, accepted = (a - b for a, b in zip(counters(engine), before, strict=True))
             rate = f"{accepted / drafted:.0%}" if drafted else "-"
             print(
@@ -113,6 +123,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-rows", type=int, default=16, help="EXPERT_SPECULATIVE_MAX_ROWS")
     parser.add_argument("--drafters", nargs="+", default=["ngram", "base", "int4"])
     args = parser.parse_args()
     print(

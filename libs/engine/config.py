@@ -95,6 +95,9 @@ class SchedulerConfig:
     # "draft:<checkpoint path>") and the most tokens a sequence drafts per step.
     speculative: str = "off"
     speculative_k: int = 4
+    # A step carries drafts only up to this many rows, its decodes counted first: few rows cost
+    # one pass over the weights whatever their number; many make the step compute-bound.
+    speculative_max_rows: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, str) or not valid_drafter(self.speculative):
@@ -103,6 +106,8 @@ class SchedulerConfig:
             )
         if not 1 <= self.speculative_k <= 16:
             raise ConfigError(f"speculative_k: must be in [1, 16], got {self.speculative_k}")
+        if self.speculative_max_rows < 1:
+            raise ConfigError(f"speculative_max_rows: must be at least 1, got {self.speculative_max_rows}")
         if self.max_sessions < 0:
             raise ConfigError(f"max_sessions: must be >= 0 (0 refuses sessions), got {self.max_sessions}")
         if self.max_num_seqs < 1:
@@ -260,6 +265,7 @@ class EngineConfig:
                 max_sessions=reader.integer("EXPERT_MAX_SESSIONS", 256),
                 speculative=reader.text("EXPERT_SPECULATIVE", "off"),
                 speculative_k=reader.integer("EXPERT_SPECULATIVE_K", 4),
+                speculative_max_rows=reader.integer("EXPERT_SPECULATIVE_MAX_ROWS", 16),
             ),
             adapters=AdapterConfig(
                 host_bytes=reader.integer("EXPERT_ADAPTER_HOST_BYTES", 2 << 30),
@@ -293,6 +299,7 @@ ENV_VARIABLES = {
     "max_sessions": "EXPERT_MAX_SESSIONS",
     "speculative": "EXPERT_SPECULATIVE",
     "speculative_k": "EXPERT_SPECULATIVE_K",
+    "speculative_max_rows": "EXPERT_SPECULATIVE_MAX_ROWS",
     "host_bytes": "EXPERT_ADAPTER_HOST_BYTES",
     "device_bytes": "EXPERT_ADAPTER_DEVICE_BYTES",
     "trusted_keys_dir": "EXPERT_TRUSTED_KEYS",

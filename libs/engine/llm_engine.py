@@ -167,11 +167,11 @@ class LLMEngine:
         if sched.speculative == "off":
             return None
         if not is_model_drafter(sched.speculative):
-            return Speculator(sched.speculative, sched.speculative_k)
+            return Speculator(sched.speculative, sched.speculative_k, max_rows=sched.speculative_max_rows)
         model = load_drafter(self.config, self.model, self.tokenizer, num_blocks, self.max_model_len)
         pending = PendingDrafts()
         self.runner.rejection_rows = pending.rejection_rows
-        return Speculator(sched.speculative, sched.speculative_k, model, pending)
+        return Speculator(sched.speculative, sched.speculative_k, model, pending, sched.speculative_max_rows)
 
     def _load_model(self, ops: TorchOps) -> DecoderModel:
         """The checkpoint's weights, laid out for `ops` on the engine's device."""

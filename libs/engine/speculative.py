@@ -12,7 +12,13 @@ sampler decides them by the rule for q (speculative_sampling.py); its greedy dra
 
 The n-gram drafter needs no model: it finds the most recent earlier occurrence of the sequence's
 last n tokens (n from NGRAM_MAX down to NGRAM_MIN) in its prompt and output and proposes the
-tokens that followed it. Pure host code, no torch (the model drafters are in drafters/).
+tokens that followed it, at most 2^n of them: a longer match is better evidence that the text is
+being copied. Pure host code, no torch (the model drafters are in drafters/).
+
+Drafts are rows the step computes. A step of few rows streams the weights once whatever its rows,
+so drafts are nearly free at batch 1; as rows grow the step turns compute-bound and every draft
+costs its share. So a step carries drafts only up to `max_rows` rows in all (its decodes count
+first): a batch that fills them decodes as without speculation.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ if TYPE_CHECKING:
 
 DRAFTERS = SPECULATIVE_DRAFTERS
 NGRAM_MAX = 4
-NGRAM_MIN = 2
+NGRAM_MIN = 1
 # Adapting K: a sequence whose drafts are accepted less often than this (a running average over
 # its recent steps) stops drafting for a while, decoding one token per step as without speculation.
 MIN_ACCEPTANCE = 0.3
@@ -55,8 +61,8 @@ class DrafterStats:
 
 
 def ngram_proposal(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens of
-    `tokens`, trying the longest n first; [] when no suffix of n_min tokens or more recurs."""
+    """Up to min(k, 2^n) tokens that followed the most recent earlier occurrence of the last n
+    tokens of `tokens`, trying the longest n first; [] when no suffix of n_min tokens or more recurs."""
     length = len(tokens)
     if k <= 0 or length <= n_min:
         return []
@@ -67,8 +73,21 @@ def ngram_proposal(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int
         hits = np.flatnonzero((windows == arr[length - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
+            return arr[start : start + min(k, 1 << n)].tolist()
     return []
+
+
+def _share(wanted: list[tuple[Sequence, int]], budget: int, each: int) -> list[tuple[Sequence, int]]:
+    """The step's draft budget shared out in order (most important first), at most `each` per
+    sequence: a draft's first positions are the likeliest kept, so many short drafts beat few long."""
+    shared = []
+    for seq, limit in wanted:
+        take = min(limit, each, budget)
+        if take <= 0:
+            break
+        shared.append((seq, take))
+        budget -= take
+    return shared
 
 
 def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
@@ -86,15 +105,24 @@ class Speculator:
     model drafter drafts for all the decoding sequences of a step at once (`prepare`, before the
     scheduler hands out the step's budget); a sequence it does not serve (the base drafter and a
     request without experts) drafts with the n-gram drafter. `pending`: where the drafts of sampled
-    requests wait, with their q, for the step's sampler (drafters/verification.py)."""
+    requests wait, with their q, for the step's sampler (drafters/verification.py). `max_rows`: the
+    most rows (decodes and drafts) a step carries drafts up to."""
 
     def __init__(
-        self, drafter: str, k: int, model: ModelDrafter | None = None, pending: PendingDrafts | None = None
+        self,
+        drafter: str,
+        k: int,
+        model: ModelDrafter | None = None,
+        pending: PendingDrafts | None = None,
+        max_rows: int = 16,
     ) -> None:
         if drafter == "off" or not valid_drafter(drafter):
             raise ValueError(f"speculative: expected one of {', '.join(DRAFTERS[1:])}, got {drafter!r}")
         self.drafter = DRAFT_PREFIX.rstrip(":") if drafter.startswith(DRAFT_PREFIX) else drafter
         self.k = k
+        self.max_rows = max_rows
+        self._budget = 0  # drafts this step may still carry (prepare sets it)
+        self._each = 0  # and the most one sequence may carry
         self.model = model
         self.pending = pending
         self.stats = DrafterStats()
@@ -124,9 +152,11 @@ class Speculator:
         """Start a step: the model drafter drafts for every decoding sequence that will ask (up to
         its K), in one batch; nothing for the n-gram drafter, which drafts on demand."""
         self._prepared, self._reserved = {}, {}
+        self._budget = max(0, self.max_rows - len(decoding))
+        self._each = max(1, self._budget // max(1, len(decoding)))
         if self.pending is not None:
             self.pending.clear()
-        if self.model is None:
+        if self.model is None or self._budget == 0:
             return
         wanted = []
         for seq in decoding:
@@ -134,6 +164,7 @@ class Speculator:
                 limit = self._limit(seq, self.k, max_model_len)
                 if limit > 0:
                     wanted.append((seq, limit))
+        wanted = _share(wanted, self._budget, self._each)
         if wanted:
             self._prepared = self.model.draft(wanted)
 
@@ -145,16 +176,19 @@ class Speculator:
         if state.pause > 0:
             state.pause -= 1
             return []
-        limit = self._limit(seq, room, max_model_len)
+        limit = min(self._limit(seq, room, max_model_len), self._budget, self._each)
         if limit <= 0:
             return []
         if not self._by_model(seq):
             draft = ngram_proposal(seq.token_ids[seq.num_virtual_tokens :], limit)
-            return draft[: seq.grammar.validate(draft)] if draft and seq.grammar is not None else draft
+            draft = draft[: seq.grammar.validate(draft)] if draft and seq.grammar is not None else draft
+            self._budget -= len(draft)
+            return draft
         prepared = self._prepared.pop(seq.seq_id, None)
         if prepared is None:  # the drafter's cache had no room for it
             return []
         draft = prepared.tokens[:limit]
+        self._budget -= len(draft)
         # Slots for every draft, whatever the format keeps of them: which tokens the format refuses
         # depends on their values, and what the verification can do must not.
         self._reserved[seq.seq_id] = len(draft)
@@ -190,16 +224,19 @@ class Speculator:
         )
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Account for one verification and adapt the sequence's K: one more than it just kept
-        (up to the engine's K), and a pause when its acceptance runs low."""
+        """Account for one verification and adapt the sequence: a model drafter's next K is one
+        more than it just kept (up to the engine's K: each draft costs a drafter step), the n-gram
+        drafter's stays (its match length bounds each draft); a pause when acceptance runs low."""
         state = seq.speculation
-        stats = self.stats if self.ngram_stats is None or self._by_model(seq) else self.ngram_stats
+        by_model = self._by_model(seq)
+        stats = self.stats if self.ngram_stats is None or by_model else self.ngram_stats
         stats.drafted += drafted
         stats.accepted += accepted
         stats.steps += 1
         state.drafted += drafted
         state.accepted += accepted
-        state.k = max(1, min(self.k, accepted + 1))
+        if by_model:
+            state.k = max(1, min(self.k, accepted + 1))
         rate = accepted / drafted
         state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * rate
         if state.acceptance < MIN_ACCEPTANCE:

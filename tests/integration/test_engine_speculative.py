@@ -73,29 +73,54 @@ def test_ngram_proposal_takes_the_most_recent_longest_match():
     assert ngram_proposal([1, 2, 1, 2], 0) == []
 
 
+def test_a_longer_match_drafts_more():
+    tokens = [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]
+    assert ngram_proposal([*tokens, 7], 8) == [1, 2]  # one token matched: at most 2 drafts
+    assert ngram_proposal([*tokens, 7, 1], 8) == [2, 3, 4, 5]  # two: at most 4
+    assert ngram_proposal([*tokens, 7, 1, 2], 8) == [3, 4, 5, 6, 8, 9, 10, 11]  # three: at most 8
+
+
 def test_accepted_prefix_stops_at_the_first_differing_sample():
     assert accepted_prefix([4, 5, 6], [4, 5, 7, 1]) == 2
     assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
     assert accepted_prefix([4], [3, 4]) == 0
 
 
-def test_k_adapts_and_low_acceptance_falls_back_to_ordinary_decoding():
+def test_low_acceptance_falls_back_to_ordinary_decoding():
     spec = Speculator("ngram", 4)
     seq = Sequence("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=100), request_seed=0)
+    spec.prepare([seq], 64)
     assert spec.propose(seq, room=10, max_model_len=64) == [3, 1, 2]  # what followed "1 2"
     spec.record(seq, 3, 3)
-    assert seq.speculation.k == 4
     spec.record(seq, 4, 1)
-    assert seq.speculation.k == 2  # one more than it kept
+    assert seq.speculation.k == 4  # the n-gram drafter's K stays: the match length bounds a draft
     for _ in range(3):  # nothing kept: the running average drops below the threshold
         spec.record(seq, 1, 0)
     assert spec.stats.fallbacks == 1
     pause = seq.speculation.pause
     assert pause > 0
     assert [spec.propose(seq, 10, 64) for _ in range(pause)] == [[]] * pause  # ordinary decoding
+    spec.prepare([seq], 64)
     assert spec.propose(seq, 10, 64) != []  # then it tries again
+    spec.prepare([seq], 64)
     assert spec.propose(seq, room=0, max_model_len=64) == []
     assert spec.propose(seq, room=10, max_model_len=seq.num_tokens + 1) == []  # no room in the context
+
+
+def test_a_step_carries_drafts_up_to_its_row_budget():
+    seqs = [
+        Sequence(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], SamplingParams(max_tokens=100), request_seed=i)
+        for i in range(6)
+    ]
+    spec = Speculator("ngram", 4, max_rows=8)
+    spec.prepare(seqs[:1], 64)
+    assert len(spec.propose(seqs[0], room=64, max_model_len=64)) == 4  # alone: its whole K
+    spec.prepare(seqs[:4], 64)  # 4 decodes leave 4 rows: one draft each
+    assert [len(spec.propose(s, room=64, max_model_len=64)) for s in seqs[:4]] == [1, 1, 1, 1]
+    spec.prepare(seqs[:6], 64)  # 6 decodes leave 2 rows: the first two sequences draft
+    assert [len(spec.propose(s, room=64, max_model_len=64)) for s in seqs[:6]] == [1, 1, 0, 0, 0, 0]
+    spec.prepare(seqs[:6] * 2, 64)  # a full step drafts nothing
+    assert spec.propose(seqs[0], room=64, max_model_len=64) == []
 
 
 def test_settings_are_checked_by_name():
@@ -103,8 +128,13 @@ def test_settings_are_checked_by_name():
         EngineConfig.from_env({"EXPERT_SPECULATIVE": "medusa"})
     with pytest.raises(ConfigError, match="EXPERT_SPECULATIVE_K"):
         EngineConfig.from_env({"EXPERT_SPECULATIVE_K": "0"})
-    config = EngineConfig.from_env({"EXPERT_SPECULATIVE": "ngram", "EXPERT_SPECULATIVE_K": "6"})
-    assert (config.scheduler.speculative, config.scheduler.speculative_k) == ("ngram", 6)
+    with pytest.raises(ConfigError, match="EXPERT_SPECULATIVE_MAX_ROWS"):
+        EngineConfig.from_env({"EXPERT_SPECULATIVE_MAX_ROWS": "0"})
+    config = EngineConfig.from_env(
+        {"EXPERT_SPECULATIVE": "ngram", "EXPERT_SPECULATIVE_K": "6", "EXPERT_SPECULATIVE_MAX_ROWS": "32"}
+    )
+    sched = config.scheduler
+    assert (sched.speculative, sched.speculative_k, sched.speculative_max_rows) == ("ngram", 6, 32)
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(speculative="yes")
     assert err.value.field == "speculative"
