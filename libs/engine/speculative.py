@@ -44,6 +44,7 @@ NGRAM_MIN = 1
 MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_DECAY = 0.7  # weight of the past in the running average
 MAX_BACKOFF = 128  # the longest pause (SpeculationState.backoff doubles up to it)
+MIN_MODEL_DRAFTS = 2  # a model drafter drafts only when each decoding sequence may carry this many
 
 
 @dataclass
@@ -156,7 +157,9 @@ class Speculator:
         self._each = max(1, self._budget // max(1, len(decoding)))
         if self.pending is not None:
             self.pending.clear()
-        if self.model is None or self._budget == 0:
+        # A model drafter runs a step per draft position whatever the batch: with fewer than
+        # MIN_MODEL_DRAFTS rows per sequence left its steps cost more than the drafts save.
+        if self.model is None or self._each < MIN_MODEL_DRAFTS:
             return
         wanted = []
         for seq in decoding:

@@ -32,6 +32,7 @@ ALPHA = 0.001
 
 def _engine(model, speculative: str, **overrides) -> LLMEngine:
     settings = {"device": "cpu", "num_blocks": 480, "block_size": 4, "seed": 0, "speculative": speculative}
+    settings["speculative_max_rows"] = 256  # every sequence drafts: these batches test verification
     return LLMEngine.from_pretrained(str(model), **(settings | overrides))
 
 
@@ -254,8 +255,8 @@ def test_default_model_greedy_is_identical_with_each_drafter(
     reference, decoded beside the speculative requests as an engine without a drafter would)."""
     setting = f"draft:{tiny_default_draft}" if drafter == "draft" else drafter
     engine = LLMEngine.from_pretrained(
-        str(default_model), num_blocks=64, max_model_len=128, speculative=setting
-    )
+        str(default_model), num_blocks=64, max_model_len=128, speculative=setting, speculative_max_rows=256
+    )  # every sequence of the batch drafts, whatever the row budget a CPU step pays off up to
     engine.load_expert(*default_expert)
     # Plain text, no chat template: short prompts keep the prefill (and the drafter's) small. A
     # list the model goes on repeating: the n-gram drafter finds its drafts in it.

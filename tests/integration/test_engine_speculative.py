@@ -28,6 +28,7 @@ PROMPTS = [[(7 * i + j) % 50 + 20 for j in range(5)] * 4 for i in range(6)] + [[
 
 def _engine(model, speculative: str, **overrides) -> LLMEngine:
     settings = {"device": "cpu", "num_blocks": 96, "block_size": 4, "seed": 0, "speculative": speculative}
+    settings["speculative_max_rows"] = 256  # every sequence drafts: these batches test verification
     return LLMEngine.from_pretrained(str(model), **(settings | overrides))
 
 
