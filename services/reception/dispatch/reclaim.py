@@ -5,8 +5,9 @@ its holder dying: Redis down or stalled for longer than a lease stops every rene
 restored from Redis's append-only file has expired by its own clock meanwhile. So a lapsed lease is
 only a suspicion: an entry is taken once its lease has stayed gone for a whole lease while this
 dispatcher could see Redis (the living holder renews within a third of a lease once Redis answers),
-and never when it is one of this dispatcher's own running jobs. Any failed look forgets what was
-seen, since it may be an outage the holders could not renew through. The rule is
+and never when it is one of this dispatcher's own running jobs. Any failed look, or a pause of
+over a lease between two looks (the dispatcher looks every quarter lease), forgets what was seen,
+since either may hide an outage the holders could not renew through. The rule is
 libs/stream_lease.py's `OrphanGuard`, which the trainers follow too.
 """
 
