@@ -4,8 +4,11 @@ A job is one hash, `expert:training:job:{id}`: owner, status, spec (JSON), times
 checkpoints (JSON list), the expert it produced (JSON), error, and two requests the trainer reads
 between steps (`cancel_requested`, `checkpoint_requested`). The owner's jobs are a sorted set by
 creation time (`expert:training:jobs:{owner}`). A job's events are a stream
-(`expert:training:job:{id}:events`, capped). Nothing expires: a job's record and checkpoints are
-its history. Only its owner sees a job; anyone else gets None, as for a job that does not exist.
+(`expert:training:job:{id}:events`, capped). A live job never expires; once it ends, its record and
+its events expire after the retention (libs/training/retention.py), set by the same script that
+ends it, and a resume takes that expiry away again. An event for a job whose record is gone is not
+written (it would be a stream nobody reads, without a TTL). Only its owner sees a job; anyone else
+gets None, as for a job that does not exist.
 
 Status changes are compare-and-set scripts, so reception (cancel, resume) and the trainer (start,
 checkpoint, finish) never overwrite each other: PENDING -> RUNNING <-> CHECKPOINTING -> COMPLETED,
@@ -24,6 +27,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from libs.training.queue import QUEUE_STREAM
+from libs.training.retention import DEFAULT_RETENTION_S
 
 JOB_PREFIX = "expert:training:job:"
 OWNER_PREFIX = "expert:training:jobs:"
@@ -37,35 +41,69 @@ FINAL = (COMPLETED, FAILED, CANCELLED)
 ACTIVE = (RUNNING, CHECKPOINTING)
 _JSON_FIELDS = ("spec", "metrics", "checkpoints", "expert")
 
-# KEYS: the job; ARGV: new status, how many allowed statuses, the allowed statuses, then field/value
-# pairs to set with it -> 1 when changed, else the current status (false: no such job)
-_TRANSITION = """
+# A job's keys (KEYS[1] its record, KEYS[2] its events) expire `retention` ms after it ends, and
+# never while it lives (a resume takes the expiry away).
+_KEEP = (
+    "local FINAL = {"
+    + ", ".join(f"['{status}'] = true" for status in FINAL)
+    + """}
+local function keep(status, retention)
+  for i = 1, 2 do
+    if FINAL[status] then redis.call('PEXPIRE', KEYS[i], retention) else redis.call('PERSIST', KEYS[i]) end
+  end
+end
+"""
+)
+
+# KEYS: the job, its events; ARGV: new status, retention ms, how many allowed statuses, the allowed
+# statuses, then field/value pairs to set with it -> 1 when changed, else the current status
+# (false: no such job)
+_TRANSITION = (
+    _KEEP
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
-local allowed = tonumber(ARGV[2])
-for i = 3, 2 + allowed do
+local allowed = tonumber(ARGV[3])
+for i = 4, 3 + allowed do
   if ARGV[i] == status then
     redis.call('HSET', KEYS[1], 'status', ARGV[1])
-    for j = 3 + allowed, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    for j = 4 + allowed, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    keep(ARGV[1], ARGV[2])
     return 1
   end
 end
 return status
 """
+)
 
-# KEYS: the job; ARGV: now -> the status after: a pending job is cancelled at once, a running one is
-# asked to stop (the trainer cancels it within a step), a final one is left as it is
-_CANCEL = """
+# KEYS: the job, its events; ARGV: now, retention ms -> the status after: a pending job is
+# cancelled at once, a running one is asked to stop (the trainer cancels it within a step), a final
+# one is left as it is
+_CANCEL = (
+    _KEEP
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'PENDING' then
   redis.call('HSET', KEYS[1], 'status', 'CANCELLED', 'updated_at', ARGV[1], 'finished_at', ARGV[1])
+  keep('CANCELLED', ARGV[2])
   return 'CANCELLED'
 end
 if status == 'RUNNING' or status == 'CHECKPOINTING' then
   redis.call('HSET', KEYS[1], 'cancel_requested', '1', 'updated_at', ARGV[1])
 end
 return status
+"""
+)
+
+# KEYS: the job, its events; ARGV: the events' cap, then the event's field/value pairs -> 1 when
+# written: only while the job's record exists, and then expiring with it
+_EVENT = """
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl == -2 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
+if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return 1
 """
 
 
@@ -162,10 +200,12 @@ class TrainingJob:
 class TrainingJobs:
     """The training jobs of a Redis (decode_responses=False)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, retention_s: float = DEFAULT_RETENTION_S) -> None:
         self.redis = redis
+        self.retention_ms = int(retention_s * 1000)  # how long an ended job is kept
         self._transition = redis.register_script(_TRANSITION)
         self._cancel = redis.register_script(_CANCEL)
+        self._event = redis.register_script(_EVENT)
 
     async def create(self, owner: str, spec: dict[str, Any]) -> TrainingJob:
         """A new PENDING job of `owner`, queued for the trainer (one transaction)."""
@@ -201,13 +241,17 @@ class TrainingJobs:
         ids = [i.decode() for i in await self.redis.zrevrange(OWNER_PREFIX + owner, 0, -1)]
         if after:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
-        jobs = []
+        jobs, expired = [], []
         for job_id in ids:
             job = await self.get(job_id, owner)
             if job is not None:
                 jobs.append(job)
+            elif not await self.redis.exists(job_key(job_id)):
+                expired.append(job_id)  # past its retention: the owner's index lets it go too
             if len(jobs) == limit:
                 break
+        if expired:
+            await self.redis.zrem(OWNER_PREFIX + owner, *expired)
         return jobs
 
     async def transition(self, job_id: str, allowed: tuple[str, ...], to: str, **fields: Any) -> bool:
@@ -216,7 +260,10 @@ class TrainingJobs:
         pairs: list[Any] = ["updated_at", repr(time.time())]
         for name, value in fields.items():
             pairs += [name, _stored(value)]
-        reply = await self._transition(keys=[job_key(job_id)], args=[to, len(allowed), *allowed, *pairs])
+        reply = await self._transition(
+            keys=[job_key(job_id), events_key(job_id)],
+            args=[to, self.retention_ms, len(allowed), *allowed, *pairs],
+        )
         return reply == 1
 
     async def update(self, job_id: str, **fields: Any) -> None:
@@ -226,7 +273,9 @@ class TrainingJobs:
 
     async def cancel(self, job_id: str) -> str | None:
         """Cancels a pending job, asks a running one to stop; its status after (None: no job)."""
-        reply = await self._cancel(keys=[job_key(job_id)], args=[repr(time.time())])
+        reply = await self._cancel(
+            keys=[job_key(job_id), events_key(job_id)], args=[repr(time.time()), self.retention_ms]
+        )
         return reply.decode() if isinstance(reply, bytes) else None
 
     async def request_checkpoint(self, job_id: str) -> str | None:
@@ -278,13 +327,11 @@ class TrainingJobs:
             *_, (cancel, checkpoint) = await pipe.execute()
         return cancel == b"1", (checkpoint or b"").decode()
 
-    async def event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        await self.redis.xadd(
-            events_key(job_id),
-            _event_fields(kind, message, data or {}),
-            maxlen=EVENTS_MAXLEN,
-            approximate=True,
-        )
+    async def event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None) -> bool:
+        """Adds an event to the job's stream (expiring with its record); False when the job is gone."""
+        pairs = [part for item in _event_fields(kind, message, data or {}).items() for part in item]
+        written = await self._event(keys=[job_key(job_id), events_key(job_id)], args=[EVENTS_MAXLEN, *pairs])
+        return written == 1
 
     async def events(
         self, job_id: str, after: str = "", limit: int = 100, newest_first: bool = False

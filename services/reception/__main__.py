@@ -86,7 +86,7 @@ class Reception:
         stages, session_store = GrpcStages(self.peers), SessionStore(self.redis, config.sessions)
         self.sessions = SessionAdmission(self.admission, session_store, stages.release_session)
         self.training = TrainingAdmission(
-            TrainingJobs(self.redis), TrainingFiles(self.redis), config.training
+            TrainingJobs(self.redis, config.training_retention_s), TrainingFiles(self.redis), config.training
         )
         self.dispatcher = self._dispatcher(stages, session_store)
         self.http = self._http()

@@ -10,6 +10,7 @@ from libs.config import EnvReader, ServerConfig
 from libs.training.bounds import TrainingBounds
 from libs.training.files import DEFAULT_MAX_BYTES as DEFAULT_TRAINING_FILE_MAX_BYTES
 from libs.training.files import DEFAULT_MAX_PER_OWNER as DEFAULT_TRAINING_FILES_PER_OWNER
+from libs.training.retention import DEFAULT_RETENTION_S, retention_from_env
 from services.reception.dispatch.dispatcher import DispatchSettings
 from services.reception.dispatch.pipeline import DEFAULT_STREAM_INTERVAL
 from services.reception.http.body_guard import DEFAULT_MAX_BODY_BYTES
@@ -53,6 +54,7 @@ class ReceptionConfig:
     # once ended jobs' texts left Redis (redis_compaction).
     redis_compact_s: float = DEFAULT_INTERVAL_S
     training: TrainingBounds = field(default_factory=TrainingBounds)  # a training job may ask at most
+    training_retention_s: int = DEFAULT_RETENTION_S  # an ended training job's record is kept this long
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReceptionConfig:
@@ -62,6 +64,7 @@ class ReceptionConfig:
             server=ServerConfig.from_env("reception", DEFAULT_PORT, DEFAULT_METRICS_PORT, env),
             auth=AuthConfig.from_env(env),
             training=TrainingBounds.from_env(env),
+            training_retention_s=retention_from_env(env),
             http_port=reader.integer(
                 "EXPERT_RECEPTION_HTTP_PORT", DEFAULT_HTTP_PORT, minimum=0, maximum=65535
             ),

@@ -17,6 +17,7 @@ from libs.redis_watch import watch_redis
 from libs.training.files import TrainingFiles
 from libs.training.jobs import TrainingJobs
 from libs.training.queue import TrainingQueue
+from services.trainer.checkpoint_sweep import CheckpointSweeper
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.runner import JobRunner
@@ -33,11 +34,15 @@ async def main() -> None:
     router_channel = open_channel(
         config.router_target, internal_token=config.auth.internal_token, tls=config.auth.tls
     )
-    jobs = TrainingJobs(redis)
+    jobs = TrainingJobs(redis, config.job_retention_s)
     router = router_pb2_grpc.RouterServiceStub(router_channel)
     runner = JobRunner(config, jobs, TrainingFiles(redis), router, TrainerMetrics())
     worker = Worker(
-        TrainingQueue(redis, config.consumer, config.lease_ms), jobs, runner, config.max_deliveries
+        TrainingQueue(redis, config.consumer, config.lease_ms),
+        jobs,
+        runner,
+        config.max_deliveries,
+        CheckpointSweeper(config.checkpoint_dir, jobs, config.job_retention_s),
     )
     background: set[asyncio.Task] = set()
     loops: list[asyncio.Task] = []  # the worker's loop, once started

@@ -11,6 +11,7 @@ from pathlib import Path
 from libs.auth.config import AuthConfig
 from libs.config import ConfigError, EnvReader, ServerConfig
 from libs.training.bounds import TrainingBounds
+from libs.training.retention import DEFAULT_RETENTION_S, retention_from_env
 
 DEFAULT_PORT = 50056
 DEFAULT_METRICS_PORT = 9156
@@ -34,6 +35,8 @@ class TrainerConfig:
     device: str  # "auto": CUDA when present, else the CPU
     consumer: str
     bounds: TrainingBounds = field(default_factory=TrainingBounds)
+    # An ended job's record, events and checkpoint directory are kept this long.
+    job_retention_s: int = DEFAULT_RETENTION_S
     auth: AuthConfig = field(default_factory=AuthConfig)
 
     @classmethod
@@ -60,5 +63,6 @@ class TrainerConfig:
             device=device,
             consumer=reader.text("EXPERT_TRAINER_ID", f"{socket.gethostname()}-{os.getpid()}"),
             bounds=TrainingBounds.from_env(env),
+            job_retention_s=retention_from_env(env),
             auth=AuthConfig.from_env(env),
         )

@@ -64,7 +64,7 @@ class JobRunner:
         try:
             expert = await self._train_and_publish(job, stops)
         except Cancelled:
-            await self._finish(job, CANCELLED, "job cancelled; its checkpoints are kept")
+            await self._finish(job, CANCELLED, "job cancelled; its checkpoints are kept for its retention")
         except BudgetSpent as stop:
             await self._finish(job, FAILED, str(stop), error=str(stop))
         except Interrupted:

@@ -1,10 +1,13 @@
 """The trainer's loop: one job at a time from the training queue (libs.training.queue).
 
-It first claims the entries of jobs whose trainer is gone (their lease lapsed), then waits for a
-new entry. A job is run under its lease, renewed three times a lease while it trains; a job
-another trainer holds is skipped, a final one dropped, a job delivered more than
-EXPERT_TRAINER_MAX_DELIVERIES times (it keeps killing its trainer) failed and dead-lettered. On a
-stop the running job writes a checkpoint and is handed back, to go on from there.
+Between jobs it sweeps the checkpoints of jobs past their retention (checkpoint_sweep.py), claims
+the entries of jobs whose trainer is gone (their lease stayed gone for a whole lease while it
+looked, libs/stream_lease.py: a Redis outage alone takes no job from a living trainer), then waits
+for a new entry, at most a quarter of a lease so that it looks at the leases often enough. A job is
+run under its lease, renewed three times a lease while it trains; a job another trainer holds is
+skipped, a final one dropped, a job delivered more than EXPERT_TRAINER_MAX_DELIVERIES times (it
+keeps killing its trainer) failed and dead-lettered. On a stop the running job writes a checkpoint
+and is handed back, to go on from there.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from libs.logging import get_logger
 from libs.redis_streams import Entry
 from libs.training.jobs import ACTIVE, CANCELLED, FAILED, PENDING, RUNNING, TrainingJobs
 from libs.training.queue import TrainingQueue, job_id_of
+from services.trainer.checkpoint_sweep import CheckpointSweeper
 from services.trainer.job_control import Interrupted, Stops
 from services.trainer.runner import JobRunner
 
@@ -26,12 +30,19 @@ POLL_MS = 1000
 
 class Worker:
     def __init__(
-        self, queue: TrainingQueue, jobs: TrainingJobs, runner: JobRunner, max_deliveries: int
+        self,
+        queue: TrainingQueue,
+        jobs: TrainingJobs,
+        runner: JobRunner,
+        max_deliveries: int,
+        sweeper: CheckpointSweeper | None = None,
     ) -> None:
         self.queue = queue
         self.jobs = jobs
         self.runner = runner
         self.max_deliveries = max_deliveries
+        self.sweeper = sweeper
+        self.poll_ms = max(1, min(POLL_MS, queue.lease_ms // 4))
         self.stops = Stops()
         self._stopping = asyncio.Event()
         self.current: str | None = None  # the job id being trained
@@ -45,9 +56,11 @@ class Worker:
         await self.queue.setup()
         while not self._stopping.is_set():
             try:
+                if self.sweeper is not None:
+                    await self.sweeper.sweep_if_due()
                 entries = await self.queue.orphans()
                 if not entries:
-                    entry = await self.queue.next(POLL_MS)
+                    entry = await self.queue.next(self.poll_ms)
                     entries = [entry] if entry is not None else []
                 for entry in entries:
                     if not self._stopping.is_set():
@@ -56,6 +69,7 @@ class Worker:
                 raise
             except Exception as error:  # Redis away: try again shortly, the entries stay pending
                 log.warning("the training queue failed", error=str(error))
+                self.queue.guard.forget()  # the holders could not renew meanwhile either
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 1.0)
 

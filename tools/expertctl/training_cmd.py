@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, help_, handler in (
         ("status", "show a job's status and metrics", _status),
         ("watch", "follow a job with a progress bar until it ends", _watch),
-        ("cancel", "cancel a job (its checkpoints are kept)", _cancel),
+        ("cancel", "cancel a job (its checkpoints are kept for the retention, to resume it)", _cancel),
         ("resume", "queue a cancelled or failed job again from a checkpoint", _resume),
     ):
         parser = actions.add_parser(name, help=help_, description=__doc__)
