@@ -91,7 +91,8 @@ def test_chat_beam_search_answers_as_completions_of_its_rendered_prompt(client, 
     # The chat's prompt is its conversation rendered by the model's template: the same ids sent as a
     # completions prompt run the same search, so the beams must be the same, in the same order.
     rendered = Tokenizer.from_dir(tiny_llama).encode_chat(MESSAGES)
-    params = {"model": model, "max_tokens": 6, "n": 2, "best_of": 3, "extra_body": BEAMS}
+    # best_of is OpenAI's on completions only: its client takes it on chat in extra_body, as vLLM's
+    params = {"model": model, "max_tokens": 6, "n": 2, "extra_body": BEAMS | {"best_of": 3}}
     chat = client.chat.completions.create(messages=MESSAGES, **params)
     completion = client.completions.create(prompt=rendered, **params)
     assert chat.usage.prompt_tokens == completion.usage.prompt_tokens == len(rendered)
@@ -107,7 +108,7 @@ def test_chat_best_of_answers_the_most_likely_of_its_samples(client, model):
     samples = client.chat.completions.create(**params, n=3, logprobs=True).choices
     likelihood = [sum(t.logprob for t in c.logprobs.content) for c in samples]
     assert len(set(likelihood)) == 3  # three different samples
-    best = client.chat.completions.create(**params, n=1, best_of=3)
+    best = client.chat.completions.create(**params, n=1, extra_body={"best_of": 3})
     assert len(best.choices) == 1 and best.choices[0].index == 0
     assert best.choices[0].message.content == samples[likelihood.index(max(likelihood))].message.content
     assert best.choices[0].logprobs is None
@@ -119,7 +120,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"stream": True, "best_of": 2}, "best_of"),
+        ({"stream": True, "extra_body": {"best_of": 2}}, "best_of"),
         ({"stream": True, "n": 2, "extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"n": 2, "tools": TOOLS, "extra_body": {"use_beam_search": True}}, "tools"),
         ({"n": 2, "response_format": {"type": "json_object"}, "extra_body": BEAMS}, "response_format"),
@@ -127,7 +128,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
         ({"n": 2, "stop": ["."], "extra_body": {"use_beam_search": True}}, "stop"),
         ({"n": 2, "extra_body": {"use_beam_search": True, "early_stopping": "soon"}}, "early_stopping"),
         ({"extra_body": {"length_penalty": 2.0}}, "length_penalty"),
-        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"n": 3, "extra_body": {"best_of": 2}}, "best_of"),
         ({"extra_body": {"use_beam_search": True}}, "best_of"),  # one beam
     ],
 )
