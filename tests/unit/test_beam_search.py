@@ -262,3 +262,21 @@ def test_the_rest_body_carries_early_stopping_as_the_protos_text():
     assert (request.best_of, request.use_beam_search, request.early_stopping) == (3, True, "false")
     assert request.length_penalty == 0.5
     assert to_request(JobBody(prompt="hi", early_stopping="never")).early_stopping == "never"
+
+
+def test_the_openai_chat_body_maps_beams_as_the_completions_body_does():
+    from services.reception.http.openai_request import to_request
+    from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+
+    fields = {"model": "m", "n": 2, "best_of": 3, "use_beam_search": True, "length_penalty": 0.5}
+    chat = to_request(
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields, early_stopping=True)
+    )
+    completion = to_request(CompletionRequest(prompt="hi", **fields, early_stopping=True))
+    beams = ("best_of", "use_beam_search", "length_penalty", "early_stopping")
+    assert (
+        [getattr(chat, f) for f in beams] == [getattr(completion, f) for f in beams] == [3, True, 0.5, "true"]
+    )
+    unset = to_request(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert not any(unset.HasField(f) for f in ("best_of", "length_penalty", "early_stopping"))
+    assert not unset.use_beam_search

@@ -30,14 +30,14 @@ def _refuse_unsupported(body: SamplingFields) -> None:
             raise not_supported("echo", "echo")
         if body.suffix:
             raise not_supported("suffix", "suffix")
-        _refuse_unstreamable(body)
+    _refuse_unstreamable(body)
     if body.stream_options is not None and not body.stream:
         raise HttpError(
             400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value"
         )
 
 
-def _refuse_unstreamable(body: CompletionRequest) -> None:
+def _refuse_unstreamable(body: SamplingFields) -> None:
     """OpenAI's rule: best_of > n picks its outputs at the end, so it cannot stream; nor can a beam
     search, whose beams change until it ends."""
     if not body.stream:
@@ -170,12 +170,13 @@ def _sampling(request: common_pb2.InferenceRequest, body: ChatCompletionRequest 
         request.top_k = 0
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
-    if isinstance(body, CompletionRequest):
-        _beam_search(request, body)
+    _beam_search(request, body)
 
 
-def _beam_search(request: common_pb2.InferenceRequest, body: CompletionRequest) -> None:
-    """OpenAI's best_of and vLLM's beam-search extras (reception's validation checks them)."""
+def _beam_search(request: common_pb2.InferenceRequest, body: SamplingFields) -> None:
+    """OpenAI's best_of and vLLM's beam-search extras, chat's as completions' (reception's
+    validation checks them, and refuses by name what beams cannot combine with: tools, logprobs,
+    formats, stop strings, sampling)."""
     for name in ("best_of", "use_beam_search", "length_penalty"):
         value = getattr(body, name)
         if value is not None:

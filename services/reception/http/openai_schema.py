@@ -77,6 +77,12 @@ class SamplingFields(IgnoredFields):
     exclude_experts: list[Text] | None = None
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)
     priority: int | None = Field(None, ge=-INT32, le=INT32)
+    # OpenAI's best_of (completions; vLLM takes it on chat too) and vLLM's beam-search extras, on
+    # both routes as vLLM has them (openai_request.py maps them, reception's validation checks them)
+    best_of: int | None = Field(None, ge=-INT32, le=INT32)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Text | None = None
 
     @property
     def base_model(self) -> str:
@@ -122,11 +128,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     echo: bool | None = None
     suffix: Text | None = None
-    best_of: int | None = Field(None, ge=-INT32, le=INT32)
-    # vLLM's beam-search extras (completions only)
-    use_beam_search: bool | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | Text | None = None
 
 
 FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
