@@ -106,6 +106,15 @@ def test_beam_search_options_become_request_fields(run, fakes):
     assert run("infer", "Finish this", "--early-stopping", "soon")[0] == 2  # a usage error
 
 
+@pytest.mark.parametrize(("option", "value"), [("--speculative", True), ("--no-speculative", False)])
+def test_speculative_decoding_is_turned_on_or_off_per_request(run, fakes, option, value):
+    assert run("infer", "Copy this", option)[0] == 0
+    request = fakes.reception.last_request
+    assert request.HasField("speculative") and request.speculative is value
+    assert run("infer", "Copy this")[0] == 0
+    assert not fakes.reception.last_request.HasField("speculative")  # the engine's setting
+
+
 @pytest.mark.parametrize("command", ["infer", "stream", "submit"])
 def test_a_regex_or_a_grammar_file_becomes_the_requests_format(run, fakes, tmp_path, command):
     assert run(command, "Phone?", "--regex", "[0-9]{3}-[0-9]{4}")[0] == 0

@@ -120,6 +120,11 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("true", "false", "never"),
         help="beam search: when to stop (default false)",
     )
+    parser.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        help="speculative decoding on or off for this request (default: the engine's EXPERT_SPECULATIVE)",
+    )
     parser.add_argument("--priority", type=_INT32, metavar="N", help="0-9, higher first")
     parser.add_argument("--timeout-ms", type=_INT64, metavar="N", help="the job's time limit")
     parser.add_argument("--force-expert", dest="force_experts", action="append", metavar="NAME")
