@@ -253,7 +253,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     # The trainer's key: made beside the log directory, owner-only, its public half trusted, given
     # to the trainer and named by the banner.
     key = (tmp_path / "keys" / "trainer" / "signing.key").resolve()
-    assert S_IMODE(key.stat().st_mode) == 0o600 and f"{key}," in "".join(stdout.seen)
+    assert S_IMODE(key.stat().st_mode) == 0o600 and f"{key}." in "".join(stdout.seen)
     trusted = [p.read_bytes() for p in (tmp_path / "trusted").iterdir()]
     assert trusted == [key.with_name("signing.pub").read_bytes()]
     trainer = _child(process.pid, "services.trainer")

@@ -315,7 +315,7 @@ def _trainer_lines(signing_key: str | None) -> list[str]:
     return [
         "Trainer: running: training jobs (POST /v1/fine_tuning/jobs, `expertctl train submit`; see",
         "         docs/experts.md) end with an expert installed here, signed with",
-        f"         {signing_key}, whose public key the engine trusts.",
+        f"         {signing_key}.",
     ]
 
 
