@@ -114,6 +114,9 @@ def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
         messages=[{"role": "user", "content": "Double the number 99"}],
         max_tokens=4,
         temperature=0,
+        # The tiny random model, a few steps trained, may well end its answer at once: without its
+        # end token, its 4 tokens show that the named model answered.
+        extra_body={"ignore_eos": True},
     )
     assert answer.model == done.fine_tuned_model and answer.choices[0].message.content
     assert answer.model_extra["expert_system"]["experts"] == ["double-ft"]
