@@ -150,15 +150,13 @@ def _up_settings(
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Free gRPC ports for the five services (and the trainer, when `services` names it) and
     reception's HTTP, metrics off, the tiny model's settings, and the router's data (its embedded
-    Qdrant), the trusted keys and the trainer's checkpoints in the test's directory rather than the
-    repository's."""
+    Qdrant) in the test's directory rather than the repository's; with the trainer, the trusted
+    keys (where up puts its key's public half) and its checkpoints too."""
     ports = {service: free_port() for service in services}
-    settings = {
-        **TINY_SETTINGS,
-        "EXPERT_DATA_DIR": str(tmp_path / "data"),
-        "EXPERT_TRUSTED_KEYS": str(tmp_path / "trusted"),
-        "EXPERT_TRAINER_CHECKPOINT_DIR": str(tmp_path / "training"),
-    }
+    settings = {**TINY_SETTINGS, "EXPERT_DATA_DIR": str(tmp_path / "data")}
+    if TRAINER in services:
+        settings["EXPERT_TRUSTED_KEYS"] = str(tmp_path / "trusted")
+        settings["EXPERT_TRAINER_CHECKPOINT_DIR"] = str(tmp_path / "training")
     settings["EXPERT_RECEPTION_HTTP_PORT"] = str(free_port())
     for service, port in ports.items():
         settings[f"EXPERT_{service.upper()}_PORT"] = str(port)
