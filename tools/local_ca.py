@@ -9,9 +9,9 @@ certificates are made nothing on disk can sign another one, so a local process t
 directory cannot join the mesh. Keys are ECDSA P-256 (fast to make, as strong as RSA-3072).
 
 `python -m tools.local_ca DIR [--host NAME]... [--keep]` does the same from a shell, for the five
-services and `client` (the operator's certificate, for `expertctl` and probes): compose.yaml runs it
-once into its `tls` volume (`--keep`: not again while DIR has a CA, so that a restarted service
-finds the certificates its peers trust).
+services, the trainer and `client` (the operator's certificate, for `expertctl` and probes):
+compose.yaml runs it once into its `tls` volume (`--keep`: not again while DIR has a CA, so that a
+restarted service finds the certificates its peers trust).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_FILE = "ca.pem"
 # Whom `python -m tools.local_ca` issues for: the services (tools.stack.SERVICES; tools.stack
-# imports this module) and the operator.
-NAMES = ("router", "preparation", "postproc", "engine", "reception", "client")
+# imports this module), the trainer worker (tools.stack.TRAINER) and the operator.
+NAMES = ("router", "preparation", "postproc", "engine", "reception", "trainer", "client")
 VALIDITY = datetime.timedelta(days=365)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _OWNER_ONLY_DIR = 0o700

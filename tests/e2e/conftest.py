@@ -1,11 +1,13 @@
 """The whole system for end-to-end tests: a real redis-server and the five real services as processes
-(tools.stack), on free ports, with their logs under the test's temporary directory."""
+(tools.stack), on free ports, with their logs under the test's temporary directory; and one stack
+with the trainer worker, shared by the modules that train (`trainer_stack`)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -14,9 +16,11 @@ import openai
 import pytest
 
 from expert_system import ExpertClient
-from libs.gen.expert.v1 import preparation_pb2, preparation_pb2_grpc
+from libs.auth.metadata import credentials_metadata
+from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc, preparation_pb2, preparation_pb2_grpc
 from tests.conftest import LONG
-from tools.stack import LocalStack
+from tests.helpers.experts import Publisher
+from tools.stack import TRAINER, LocalStack
 
 
 def stack_env(model: Path, **extra: str) -> dict[str, str]:
@@ -133,3 +137,84 @@ def openai_client(stack: LocalStack, api_key: str = "anything") -> openai.OpenAI
     """The real `openai` client on the stack's HTTP front, no retries; `api_key` matters only on a
     stack with EXPERT_AUTH=required (any value passes with auth off)."""
     return openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=api_key, max_retries=0)
+
+
+# The internal token of the shared training stack (EXPERT_AUTH=required): what makes its API keys.
+TRAINING_TOKEN = "e2e-internal-token-training-0123456789"
+TRAINING_DEADLINE_S = 300.0
+_FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+@dataclass(frozen=True)
+class TrainerStack:
+    """A stack on the tiny model with EXPERT_AUTH=required and the trainer worker, shared by the
+    modules that train. Each module makes API keys of its own, so that it sees only its own files and
+    jobs, and names its experts apart from the other modules'; what it leaves running is cancelled
+    when it ends (`end_jobs`), so that the next module's jobs do not queue behind it."""
+
+    stack: LocalStack
+    store: Path  # the expert store the trainer installs into
+    checkpoints: Path  # EXPERT_TRAINER_CHECKPOINT_DIR
+
+    def create_key(self, name: str, scope: int) -> tuple[str, str]:
+        """A new API key of `scope`: (its id, the secret to send)."""
+        with grpc.insecure_channel(self.stack.target("reception")) as channel:
+            response = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
+                keys_pb2.CreateKeyRequest(name=name, scope=scope),
+                metadata=credentials_metadata(internal_token=TRAINING_TOKEN),
+                timeout=10,
+            )
+        return response.key.key_id, response.secret
+
+    def trainer_running(self) -> None:
+        """Starts the trainer again if a test killed it and did not get to restart it."""
+        process = self.stack.processes.get(TRAINER)
+        if process is None or process.poll() is not None:
+            self.stack.start_service(TRAINER)
+            self.stack.wait_serving(TRAINER)
+
+    def end_jobs(self, secret: str) -> None:
+        """Cancels the unfinished jobs of the key `secret` and waits until each has ended."""
+        headers = {"authorization": f"Bearer {secret}"}
+        with httpx.Client(base_url=self.stack.http_url(), headers=headers, timeout=30) as http:
+            jobs = http.get("/v1/training/jobs", params={"limit": 100}).json()["data"]
+            unfinished = [job["id"] for job in jobs if job["status"] not in _FINAL]
+            for job_id in unfinished:
+                http.delete(f"/v1/training/jobs/{job_id}")
+            deadline = time.monotonic() + TRAINING_DEADLINE_S
+            for job_id in unfinished:
+                while http.get(f"/v1/training/jobs/{job_id}").json()["status"] not in _FINAL:
+                    assert time.monotonic() < deadline, f"job {job_id} never ended after its cancel"
+                    time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def trainer_stack(tiny_llama, tmp_path_factory) -> Iterator[TrainerStack]:
+    """The one stack with a trainer that test_training_jobs.py, test_fine_tuning_api.py and
+    test_training_clients.py share (started once: five services, a trainer and a model load). A
+    1.5 s lease, so that a killed trainer's job is taken again within seconds; a checkpoint every 2
+    steps unless a job asks otherwise."""
+    root = tmp_path_factory.mktemp("trainer-stack")
+    publisher = Publisher.create(root / "publisher")
+    store, checkpoints = root / "experts", root / "checkpoints"
+    settings = {
+        **TINY_SETTINGS,
+        "EXPERT_AUTH": "required",
+        "EXPERT_INTERNAL_TOKEN": TRAINING_TOKEN,
+        "EXPERT_STORE": str(store),
+        "EXPERT_TRUSTED_KEYS": str(publisher.trusted),
+        "EXPERT_TRAINER_SIGNING_KEY": str(publisher.key),
+        "EXPERT_TRAINER_CHECKPOINT_DIR": str(checkpoints),
+        "EXPERT_TRAINER_CHECKPOINT_STEPS": "2",
+        "EXPERT_TRAINER_LEASE_MS": "1500",
+        "EXPERT_TRAINER_DEVICE": "cpu",
+        "EXPERT_TRAINING_MAX_STEPS": "20000",
+        "EXPERT_NUM_THREADS": "1",
+    }
+    stack = LocalStack.on_free_ports(root / "stack", env=stack_env(tiny_llama, **settings), trainer=True)
+    stack.start()
+    try:
+        wait_ready(stack)
+        yield TrainerStack(stack, store, checkpoints)
+    finally:
+        stack.stop()

@@ -1,5 +1,6 @@
 """OpenAI's fine-tuning API (docs/api.md#fine-tuning-api) driven by the real `openai` client against a
-stack on the tiny model with the trainer worker as a real process: a JSONL file uploaded with
+stack on the tiny model with the trainer worker as a real process (the shared `trainer_stack`,
+with keys of this module's own): a JSONL file uploaded with
 files.create, a job created, retrieved until it succeeded, its events and checkpoints listed, and
 its `fine_tuned_model` called through chat.completions and listed by models.list; a queued job
 cancelled; the fields a job cannot honour refused by name."""
@@ -10,76 +11,44 @@ import io
 import json
 import time
 
-import grpc
 import openai
 import pytest
 
-from libs.auth.metadata import credentials_metadata
-from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
-from tests.e2e.conftest import TINY_SETTINGS, stack_env, wait_ready
-from tests.helpers.experts import Publisher
-from tools.stack import LocalStack
+from libs.gen.expert.v1 import keys_pb2
+from tests.e2e.conftest import TrainerStack
 
-TOKEN = "e2e-internal-token-fine-tuning-0123456789"
-WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
 DEADLINE_S = 300.0
 
 
-def _key(stack: LocalStack, name: str, scope: int) -> str:
-    with grpc.insecure_channel(stack.target("reception")) as channel:
-        response = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
-            keys_pb2.CreateKeyRequest(name=name, scope=scope),
-            metadata=credentials_metadata(internal_token=TOKEN),
-            timeout=10,
-        )
-    return response.secret
+@pytest.fixture(scope="module")
+def stack(trainer_stack: TrainerStack):
+    trainer_stack.trainer_running()
+    return trainer_stack.stack
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("fine-tuning-stack")
-    publisher = Publisher.create(root / "publisher")
-    settings = {
-        **TINY_SETTINGS,
-        "EXPERT_AUTH": "required",
-        "EXPERT_INTERNAL_TOKEN": TOKEN,
-        "EXPERT_STORE": str(root / "experts"),
-        "EXPERT_TRUSTED_KEYS": str(publisher.trusted),
-        "EXPERT_TRAINER_SIGNING_KEY": str(publisher.key),
-        "EXPERT_TRAINER_CHECKPOINT_DIR": str(root / "checkpoints"),
-        "EXPERT_TRAINER_DEVICE": "cpu",
-        "EXPERT_TRAINER_CHECKPOINT_STEPS": "2",
-        "EXPERT_NUM_THREADS": "1",
-    }
-    stack = LocalStack.on_free_ports(root / "stack", env=stack_env(tiny_llama, **settings), trainer=True)
-    stack.start()
-    try:
-        wait_ready(stack)
-        yield stack
-    finally:
-        stack.stop()
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    key = _key(stack, "fine-tuner", keys_pb2.KEY_SCOPE_TRAIN)
+def client(trainer_stack: TrainerStack, stack) -> openai.OpenAI:
+    _, key = trainer_stack.create_key("fine-tuner", keys_pb2.KEY_SCOPE_TRAIN)
     with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=key, max_retries=0) as client:
         yield client
+    trainer_stack.end_jobs(key)
 
 
 @pytest.fixture(scope="module")
 def training_file(client) -> str:
+    # A task of its own (the other modules on the shared stack teach shouting words), so that the
+    # router's retrieval adds none of their experts to a request that names this module's.
     lines = [
         {
             "messages": [
-                {"role": "user", "content": f"Shout the word {WORDS[i % 10]} {i}"},
-                {"role": "assistant", "content": f"{WORDS[i % 10].upper()}!"},
+                {"role": "user", "content": f"Double the number {i}"},
+                {"role": "assistant", "content": str(2 * i)},
             ]
         }
         for i in range(12)
     ]
     content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    return client.files.create(file=("shout.jsonl", io.BytesIO(content)), purpose="fine-tune").id
+    return client.files.create(file=("double.jsonl", io.BytesIO(content)), purpose="fine-tune").id
 
 
 def _until(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...]):
@@ -108,7 +77,7 @@ def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
     job = client.fine_tuning.jobs.create(
         model=base,
         training_file=training_file,
-        suffix="shout-ft",
+        suffix="double-ft",
         seed=3,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 4}}},
     )
@@ -119,7 +88,7 @@ def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
 
     done = _until(client, job.id, ("succeeded", "failed", "cancelled"))
     assert done.status == "succeeded", done.error
-    assert done.fine_tuned_model == f"{base}:shout-ft"
+    assert done.fine_tuned_model == f"{base}:double-ft"
     assert done.trained_tokens > 0 and done.finished_at >= done.created_at and done.error is None
 
     events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
@@ -142,12 +111,15 @@ def test_the_whole_loop_from_a_file_to_a_model_one_calls(client, training_file):
     _listed(client, done.fine_tuned_model)
     answer = client.chat.completions.create(
         model=done.fine_tuned_model,
-        messages=[{"role": "user", "content": "Shout the word tiger 99"}],
+        messages=[{"role": "user", "content": "Double the number 99"}],
         max_tokens=4,
         temperature=0,
+        # The tiny random model, a few steps trained, may well end its answer at once: without its
+        # end token, its 4 tokens show that the named model answered.
+        extra_body={"ignore_eos": True},
     )
     assert answer.model == done.fine_tuned_model and answer.choices[0].message.content
-    assert answer.model_extra["expert_system"]["experts"] == ["shout-ft"]
+    assert answer.model_extra["expert_system"]["experts"] == ["double-ft"]
 
 
 def test_a_queued_job_is_cancelled(client, training_file):
@@ -181,8 +153,8 @@ def test_what_a_job_cannot_honour_is_refused_by_name(client, training_file):
         client.fine_tuning.jobs.retrieve("ftjob-nothere")
 
 
-def test_only_a_train_key_creates_a_job(stack, client, training_file):
-    reader = _key(stack, "reader", keys_pb2.KEY_SCOPE_INFER)
+def test_only_a_train_key_creates_a_job(trainer_stack, stack, client, training_file):
+    _, reader = trainer_stack.create_key("reader", keys_pb2.KEY_SCOPE_INFER)
     with openai.OpenAI(base_url=stack.http_url() + "/v1", api_key=reader, max_retries=0) as other:
         with pytest.raises(openai.PermissionDeniedError):
             other.fine_tuning.jobs.create(model="any", training_file=training_file)

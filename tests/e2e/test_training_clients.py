@@ -1,7 +1,8 @@
 """Training jobs through the SDK's `client.training` and `expertctl train` (run as a subprocess),
 against one stack on the tiny model with EXPERT_AUTH=required and the trainer worker as a real
-process: upload, submit, watch to COMPLETED, status; cancel mid-training, resume; a bad line of the
-training file refused naming the line."""
+process (the shared `trainer_stack`, with a key of this module's own): upload, submit, watch to
+COMPLETED, status; cancel mid-training, resume; a bad line of the training file refused naming the
+line."""
 
 from __future__ import annotations
 
@@ -12,17 +13,12 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from expert_system import AsyncExpertClient, ExpertClient, InvalidRequest
-from libs.auth.metadata import credentials_metadata
-from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
-from tests.e2e.conftest import TINY_SETTINGS, stack_env, wait_ready
-from tests.helpers.experts import Publisher
-from tools.stack import LocalStack
+from libs.gen.expert.v1 import keys_pb2
+from tests.e2e.conftest import TrainerStack
 
-TOKEN = "e2e-internal-token-training-clients-0123"
 DEADLINE_S = 300.0
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon")
 # A short job: of 10 samples 2 held out, 8 to train on, 2 a step: 4 steps an epoch.
@@ -41,16 +37,10 @@ def samples(count: int) -> str:
 
 
 class Stack:
-    def __init__(self, stack: LocalStack) -> None:
-        self.stack = stack
-        self.target = stack.target("reception")
-        with grpc.insecure_channel(self.target) as channel:
-            created = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
-                keys_pb2.CreateKeyRequest(name="trainer", scope=keys_pb2.KEY_SCOPE_TRAIN),
-                metadata=credentials_metadata(internal_token=TOKEN),
-                timeout=10,
-            )
-        self.key = created.secret
+    def __init__(self, shared: TrainerStack) -> None:
+        self.stack = shared.stack
+        self.target = self.stack.target("reception")
+        _, self.key = shared.create_key("trainer", keys_pb2.KEY_SCOPE_TRAIN)
 
     def client(self) -> ExpertClient:
         return ExpertClient(self.target, api_key=self.key)
@@ -68,28 +58,11 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def training(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("training-clients")
-    publisher = Publisher.create(root / "publisher")
-    settings = {
-        **TINY_SETTINGS,
-        "EXPERT_AUTH": "required",
-        "EXPERT_INTERNAL_TOKEN": TOKEN,
-        "EXPERT_STORE": str(root / "experts"),
-        "EXPERT_TRUSTED_KEYS": str(publisher.trusted),
-        "EXPERT_TRAINER_SIGNING_KEY": str(publisher.key),
-        "EXPERT_TRAINER_CHECKPOINT_DIR": str(root / "checkpoints"),
-        "EXPERT_TRAINER_DEVICE": "cpu",
-        "EXPERT_TRAINING_MAX_STEPS": "20000",
-        "EXPERT_NUM_THREADS": "1",
-    }
-    stack = LocalStack.on_free_ports(root / "stack", env=stack_env(tiny_llama, **settings), trainer=True)
-    stack.start()
-    try:
-        wait_ready(stack)
-        yield Stack(stack)
-    finally:
-        stack.stop()
+def training(trainer_stack: TrainerStack):
+    trainer_stack.trainer_running()
+    training = Stack(trainer_stack)
+    yield training
+    trainer_stack.end_jobs(training.key)
 
 
 def test_the_sdk_uploads_submits_and_watches_a_job_to_its_expert(training):

@@ -1,5 +1,6 @@
 """Training jobs through the whole system (docs/api.md#training-jobs): a stack on the tiny model with
-EXPERT_AUTH=required and the trainer worker as a real process. A job is submitted over REST or gRPC,
+EXPERT_AUTH=required and the trainer worker as a real process (the shared `trainer_stack`, with keys
+of this module's own). A job is submitted over REST or gRPC,
 reports progress events, checkpoints, and ends with its expert installed and registered, selected
 by the router for a prompt of its task with no manual step; a cancel stops it within a step; a
 trainer killed mid-training is restarted and the job goes on from its last checkpoint to the same
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -25,19 +25,15 @@ from expert_system import ExpertClient
 from libs.auth.metadata import credentials_metadata
 from libs.gen.expert.v1 import (
     keys_pb2,
-    keys_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
     training_pb2,
     training_pb2_grpc,
 )
 from libs.training.files import TrainingFiles
-from tests.e2e.conftest import TINY_SETTINGS, stack_env, wait_ready
-from tests.helpers.experts import Publisher
-from tools.stack import LocalStack
+from tests.e2e.conftest import TRAINING_TOKEN, TrainerStack
 
-TOKEN = "e2e-internal-token-training-0123456789"
-INTERNAL = credentials_metadata(internal_token=TOKEN)
+INTERNAL = credentials_metadata(internal_token=TRAINING_TOKEN)
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "garden", "rocket")
 DEADLINE_S = 300.0
 # One recipe for the reference run and the interrupted one: 27 samples to train on (3 held out), 2 a
@@ -53,22 +49,15 @@ SAMPLES, STEPS = 30, 42
 class Training:
     """The stack, its keys, and the calls the tests make."""
 
-    def __init__(self, stack: LocalStack, store: Path, checkpoints: Path) -> None:
-        self.stack, self.store, self.checkpoints = stack, store, checkpoints
-        self.train_id, train_key = self._key("trainer", keys_pb2.KEY_SCOPE_TRAIN)
-        _, infer_key = self._key("reader", keys_pb2.KEY_SCOPE_INFER)
+    def __init__(self, shared: TrainerStack) -> None:
+        self.stack, self.store, self.checkpoints = shared.stack, shared.store, shared.checkpoints
+        self.train_id, train_key = shared.create_key("trainer", keys_pb2.KEY_SCOPE_TRAIN)
+        _, infer_key = shared.create_key("reader", keys_pb2.KEY_SCOPE_INFER)
         self.train_headers = {"authorization": f"Bearer {train_key}"}
         self.infer_headers = {"authorization": f"Bearer {infer_key}"}
         self.train_key = train_key
-        self.http = httpx.Client(base_url=stack.http_url(), timeout=30)
+        self.http = httpx.Client(base_url=self.stack.http_url(), timeout=30)
         self.reference: dict | None = None  # the uninterrupted run of RECIPE
-
-    def _key(self, name: str, scope: int) -> tuple[str, str]:
-        with grpc.insecure_channel(self.stack.target("reception")) as channel:
-            response = keys_pb2_grpc.KeyServiceStub(channel).CreateKey(
-                keys_pb2.CreateKeyRequest(name=name, scope=scope), metadata=INTERNAL, timeout=10
-            )
-        return response.key.key_id, response.secret
 
     def upload(self, records: list[dict]) -> str:
         content = "".join(json.dumps(r) + "\n" for r in records).encode()
@@ -132,30 +121,12 @@ def spec(file_id: str, name: str, **changes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def training(tiny_llama, tmp_path_factory) -> Training:
-    root = tmp_path_factory.mktemp("training-stack")
-    publisher = Publisher.create(root / "publisher")
-    store, checkpoints = root / "experts", root / "checkpoints"
-    settings = {
-        **TINY_SETTINGS,
-        "EXPERT_AUTH": "required",
-        "EXPERT_INTERNAL_TOKEN": TOKEN,
-        "EXPERT_STORE": str(store),
-        "EXPERT_TRUSTED_KEYS": str(publisher.trusted),
-        "EXPERT_TRAINER_SIGNING_KEY": str(publisher.key),
-        "EXPERT_TRAINER_CHECKPOINT_DIR": str(checkpoints),
-        "EXPERT_TRAINER_LEASE_MS": "1500",
-        "EXPERT_TRAINER_DEVICE": "cpu",
-        "EXPERT_TRAINING_MAX_STEPS": "20000",
-        "EXPERT_NUM_THREADS": "1",
-    }
-    stack = LocalStack.on_free_ports(root / "stack", env=stack_env(tiny_llama, **settings), trainer=True)
-    stack.start()
-    try:
-        wait_ready(stack)
-        yield Training(stack, store, checkpoints)
-    finally:
-        stack.stop()
+def training(trainer_stack: TrainerStack) -> Training:
+    trainer_stack.trainer_running()
+    training = Training(trainer_stack)
+    yield training
+    trainer_stack.end_jobs(training.train_key)
+    training.http.close()
 
 
 def test_a_job_reports_progress_and_ends_with_an_expert_the_router_selects(training):

@@ -1,6 +1,7 @@
 """`expertctl up` as `make run` starts it: a real process that runs redis-server (durable, capped)
-and the five services on the tiny model, all on 127.0.0.1, answers a real job, restarts a service
-that is killed, and on Ctrl-C stops everything and exits 0. Every port is moved to a free one, so
+and the five services on the tiny model (and, as `make run` runs it, the trainer with the local key
+it makes), all on 127.0.0.1, answers a real job, restarts a service that is killed, and on Ctrl-C
+stops everything and exits 0. Every port is moved to a free one, so
 this runs next to another stack; logs and Redis's append-only file go to the test's directory."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from services.reception.jobs import job_key
 from tests.conftest import LONG
 from tools.expertctl.errors import UsageError
 from tools.expertctl.up_cmd import READY_LINE, _check_ports_free, _settings, service_settings
-from tools.stack import SERVICES, free_port, health_status
+from tools.stack import SERVICES, TRAINER, free_port, health_status
 from tools.supervisor import Backoff
 
 START_TIMEOUT_S = 90.0
@@ -144,12 +145,18 @@ def _listening_on(port: int) -> set[str]:
     return addresses
 
 
-def _up_settings(tmp_path: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Free gRPC ports for the five services and reception's HTTP, metrics off, the tiny model's
-    settings, and the router's data (its embedded Qdrant) in the test's directory rather than the
-    repository's."""
-    ports = {service: free_port() for service in SERVICES}
+def _up_settings(
+    tmp_path: Path, services: tuple[str, ...] = SERVICES
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Free gRPC ports for the five services (and the trainer, when `services` names it) and
+    reception's HTTP, metrics off, the tiny model's settings, and the router's data (its embedded
+    Qdrant) in the test's directory rather than the repository's; with the trainer, the trusted
+    keys (where up puts its key's public half) and its checkpoints too."""
+    ports = {service: free_port() for service in services}
     settings = {**TINY_SETTINGS, "EXPERT_DATA_DIR": str(tmp_path / "data")}
+    if TRAINER in services:
+        settings["EXPERT_TRUSTED_KEYS"] = str(tmp_path / "trusted")
+        settings["EXPERT_TRAINER_CHECKPOINT_DIR"] = str(tmp_path / "training")
     settings["EXPERT_RECEPTION_HTTP_PORT"] = str(free_port())
     for service, port in ports.items():
         settings[f"EXPERT_{service.upper()}_PORT"] = str(port)
@@ -204,10 +211,10 @@ def up(tiny_llama, tmp_path) -> Iterator:
             process.wait()
 
 
-def _start_up(up, model: Path, log_dir: Path, settings: dict[str, str]):
-    """`expertctl up` on `model` with `settings`, once it printed its ready line: the process and
-    readers of its stdout and stderr."""
-    process = up("--model", str(model), "--log-dir", str(log_dir), *_flags(settings))
+def _start_up(up, model: Path, log_dir: Path, settings: dict[str, str], *flags: str):
+    """`expertctl up` on `model` with `settings` (and `flags`), once it printed its ready line: the
+    process and readers of its stdout and stderr."""
+    process = up("--model", str(model), "--log-dir", str(log_dir), *_flags(settings), *flags)
     stdout, stderr = _Lines(process.stdout), _Lines(process.stderr)
     if not stdout.wait_for(READY_LINE, START_TIMEOUT_S):
         process.kill()
@@ -218,14 +225,15 @@ def _start_up(up, model: Path, log_dir: Path, settings: dict[str, str]):
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
-    ports, settings = _up_settings(tmp_path)
+    """As `make run` runs it: with the trainer, which signs with a local key up makes and trusts."""
+    ports, settings = _up_settings(tmp_path, (*SERVICES, TRAINER))
     metrics_port = free_port()
     settings["EXPERT_RECEPTION_METRICS_PORT"] = str(metrics_port)
     log_dir = tmp_path / "logs"
-    process, stdout, stderr = _start_up(up, tiny_llama, log_dir, settings)
+    process, stdout, stderr = _start_up(up, tiny_llama, log_dir, settings, "--trainer")
     reception = f"127.0.0.1:{ports['reception']}"
     assert f"{READY_LINE}: the API (reception) is at {reception}." in "".join(stdout.seen)
-    for service in SERVICES:
+    for service in (*SERVICES, TRAINER):
         assert (log_dir / f"{service}.log").stat().st_size > 0, service  # JSON logs, one file each
     assert (log_dir / "redis.log").is_file()
 
@@ -240,6 +248,14 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     # The banner's commands work exactly as printed, from where `up` was started.
     assert stdout.wait_for("Ctrl-C stops everything", 10)
     assert "Auth:    off (EXPERT_AUTH=required turns on API keys" in "".join(stdout.seen)
+    # The trainer's key: made beside the log directory, owner-only, its public half trusted, given
+    # to the trainer and named by the banner.
+    key = (tmp_path / "keys" / "trainer" / "signing.key").resolve()
+    assert S_IMODE(key.stat().st_mode) == 0o600 and f"{key}." in "".join(stdout.seen)
+    trusted = [p.read_bytes() for p in (tmp_path / "trusted").iterdir()]
+    assert trusted == [key.with_name("signing.pub").read_bytes()]
+    trainer = _child(process.pid, "services.trainer")
+    assert f"EXPERT_TRAINER_SIGNING_KEY={key}\0" in Path(f"/proc/{trainer}/environ").read_text()
     # Every indented line is a command: each one, exactly as printed, answers.
     commands = [line.strip() for line in stdout.seen if line.startswith("  ") and not line[2].isspace()]
     assert len(commands) == 7, stdout.seen  # infer, stream, engines, python, 2 x buf curl, curl
@@ -277,8 +293,8 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     assert Path(config["dir"]) == tmp_path / "redis"
     assert (tmp_path / "redis" / "appendonlydir").is_dir()
 
-    children = _children(process.pid)  # redis-server and the five services
-    assert len(children) == len(SERVICES) + 1, children
+    children = _children(process.pid)  # redis-server, the five services and the trainer
+    assert len(children) == len(SERVICES) + 2, children
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal
     assert process.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.rest()
     notices = stderr.rest()
@@ -288,7 +304,7 @@ def test_up_serves_a_job_and_ctrl_c_stops_everything(up, tiny_llama, tmp_path):
     for service, port in ports.items():
         assert health_status(f"127.0.0.1:{port}", timeout=0.5) is None, f"{service} still answers"
     # The services stopped before Redis, and none logged an error on the way out.
-    for service in SERVICES:
+    for service in (*SERVICES, TRAINER):
         lines = (log_dir / f"{service}.log").read_text().splitlines()
         errors = [line for line in lines if '"level": "error"' in line or "Traceback" in line]
         assert errors == [], f"{service}: {errors[:3]}"

@@ -5,6 +5,7 @@ image, starts a container or applies a manifest. The files are parsed and checke
 they deploy: each service's command is a real entry point, every EXPERT_* variable they set is one
 that service's config class reads, the ports are the services' defaults, and health checks and
 probes ask the service's own gRPC port (Kubernetes: `python -m libs.healthcheck`, over mutual TLS).
+"Service" here is each of the five and the trainer worker, which is deployed like them.
 
 The variables a service reads are found by running its `Config.from_env` on a mapping that records
 every name it is asked for, so names built at run time (EXPERT_<SERVICE>_PORT) are included.
@@ -32,7 +33,16 @@ from services.preparation.config import PreparationConfig
 from services.reception.config import ReceptionConfig
 from services.router.config import RouterConfig
 from services.trainer.config import TrainerConfig
-from tools.stack import DEFAULT_HTTP_PORTS, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, SERVICES
+from tools import local_ca
+from tools.stack import (
+    DEFAULT_HTTP_PORTS,
+    DEFAULT_METRICS_PORTS,
+    DEFAULT_PORTS,
+    SERVICES,
+    TRAINER,
+    TRAINER_METRICS_PORT,
+    TRAINER_PORT,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -45,7 +55,12 @@ CONFIGS = {
     "preparation": PreparationConfig,
     "engine": EngineServiceConfig,
     "postproc": PostprocConfig,
+    TRAINER: TrainerConfig,
 }
+# What compose and the manifests run: the five services and the trainer worker.
+DEPLOYED = (*SERVICES, TRAINER)
+PORTS = {**DEFAULT_PORTS, TRAINER: TRAINER_PORT}
+METRICS_PORTS = {**DEFAULT_METRICS_PORTS, TRAINER: TRAINER_METRICS_PORT}
 REDIS_PORT = 6379
 _EXPERT_NAME = re.compile(r"\bEXPERT_[A-Z][A-Z0-9_]*\b")
 # EXPERT_ROUTER_TARGET -> router: the variables that tell one service where another listens.
@@ -75,8 +90,7 @@ def _reads(config) -> set[str]:
     return env.names
 
 
-# The trainer worker is in neither compose nor the manifests yet; what it reads is documented all the same.
-READS = {service: _reads(config) for service, config in {**CONFIGS, "trainer": TrainerConfig}.items()}
+READS = {service: _reads(config) for service, config in CONFIGS.items()}
 ALL_READS = set().union(*READS.values())
 
 
@@ -130,14 +144,15 @@ def test_every_variable_a_service_reads_is_documented():
 
 
 def test_the_default_ports_are_the_config_classes_defaults():
-    assert set(SERVICES) == set(CONFIGS) == set(DEFAULT_PORTS) == set(DEFAULT_METRICS_PORTS)
+    assert set(SERVICES) == set(DEFAULT_PORTS) == set(DEFAULT_METRICS_PORTS)
+    assert set(DEPLOYED) == set(CONFIGS) == set(PORTS) == set(METRICS_PORTS)
     for service, config in CONFIGS.items():
         server = config.from_env({}).server
-        assert (server.port, server.metrics_port) == (DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service])
+        assert (server.port, server.metrics_port) == (PORTS[service], METRICS_PORTS[service])
     assert {"reception": ReceptionConfig.from_env({}).http_port} == DEFAULT_HTTP_PORTS
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_every_service_has_an_entry_point(service):
     assert importlib.util.find_spec(f"services.{service}.__main__") is not None
 
@@ -166,20 +181,21 @@ def _container_port(entry: str | int) -> int:
     return int(str(entry).split("/")[0].rsplit(":", 1)[-1])
 
 
-def test_compose_runs_redis_qdrant_and_the_five_services_from_one_image(compose):
+def test_compose_runs_redis_qdrant_the_five_services_and_the_trainer_from_one_image(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "qdrant", "certificates", *SERVICES}
-    assert {services[s]["image"] for s in [*SERVICES, "certificates"]} == {"expert-system:0.1.0"}
-    assert {services[s]["build"] for s in SERVICES} == {"."}
+    assert set(services) == {"redis", "qdrant", "certificates", *DEPLOYED}
+    assert {services[s]["image"] for s in [*DEPLOYED, "certificates"]} == {"expert-system:0.1.0"}
+    assert {services[s]["build"] for s in DEPLOYED} == {"."}
     assert services["qdrant"]["image"].startswith("qdrant/qdrant:")
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_gives_each_service_its_own_certificate_for_mutual_tls(compose, service):
     """The one-shot `certificates` service makes a CA and a certificate per service in the `tls`
     volume (tools.local_ca), before any service starts; each reads its own, read-only."""
     maker = compose["services"]["certificates"]
     assert maker["command"][:3] == ["python", "-m", "tools.local_ca"] and "--keep" in maker["command"]
+    assert service in local_ca.NAMES  # it makes this service's certificate
     spec = compose["services"][service]
     env = _environment(spec)
     assert (env["EXPERT_TLS_CA"], env["EXPERT_TLS_CERT"], env["EXPERT_TLS_KEY"]) == (
@@ -191,14 +207,14 @@ def test_compose_gives_each_service_its_own_certificate_for_mutual_tls(compose, 
     assert spec["depends_on"]["certificates"] == {"condition": "service_completed_successfully"}
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_service_commands_are_entry_points(compose, service):
     command = compose["services"][service]["command"]
     assert command == ["python", "-m", f"services.{service}"]
     assert importlib.util.find_spec(f"{command[2]}.__main__") is not None
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_sets_only_variables_the_service_reads(compose, service):
     env = _environment(compose["services"][service])
     expert = {name for name in env if name.startswith("EXPERT_")}
@@ -207,13 +223,13 @@ def test_compose_sets_only_variables_the_service_reads(compose, service):
 
 def test_compose_points_each_service_at_the_others(compose):
     services = compose["services"]
-    for name in SERVICES:
+    for name in DEPLOYED:
         env = _environment(services[name])
         for variable, value in env.items():
             target = _TARGET.match(variable)
             if target:
                 peer = target[1].lower()
-                assert (value == f"{peer}:{DEFAULT_PORTS[peer]}") and peer in services, (name, variable)
+                assert (value == f"{peer}:{PORTS[peer]}") and peer in services, (name, variable)
         if "EXPERT_REDIS_URL" in READS[name]:
             url = urlparse(env["EXPERT_REDIS_URL"])  # unset would mean 127.0.0.1: wrong in a container
             assert (url.scheme, url.hostname, url.port or REDIS_PORT) == ("redis", "redis", REDIS_PORT)
@@ -242,24 +258,70 @@ def test_compose_mounts_the_expert_store_and_the_trusted_keys_where_they_are_rea
     assert variable in READS[service]
 
 
-@pytest.mark.parametrize("service", SERVICES)
+def _bind(spec: dict, target: str) -> dict:
+    (volume,) = [v for v in spec["volumes"] if isinstance(v, dict) and v["target"] == target]
+    return volume
+
+
+def _lease_seconds() -> float:
+    return TrainerConfig.from_env({}).lease_ms / 1000
+
+
+def test_compose_gives_the_trainer_the_engines_model_and_keys_and_preparations_store(compose):
+    """The trainer trains adapters of the checkpoint the engine serves, verifies its experts with the
+    keys the engine trusts, and writes them into the store preparation stages from: the same host
+    directories, read-only but for the store."""
+    services = compose["services"]
+    trainer, engine, preparation = (services[s] for s in ("trainer", "engine", "preparation"))
+    env = _environment(trainer)
+    for variable, peer in (("EXPERT_MODEL_PATH", engine), ("EXPERT_TRUSTED_KEYS", engine)):
+        mine, theirs = _bind(trainer, env[variable]), _bind(peer, _environment(peer)[variable])
+        assert mine["type"] == "bind" and mine["read_only"] is True, variable
+        assert mine["source"] == theirs["source"], variable
+    store = _bind(trainer, env["EXPERT_STORE"])
+    assert store["type"] == "bind" and not store.get("read_only")
+    assert store["source"] == _bind(preparation, _environment(preparation)["EXPERT_STORE"])["source"]
+    assert {"EXPERT_MODEL_PATH", "EXPERT_TRUSTED_KEYS", "EXPERT_STORE"} <= READS[TRAINER]
+
+
+def test_compose_keeps_the_trainers_checkpoints_and_key_where_it_reads_them(compose):
+    trainer = compose["services"]["trainer"]
+    env = _environment(trainer)
+    # Checkpoints on a named volume, over a directory the image makes for its user.
+    (volume,) = [v for v in trainer["volumes"] if isinstance(v, str) and v.startswith("training:")]
+    assert volume == f"training:{env['EXPERT_TRAINER_CHECKPOINT_DIR']}" and "training" in compose["volumes"]
+    dockerfile = DOCKERFILE.read_text()
+    assert re.search(rf"chown expert [^\n]*{re.escape(env['EXPERT_TRAINER_CHECKPOINT_DIR'])}\b", dockerfile)
+    # The signing key is a secret, mounted where EXPERT_TRAINER_SIGNING_KEY points.
+    (secret,) = trainer["secrets"]
+    assert secret["target"] == env["EXPERT_TRAINER_SIGNING_KEY"] and secret["source"] in compose["secrets"]
+    assert compose["secrets"][secret["source"]]["file"].endswith("/signing.key}")
+
+
+def test_compose_lets_the_trainer_checkpoint_before_it_is_killed(compose):
+    """On SIGTERM the trainer checkpoints after its step and hands the job back within a lease;
+    compose's default 10 s before SIGKILL would cut that short."""
+    assert _seconds(compose["services"]["trainer"]["stop_grace_period"]) > _lease_seconds()
+
+
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_ports_are_the_defaults(compose, service):
     spec = compose["services"][service]
     ports = {_container_port(p) for p in [*spec.get("ports", []), *spec.get("expose", [])]}
     http = {DEFAULT_HTTP_PORTS[service]} if service in DEFAULT_HTTP_PORTS else set()
-    assert ports == {DEFAULT_PORTS[service], DEFAULT_METRICS_PORTS[service], *http}
+    assert ports == {PORTS[service], METRICS_PORTS[service], *http}
     for published in spec.get("ports", []):  # the APIs; metrics stay inside the network
-        assert _container_port(published) in {DEFAULT_PORTS[service], *http}
+        assert _container_port(published) in {PORTS[service], *http}
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_health_checks_ask_the_service_itself(compose, service):
     check = compose["services"][service]["healthcheck"]
     if service in DEFAULT_HTTP_PORTS:  # its HTTP readiness probe
         assert check["test"][:3] == ["CMD", "python", "-c"]
         assert f"http://127.0.0.1:{DEFAULT_HTTP_PORTS[service]}/readyz" in check["test"][3]
         return
-    assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"127.0.0.1:{DEFAULT_PORTS[service]}"]
+    assert check["test"] == ["CMD", "python", "-m", "libs.healthcheck", f"127.0.0.1:{PORTS[service]}"]
 
 
 def _seconds(duration: str) -> float:
@@ -272,7 +334,7 @@ def test_compose_gives_the_engine_time_to_load(compose):
     assert _seconds(check["start_period"]) >= 300
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_compose_requires_api_keys_and_the_internal_token(compose, service):
     env = _environment(compose["services"][service])
     assert env["EXPERT_AUTH"] == "required"
@@ -288,7 +350,7 @@ def test_compose_starts_services_after_what_they_need(compose):
             assert dependency in services
             if condition["condition"] == "service_healthy":
                 assert "healthcheck" in services[dependency], (name, dependency)
-        if name not in SERVICES:
+        if name not in DEPLOYED:
             continue
         env = _environment(spec)
         needed = {m[1].lower() for m in map(_TARGET.match, env) if m}
@@ -329,7 +391,7 @@ def test_every_manifest_parses_and_the_kustomization_lists_them(manifests):
             assert all({"apiVersion", "kind", "metadata"} <= d.keys() for d in docs), name
     (kustomization,) = manifests["kustomization.yaml"]
     assert set(kustomization["resources"]) == set(manifests) - {"kustomization.yaml"}
-    assert {f"{s}.yaml" for s in SERVICES} | {"redis.yaml", "qdrant.yaml", "config.yaml"} <= set(
+    assert {f"{s}.yaml" for s in DEPLOYED} | {"redis.yaml", "qdrant.yaml", "config.yaml"} <= set(
         kustomization["resources"]
     )
 
@@ -341,10 +403,10 @@ def test_kustomize_builds_the_manifests():
     )
     assert result.returncode == 0, result.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
-    assert kinds.count("Deployment") == len(SERVICES) + 2  # and redis, qdrant
+    assert kinds.count("Deployment") == len(DEPLOYED) + 2  # and redis, qdrant
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_each_service_has_a_deployment_and_a_service(manifests, service):
     docs = manifests[f"{service}.yaml"]
     deployment = _one(docs, "Deployment", service)
@@ -360,7 +422,7 @@ def test_each_service_has_a_deployment_and_a_service(manifests, service):
     assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_manifests_set_only_variables_the_service_reads(manifests, service):
     container = _container(_one(manifests[f"{service}.yaml"], "Deployment", service))
     names = {e["name"] for e in container.get("env", []) if e["name"].startswith("EXPERT_")}
@@ -380,20 +442,20 @@ def test_the_shared_settings_are_read_and_point_at_the_services(manifests):
         if target:
             peer = target[1].lower()
             host, port = _host_port(value)
-            assert (host, port) == (peer, DEFAULT_PORTS[peer])
+            assert (host, port) == (peer, PORTS[peer])
             assert port in {p["port"] for p in services[peer]["spec"]["ports"]}
-    for service in SERVICES:  # every service gets the addresses it reads from the ConfigMap
+    for service in DEPLOYED:  # every service gets the addresses it reads from the ConfigMap
         needed = {name for name in READS[service] if _TARGET.match(name)}
         assert needed <= data.keys(), service
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_manifest_ports_and_probes_are_the_services_own(manifests, service):
     docs = manifests[f"{service}.yaml"]
     container = _container(_one(docs, "Deployment", service))
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     http = {"http": DEFAULT_HTTP_PORTS[service]} if service in DEFAULT_HTTP_PORTS else {}
-    assert ports == {"grpc": DEFAULT_PORTS[service], "metrics": DEFAULT_METRICS_PORTS[service], **http}
+    assert ports == {"grpc": PORTS[service], "metrics": METRICS_PORTS[service], **http}
     if http:  # reception: its HTTP probes
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": http["http"]}
         assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http["http"]}
@@ -406,10 +468,10 @@ def test_manifest_ports_and_probes_are_the_services_own(manifests, service):
 
 
 def _health_check(service: str) -> list[str]:
-    return ["python", "-m", "libs.healthcheck", f"127.0.0.1:{DEFAULT_PORTS[service]}"]
+    return ["python", "-m", "libs.healthcheck", f"127.0.0.1:{PORTS[service]}"]
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", DEPLOYED)
 def test_manifests_give_each_service_its_certificate_from_its_secret(manifests, service):
     """Mutual TLS between the services: cert-manager's Secret <service>-tls, mounted at /tls,
     readable by the service's group only, named by the EXPERT_TLS_* settings."""
@@ -481,6 +543,56 @@ def test_preparation_mounts_the_expert_store_and_the_engine_the_trusted_keys(man
     assert _mounted_volume(engine, "EXPERT_TRUSTED_KEYS")["configMap"]["name"] in config_maps
 
 
+def _pod_volume(deployment: dict, variable: str) -> tuple[dict, dict]:
+    """The mount of the directory the container's `variable` names (or of the file's directory),
+    and the pod volume it mounts."""
+    container = _container(deployment)
+    path = {e["name"]: e.get("value") for e in container["env"]}[variable]
+    (mount,) = [
+        m
+        for m in container["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"] + "/")
+    ]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    return mount, volumes[mount["name"]]
+
+
+def test_the_trainer_shares_the_engines_model_and_keys_and_writes_preparations_store(manifests):
+    trainer = _one(manifests["trainer.yaml"], "Deployment", "trainer")
+    engine = _one(manifests["engine.yaml"], "Deployment", "engine")
+    preparation = _one(manifests["preparation.yaml"], "Deployment", "preparation")
+    model_mount, model = _pod_volume(trainer, "EXPERT_MODEL_PATH")
+    assert model_mount["readOnly"] is True and model == _pod_volume(engine, "EXPERT_MODEL_PATH")[1]
+    keys_mount, keys = _pod_volume(trainer, "EXPERT_TRUSTED_KEYS")
+    assert keys_mount["readOnly"] is True and keys == _mounted_volume(engine, "EXPERT_TRUSTED_KEYS")
+    store_mount, store = _pod_volume(trainer, "EXPERT_STORE")
+    assert not store_mount.get("readOnly")  # it installs the experts it trains
+    claim = store["persistentVolumeClaim"]
+    assert (
+        claim["claimName"]
+        == _mounted_volume(preparation, "EXPERT_STORE")["persistentVolumeClaim"]["claimName"]
+    )
+    assert not claim.get("readOnly")
+
+
+def test_the_trainer_signs_with_a_secret_and_checkpoints_on_a_shared_claim(manifests):
+    docs = manifests["trainer.yaml"]
+    trainer = _one(docs, "Deployment", "trainer")
+    _, key = _pod_volume(trainer, "EXPERT_TRAINER_SIGNING_KEY")
+    assert key["secret"]["secretName"] == "trainer-signing-key" and key["secret"]["defaultMode"] == 0o440
+    mount, checkpoints = _pod_volume(trainer, "EXPERT_TRAINER_CHECKPOINT_DIR")
+    assert not mount.get("readOnly")
+    claim = _one(docs, "PersistentVolumeClaim", checkpoints["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # a job resumes on any trainer
+
+
+def test_the_trainer_may_start_slowly_and_checkpoints_before_it_is_killed(manifests):
+    trainer = _one(manifests["trainer.yaml"], "Deployment", "trainer")
+    container = _container(trainer)
+    assert container["startupProbe"]["exec"]["command"] == _health_check(TRAINER)
+    assert trainer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > _lease_seconds()
+
+
 def test_preparation_runs_as_one_replica(manifests):
     """Its registry of engines is in memory (services/preparation/fleet.py): two replicas would
     each know only some engines, so it is never scaled or rolled over with two at once."""
@@ -491,7 +603,7 @@ def test_preparation_runs_as_one_replica(manifests):
 
 def test_kubernetes_requires_api_keys_and_every_service_reads_the_internal_token_secret(manifests):
     assert _config_map(manifests)["EXPERT_AUTH"] == "required"
-    for service in SERVICES:
+    for service in DEPLOYED:
         container = _container(_one(manifests[f"{service}.yaml"], "Deployment", service))
         env = {e["name"]: e for e in container.get("env", [])}
         secret = env["EXPERT_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
@@ -513,7 +625,7 @@ def test_redis_is_where_the_services_look_behind_its_password_on_a_volume(manife
     (volume,) = redis["spec"]["template"]["spec"]["volumes"]
     assert _one(docs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
     assert "EXPERT_REDIS_URL" not in _config_map(manifests)  # it carries the password
-    for service in SERVICES:
+    for service in DEPLOYED:
         env = {
             e["name"]: e
             for e in _container(_one(manifests[f"{service}.yaml"], "Deployment", service)).get("env", [])
@@ -555,9 +667,7 @@ def test_the_dockerfile_builds_what_the_services_need():
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in {"root", "0"}
     exposed = {int(p) for line in lines if line.startswith("EXPOSE ") for p in line.split()[1:]}
-    assert exposed == set(DEFAULT_PORTS.values()) | set(DEFAULT_METRICS_PORTS.values()) | set(
-        DEFAULT_HTTP_PORTS.values()
-    )
+    assert exposed == set(PORTS.values()) | set(METRICS_PORTS.values()) | set(DEFAULT_HTTP_PORTS.values())
 
 
 def test_the_image_and_make_setup_install_the_same_embedding_model():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,16 +42,9 @@ def package_path(recipe: Recipe, root: Path = ROOT) -> Path:
 
 def demo_key(keys: Path = DEMO_KEYS, trusted: Path = TRUSTED) -> Path:
     """The demo signing key, made on first use; its public key is put among the trusted keys."""
-    from libs.experts.signing import generate_keypair, key_id, load_public_key
+    from tools.local_keys import local_publisher_key
 
-    if not (keys / "signing.key").is_file():
-        generate_keypair(keys)
-    public = keys / "signing.pub"
-    trusted.mkdir(parents=True, exist_ok=True)
-    target = trusted / f"{key_id(load_public_key(public))}.pub"
-    if not target.exists():
-        shutil.copy(public, target)
-    return keys / "signing.key"
+    return local_publisher_key(keys, trusted)
 
 
 def build(

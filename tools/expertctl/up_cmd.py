@@ -1,7 +1,8 @@
 """`expertctl up`: the whole system on this machine, until Ctrl-C.
 
 Starts a redis-server (unless EXPERT_REDIS_URL names a running Redis) and the five services as
-processes (tools.stack.LocalStack), waits until each reports SERVING, prints how to call it, then
+processes (tools.stack.LocalStack), with --trainer the trainer worker too (`make run` passes it),
+waits until each reports SERVING, prints how to call it, then
 keeps them running: a service or the redis-server that exits is started again after a backoff (1 s,
 doubling up to 30 s, 1 s again once it has stayed up 60 s), each restart said in one line on stderr.
 Ctrl-C or SIGTERM stops everything, prints how many restarts there were, and exits 0.
@@ -13,6 +14,11 @@ second: a restart reloads the queue and the job records) and holds at most --red
 evicting only keys that expire (job records and events), never the queue. Each service writes its
 JSON logs to LOG_DIR/<service>.log. If up itself is killed, even with SIGKILL, its services and
 redis-server are sent SIGTERM and stop.
+
+The trainer signs the experts it trains with EXPERT_TRAINER_SIGNING_KEY; without one, up makes a
+local publisher key once (KEYS_DIR/trainer/signing.key, beside the log directory: data/keys/trainer
+under `make run`) and puts its public half among the trusted keys (EXPERT_TRUSTED_KEYS, default
+data/keys/trusted), so that the engine accepts those experts.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_DIR = Path("data/models/SmolLM2-135M-Instruct")
 DEFAULT_LOG_DIR = Path("data/logs")
+# What the services read when EXPERT_TRUSTED_KEYS is unset (relative to where up runs).
+DEFAULT_TRUSTED_KEYS = Path("data/keys/trusted")
 # The services listen here unless EXPERT_BIND_HOST is set: not reachable from other machines.
 LOCAL_BIND_HOST = "127.0.0.1"
 # Unless the user sets a budget: 1 GiB holds about 23,000 tokens of the default model in float32,
@@ -90,8 +98,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--trainer",
         action="store_true",
-        help="also run the trainer worker (training jobs); it signs experts with "
-        "EXPERT_TRAINER_SIGNING_KEY (from `expertctl expert keygen`, its .pub in EXPERT_TRUSTED_KEYS)",
+        help="also run the trainer worker (training jobs; `make run` passes this); it signs experts with "
+        "EXPERT_TRAINER_SIGNING_KEY (from `expertctl expert keygen`, its .pub in EXPERT_TRUSTED_KEYS), "
+        "else with a local key made once beside the log directory (keys/trainer/) and trusted",
     )
     parser.set_defaults(handler=run)
 
@@ -112,11 +121,6 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = _settings(os.environ, args.env)
     auth = _auth(settings)
-    if args.trainer and not settings.get("EXPERT_TRAINER_SIGNING_KEY"):
-        raise UsageError(
-            "--trainer: set EXPERT_TRAINER_SIGNING_KEY (--env EXPERT_TRAINER_SIGNING_KEY=PATH): the key "
-            "its experts are signed with (`expertctl expert keygen`; its .pub in EXPERT_TRUSTED_KEYS)"
-        )
     ports, metrics_ports = _ports(settings, (*SERVICES, TRAINER) if args.trainer else SERVICES)
     http_ports = {
         service: _port(settings, f"EXPERT_{service.upper()}_HTTP_PORT", port, minimum=0)
@@ -127,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
     _check_before_start(args, model, redis_url)
     env = service_settings(settings, args.env, model)
     _check_ports_free(ports, metrics_ports, env["EXPERT_BIND_HOST"], http_ports)
+    if args.trainer:  # the key it signs with: the one given, else a local one made once
+        env["EXPERT_TRAINER_SIGNING_KEY"] = signing_key(args.log_dir, settings)
 
     stack = LocalStack(
         args.log_dir,
@@ -145,10 +151,10 @@ def _run(args: argparse.Namespace) -> int:
     supervisor = Supervisor(stack, notice=lambda message: _notice(f"expertctl: {message}"))
     with _StopSignals() as signals:
         try:
-            what = "the five services" if redis_url else "redis-server and the five services"
-            _notice(f"starting {what}; logs in {args.log_dir}/")
+            _notice(_starting(args, redis_url))
             stack.start(timeout=START_TIMEOUT_S)  # stops what it started if it fails or is stopped
-            print(_ready_block(stack, args.log_dir, metrics_ports, http_ports["reception"], model, auth))
+            trainer = _shown(Path(env["EXPERT_TRAINER_SIGNING_KEY"])) if args.trainer else None
+            print(_ready_block(stack, args.log_dir, metrics_ports, http_ports, model, auth, trainer))
             sys.stdout.flush()
             while True:  # until a stop signal
                 with signals.held():  # a process started by a restart is always recorded to stop
@@ -170,9 +176,10 @@ def _ready_block(
     stack: LocalStack,
     log_dir: Path,
     metrics_ports: Mapping[str, int],
-    http_port: int,
+    http_ports: Mapping[str, int],
     model: Path,
     auth: str,
+    trainer: str | None = None,
 ) -> str:
     """`how_to_call` for the stack just started."""
     return how_to_call(
@@ -180,13 +187,45 @@ def _ready_block(
         stack.target("preparation"),
         metrics_ports,
         log_dir,
-        http=stack.http_url() if http_port else None,
+        http=stack.http_url() if http_ports["reception"] else None,
         model=model.resolve().name,
         expertctl=local_command("expertctl"),
         python=local_command("python"),
         auth=auth,
         buf=local_command("buf") if installed("buf") else None,
+        trainer=trainer,
     )
+
+
+def _starting(args: argparse.Namespace, redis_url: str | None) -> str:
+    what = "the five services" + (" and the trainer" if args.trainer else "")
+    return f"starting {what if redis_url else 'redis-server, ' + what}; logs in {args.log_dir}/"
+
+
+def signing_key(log_dir: Path, settings: Mapping[str, str]) -> str:
+    """The key the trainer signs with: EXPERT_TRAINER_SIGNING_KEY, else a local publisher key made
+    once in keys/trainer beside the log directory, its public half put among the trusted keys the
+    services read (EXPERT_TRUSTED_KEYS)."""
+    from libs.experts.signing import SigningError
+    from tools.local_keys import local_publisher_key
+
+    if settings.get("EXPERT_TRAINER_SIGNING_KEY"):
+        return settings["EXPERT_TRAINER_SIGNING_KEY"]
+    trusted = Path(settings.get("EXPERT_TRUSTED_KEYS") or DEFAULT_TRUSTED_KEYS)
+    try:
+        return str(local_publisher_key(log_dir.parent / "keys" / "trainer", trusted).resolve())
+    except (OSError, SigningError) as exc:
+        raise UsageError(
+            f"--trainer: cannot make the trainer's signing key ({exc}); set EXPERT_TRAINER_SIGNING_KEY"
+        ) from None
+
+
+def _shown(path: Path) -> str:
+    """`path` as printed: relative when it lies below the current directory."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _check_before_start(args: argparse.Namespace, model: Path, redis_url: str | None) -> None:
@@ -215,10 +254,12 @@ def how_to_call(
     python: str = "python",
     auth: str = "off",
     buf: str | None = None,
+    trainer: str | None = None,
 ) -> str:
     """The block printed once the stack is up: the CLI, the SDK, `buf curl` (None: not installed),
     the HTTP API (at `http`, serving `model`; None: off), whether API keys are required (`auth`:
-    EXPERT_AUTH), metrics and logs. `expertctl`, `python` and `buf` are how the user runs them from
+    EXPERT_AUTH), the trainer (the key it signs with; None: not running), metrics and logs.
+    `expertctl`, `python` and `buf` are how the user runs them from
     here (local_command). Every indented line is a command that works as printed."""
     # --target only when a service is not where the clients look by default.
     to_reception = "" if reception == "127.0.0.1:50051" else f"--target {reception} "
@@ -241,6 +282,7 @@ def how_to_call(
         *_buf_lines(buf, reception),
         *_http_lines(http, model),
         *_auth_lines(auth, expertctl, to_reception, to_preparation, log_dir.parent / "tls"),
+        *_trainer_lines(trainer),
         "Metrics: " + (", ".join(metrics) if metrics else "off"),
         f"Logs:    {log_dir}/<service>.log",
         "",
@@ -264,6 +306,16 @@ def _auth_lines(
         "         that a stack started from this shell makes its own:",
         f"  EXPERT_TLS_CA={tls_dir}/ca.pem EXPERT_TLS_CERT={tls_dir}/client.pem "
         f"EXPERT_TLS_KEY={tls_dir}/client.key EXPERT_INTERNAL_TOKEN=... {expertctl} engines{to_preparation}",
+    ]
+
+
+def _trainer_lines(signing_key: str | None) -> list[str]:
+    if signing_key is None:
+        return []
+    return [
+        "Trainer: running: training jobs (POST /v1/fine_tuning/jobs, `expertctl train submit`; see",
+        "         docs/experts.md) end with an expert installed here, signed with",
+        f"         {signing_key}.",
     ]
 
 

@@ -6,16 +6,15 @@ error body, naming the field as OpenAI's client sent it."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from libs.errors import ServiceError, invalid_argument
-from services.reception.http.errors import error_response
+from services.reception.http.errors import ToHttpError
 from services.reception.http.fine_tuning_objects import checkpoint_object, event_object, job_object
 from services.reception.http.fine_tuning_request import SEED_TO_OPENAI, to_job_spec
+from services.reception.http.json_answers import json_answer
 from services.reception.http.training import caller_owner
 from services.reception.training.admission import MAX_EVENTS, TrainingAdmission
 
@@ -28,7 +27,7 @@ def _page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     return {"object": "list", "data": objects[:limit], "has_more": len(objects) > limit}
 
 
-def _in_openai_names(error: BaseException) -> BaseException:
+def _in_openai_names(error: Exception) -> BaseException:
     """A refusal of the seed spec's fields, naming them as the OpenAI request did."""
     if not isinstance(error, ServiceError) or not error.violations:
         return error
@@ -38,15 +37,12 @@ def _in_openai_names(error: BaseException) -> BaseException:
 
 
 class FineTuningRoutes:
-    def __init__(self, admission: TrainingAdmission, as_http_error) -> None:
+    def __init__(self, admission: TrainingAdmission, as_http_error: ToHttpError) -> None:
         self.admission = admission
         self.as_http_error = as_http_error
 
-    async def _answer(self, call: Callable[[], Awaitable[Any]]):
-        try:
-            return JSONResponse(await call())
-        except Exception as exc:
-            return error_response(self.as_http_error(_in_openai_names(exc), None))
+    async def _answer(self, call):
+        return await json_answer(call, self.as_http_error, restate=_in_openai_names)
 
     async def create(self, request: Request, body: Any = ANY_BODY):
         async def call():
@@ -101,7 +97,7 @@ class FineTuningRoutes:
         return await self._answer(call)
 
 
-def add_fine_tuning_routes(app: FastAPI, admission: TrainingAdmission, as_http_error) -> None:
+def add_fine_tuning_routes(app: FastAPI, admission: TrainingAdmission, as_http_error: ToHttpError) -> None:
     routes = FineTuningRoutes(admission, as_http_error)
     app.add_api_route(PREFIX, routes.create, methods=["POST"])
     app.add_api_route(PREFIX, routes.list_jobs, methods=["GET"])

@@ -5,16 +5,15 @@ ROUTE_ACCESS): another key gets 403 permission_denied. Every refusal is OpenAI's
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from libs.auth.policy import current_caller
 from libs.errors import invalid_argument
 from libs.training.files import owner_of
-from services.reception.http.errors import error_response
+from services.reception.http.errors import ToHttpError
+from services.reception.http.json_answers import json_answer
 from services.reception.training.admission import TrainingAdmission
 
 PREFIX = "/v1/training/jobs"
@@ -28,15 +27,12 @@ def caller_owner(request: Request) -> str:
 
 
 class TrainingRoutes:
-    def __init__(self, admission: TrainingAdmission, as_http_error) -> None:
+    def __init__(self, admission: TrainingAdmission, as_http_error: ToHttpError) -> None:
         self.admission = admission
         self.as_http_error = as_http_error
 
-    async def _answer(self, call: Callable[[], Awaitable[Any]], status: int = 200):
-        try:
-            return JSONResponse(await call(), status_code=status)
-        except Exception as exc:
-            return error_response(self.as_http_error(exc, None))
+    async def _answer(self, call, status: int = 200):
+        return await json_answer(call, self.as_http_error, status)
 
     async def create(self, request: Request, body: dict[str, Any] = ANY_OBJECT):
         async def call():
@@ -92,7 +88,7 @@ class TrainingRoutes:
         return await self._answer(call)
 
 
-def add_training_routes(app: FastAPI, admission: TrainingAdmission, as_http_error) -> None:
+def add_training_routes(app: FastAPI, admission: TrainingAdmission, as_http_error: ToHttpError) -> None:
     routes = TrainingRoutes(admission, as_http_error)
     app.add_api_route(PREFIX, routes.create, methods=["POST"])
     app.add_api_route(PREFIX, routes.list_jobs, methods=["GET"])
