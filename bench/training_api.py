@@ -122,9 +122,10 @@ def wait_job(http, job_id: str, deadline: float) -> dict:
     while time.monotonic() < deadline:
         job = http.get(f"/v1/training/jobs/{job_id}").json()
         metrics = job.get("metrics") or {}
-        line = (job["status"], metrics.get("epoch"), metrics.get("step"), metrics.get("total_steps"))
-        if line != shown and job["status"] not in ("PENDING",):
-            print(f"  {job['status']}: epoch {line[1]}, step {line[2]}/{line[3]}", flush=True)
+        line = (job["status"], metrics.get("step"), metrics.get("total_steps") or "")
+        if line != shown:
+            step = f": step {line[1]}/{line[2]}" if line[1] else ""
+            print(f"  {job['status']}{step}", flush=True)
             shown = line
         if job["status"] in ("COMPLETED", "FAILED", "CANCELLED"):
             if job["status"] != "COMPLETED":
