@@ -67,6 +67,7 @@ bench: setup model
 	$(PY) bench/pipeline.py --model $(MODEL_DIR)
 	$(PY) bench/routing.py --model $(MODEL_DIR)
 	$(PY) bench/experts.py --model $(MODEL_DIR)
+	$(PY) bench/training_api.py --model $(MODEL_DIR)
 	$(PY) bench/structured.py --model $(MODEL_DIR)
 	$(PY) bench/sessions.py --model $(MODEL_DIR)
 	$(PY) bench/speculative.py --model $(MODEL_DIR)

@@ -101,6 +101,16 @@ class Recipe:
             **lora,
         )
 
+    def job_spec(self, training_file: str) -> dict:
+        """The recipe as a training job's spec (docs/api.md#training-jobs, `POST /v1/training/jobs`):
+        the settings `settings` names and the expert's name, version, description and keywords, to
+        train the same expert through the API (`bench/training_api.py`). Its incompatibilities have
+        no field there: an expert trained so is incompatible with nothing."""
+        from libs.training.spec import ExpertSpec, JobSpec
+
+        expert = ExpertSpec(self.name, VERSION, self.skill.description, tuple(self.skill.keywords))
+        return JobSpec(training_file=training_file, expert=expert, settings=self.settings()).to_dict()
+
     def splits(self) -> tuple[list[Example], list[Example]]:
         return self.skill.splits(SEED, self.num_train, NUM_TEST)
 
