@@ -13,7 +13,6 @@ import dataclasses
 from collections import Counter
 
 import pytest
-import torch
 
 from libs.config import ConfigError
 from libs.engine.llm_engine import LLMEngine
@@ -21,6 +20,7 @@ from libs.engine.sampling_params import SamplingParams
 from libs.engine.sessions import SessionRef
 from libs.structured_output import StructuredOutput
 from tests.helpers.draft_checkpoint import write_noisy_draft, write_tiny_draft
+from tests.helpers.statistics import chi_square_p
 
 # A repeated pattern: the n-gram drafter finds it, and the draft model continues it like the target.
 PROMPT = [40, 41, 42, 43] * 5
@@ -53,25 +53,6 @@ def tiny_engines(tiny_llama, noisy_draft):
             ("int4", "int4"),
         )
     }
-
-
-def _chi_square_p(a: Counter, b: Counter) -> float:
-    """Two-sample chi-square test of homogeneity; categories with under 10 counts in both samples
-    together are pooled (the pooling looks at the sums only, so it favours neither sample)."""
-    keys = sorted(set(a) | set(b), key=lambda k: (-(a[k] + b[k]), str(k)))
-    rows, other = [], [0, 0]
-    for k in keys:
-        if a[k] + b[k] >= 10:
-            rows.append([a[k], b[k]])
-        else:
-            other[0] += a[k]
-            other[1] += b[k]
-    if sum(other):
-        rows.append(other)
-    table = torch.tensor(rows, dtype=torch.float64)
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = ((table - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(rows) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
 def _sampled(engine: LLMEngine, params: SamplingParams, seeds: range) -> list[tuple[int, ...]]:
@@ -109,9 +90,9 @@ def test_sampled_output_follows_the_target_distribution(tiny_engines, drafter, l
     if drafter == "draft":  # near the target: many of its drafts are kept
         assert accepted > 0
     first = [Counter(s[0] for s in arm) for arm in (reference, got)]
-    assert _chi_square_p(*first) > ALPHA, first
+    assert chi_square_p(*first) > ALPHA, first
     whole = [Counter(arm) for arm in (reference, got)]
-    assert _chi_square_p(*whole) > ALPHA, whole
+    assert chi_square_p(*whole) > ALPHA, whole
     _blocks_returned(speculative)
 
 

@@ -9,7 +9,6 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 
 from libs.config import ConfigError
 from libs.engine.config import EngineConfig
@@ -20,6 +19,7 @@ from libs.engine.sequence import Sequence
 from libs.engine.sessions import SessionRef
 from libs.engine.speculative import Speculator, accepted_prefix, ngram_proposal
 from libs.structured_output import StructuredOutput
+from tests.helpers.statistics import chi_square_p
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # Repeating token patterns: the n-gram drafter finds them, and a random tiny model often loops.
@@ -256,25 +256,6 @@ def test_expert_requests_stay_exact_beside_plain_ones(engines, tiny_llama, tmp_p
 # -- the distribution ---------------------------------------------------------------------------------
 
 
-def _chi_square_p(a: Counter, b: Counter) -> float:
-    """Two-sample chi-square test of homogeneity (categories with few counts pooled)."""
-    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
-    rows, other = [], [0, 0]
-    for k in keys:
-        if a[k] + b[k] >= 10:
-            rows.append([a[k], b[k]])
-        else:
-            other[0] += a[k]
-            other[1] += b[k]
-    if sum(other):
-        rows.append(other)
-    table = torch.tensor(rows, dtype=torch.float64)
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = ((table - expected) ** 2 / expected).sum()
-    df = len(rows) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 def test_sampled_tokens_follow_the_target_distribution(engines):
     """Independent seeds in each arm, so this tests the distribution, not equal draws. The first two
     output positions (where drafts are verified) are compared; with a threshold of 0.001 per test
@@ -290,7 +271,7 @@ def test_sampled_tokens_follow_the_target_distribution(engines):
     assert _drafted(speculative)[0] > 0
     for position in (0, 1):
         first = [Counter(seq[position] for seq in arm) for arm in arms]
-        assert _chi_square_p(*first) > 0.001, f"position {position}: {first}"
+        assert chi_square_p(*first) > 0.001, f"position {position}: {first}"
     _assert_blocks_returned(speculative)
 
 

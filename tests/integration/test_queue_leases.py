@@ -12,16 +12,9 @@ from redis.asyncio import Redis
 from libs.redis_streams import read_next
 from services.reception.dispatch.reclaim import Reclaimer
 from services.reception.queue import GROUP, STREAMS, JobQueue, lease_key, stream
+from tests.helpers.clock import ManualClock
 
 LEASE_MS = 200
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _run(redis_url: str, scenario) -> None:
@@ -42,7 +35,7 @@ def _run(redis_url: str, scenario) -> None:
 
 def test_an_entry_whose_lease_lapsed_is_taken_only_after_a_whole_lease_without_it(clean_redis_url):
     async def scenario(redis, queue, entry):
-        clock = Clock()
+        clock = ManualClock(1000.0)
         other = Reclaimer(queue, "other", clock=clock)
         await asyncio.sleep(2 * LEASE_MS / 1000)  # the owner stopped renewing: the lease lapsed
         assert await other.orphans(set()) == []  # first seen gone: a suspicion
@@ -65,7 +58,7 @@ def test_a_holder_that_renews_after_an_outage_keeps_its_entry(clean_redis_url):
     lease that a claimer waits once Redis answers, and the entry stays its own."""
 
     async def scenario(redis, queue, entry):
-        clock = Clock()
+        clock = ManualClock(1000.0)
         other = Reclaimer(queue, "other", clock=clock)
         await asyncio.sleep(2 * LEASE_MS / 1000)
         assert await other.orphans(set()) == []  # seen gone
@@ -82,7 +75,7 @@ def test_a_failed_look_forgets_what_was_seen(clean_redis_url):
     the wait for a whole lease starts over."""
 
     async def scenario(redis, queue, entry):
-        clock = Clock()
+        clock = ManualClock(1000.0)
         other = Reclaimer(queue, "other", clock=clock)
         await asyncio.sleep(2 * LEASE_MS / 1000)
         assert await other.orphans(set()) == []
@@ -97,7 +90,7 @@ def test_a_failed_look_forgets_what_was_seen(clean_redis_url):
 
 def test_a_dispatcher_never_takes_its_own_running_entry(clean_redis_url):
     async def scenario(redis, queue, entry):
-        clock = Clock()
+        clock = ManualClock(1000.0)
         owner = Reclaimer(queue, "owner", clock=clock)
         await asyncio.sleep(2 * LEASE_MS / 1000)
         own = {(entry.stream, entry.id)}

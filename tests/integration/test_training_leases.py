@@ -25,6 +25,7 @@ from services.trainer.job_control import Interrupted, Stops
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.runner import JobRunner
 from services.trainer.worker import Worker
+from tests.helpers.clock import ManualClock
 from tests.helpers.redis_server import durable_redis_server
 
 LEASE_MS = 200
@@ -32,19 +33,11 @@ SPEC = {"training_file": "file-1", "expert": {"name": "x"}}
 DEADLINE_S = 30.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _run(redis_url: str, scenario) -> None:
     async def main():
         redis = Redis.from_url(redis_url)
         try:
-            jobs, clock = TrainingJobs(redis), Clock()
+            jobs, clock = TrainingJobs(redis), ManualClock(1000.0)
             holder = TrainingQueue(redis, "trainer-a", LEASE_MS)
             other = TrainingQueue(redis, "trainer-b", LEASE_MS, clock=clock)
             await holder.setup()

@@ -8,17 +8,10 @@ from libs.engine import SamplingParams, SchedulerConfig
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.scheduler import Scheduler, SchedulerOutput
 from libs.engine.sequence import Sequence, SequenceStatus
+from tests.helpers.clock import ManualClock
 
 BS = 4  # tokens per block
 _tokens = itertools.count(1000)  # distinct token ids, so that no two prompts share a prefix by accident
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def scheduler(
@@ -27,12 +20,12 @@ def scheduler(
     max_num_seqs: int = 8,
     budget: int = 64,
     aging_seconds: float = 0.0,
-    clock: Clock | None = None,
+    clock: ManualClock | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, aging_seconds=aging_seconds
     )
-    return Scheduler(config, KVCacheManager(num_blocks, BS, watermark=0), clock=clock or Clock())
+    return Scheduler(config, KVCacheManager(num_blocks, BS, watermark=0), clock=clock or ManualClock())
 
 
 def seq(num_tokens: int, *, priority: int = 0, arrival: float = 0.0, tokens: list[int] | None = None):
@@ -162,7 +155,7 @@ def test_a_prompt_that_does_not_fit_holds_back_the_queue_behind_it():
 
 
 def test_aging_lets_a_long_waiting_low_priority_sequence_go_first():
-    clock = Clock()
+    clock = ManualClock()
     s = scheduler(max_num_seqs=1, aging_seconds=1.0, clock=clock)
     low, high = seq(4, priority=0, arrival=0.0), seq(4, priority=3, arrival=9.0)
     s.add(low)
@@ -172,7 +165,7 @@ def test_aging_lets_a_long_waiting_low_priority_sequence_go_first():
 
 
 def test_without_aging_priority_alone_decides():
-    clock = Clock()
+    clock = ManualClock()
     s = scheduler(max_num_seqs=1, aging_seconds=0.0, clock=clock)
     low, high = seq(4, priority=0, arrival=0.0), seq(4, priority=3, arrival=9.0)
     s.add(low)
