@@ -25,7 +25,9 @@ class ModelInfo:
     dtype: str  # of the weights and the KV cache: "float32", "bfloat16" or "float16"
     dtype_bytes: int
     kv_cache_dtype: str  # of the KV cache: the model's dtype, or "int8" (codes and a scale per row)
-    kv_bytes_per_block: int  # K and V of one block across all layers, as allocated (scales included)
+    # K and V of one block across all layers, as allocated (scales included), with the model
+    # drafter's block that goes with it when there is one
+    kv_bytes_per_block: int
     max_model_len: int  # the context window: prompt and output tokens of one sequence
     block_size: int  # tokens per KV block
     max_num_seqs: int  # sequences that run at once

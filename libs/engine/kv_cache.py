@@ -98,14 +98,21 @@ _NO_LIMIT = 1 << 62
 
 
 def plan_num_blocks(
-    cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, max_tokens_needed: int
+    cache: CacheConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_tokens_needed: int,
+    drafter_bytes_per_block: int = 0,
 ) -> int:
     """Blocks to allocate (the reserved null block included).
 
     An explicit count wins, then a byte budget, then a fraction of available memory; the automatic
     sizes are capped at what `max_tokens_needed` tokens (every sequence at full length) could use.
+    A model drafter keeps as many blocks of its own (so it never runs short first): the budget pays
+    for both, `drafter_bytes_per_block` more per block.
     """
-    per_block = bytes_per_block(model, cache.block_size, dtype)
+    per_block = bytes_per_block(model, cache.block_size, dtype) + drafter_bytes_per_block
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_bytes is not None:

@@ -19,7 +19,7 @@ from libs.engine.adapters.manager import ExpertHoldings, ExpertInfo, ExpertManag
 from libs.engine.beam_search import BeamDriver
 from libs.engine.block_manager import KVCacheManager
 from libs.engine.config import ConfigError, EngineConfig
-from libs.engine.drafters.loading import is_model_drafter, load_drafter
+from libs.engine.drafters.loading import drafter_config, is_model_drafter, load_drafter
 from libs.engine.drafters.verification import PendingDrafts
 from libs.engine.errors import InvalidRequestError
 from libs.engine.grammar import GrammarCompiler
@@ -117,12 +117,20 @@ class LLMEngine:
         self.model = self._load_model(ops)
 
         cache = config.cache
+        # A model drafter's KV cache comes out of the same budget: its config is read (and checked)
+        # before the blocks are counted, its weights loaded after.
+        self.draft_config = (
+            drafter_config(config, self.model_config, self.tokenizer)
+            if is_model_drafter(config.scheduler.speculative)
+            else None
+        )
         num_blocks = kv_cache.plan_num_blocks(
             cache,
             self.model_config,
             self.kv_dtype,
             self.device,
             config.scheduler.max_num_seqs * self.max_model_len,
+            self._drafter_bytes_per_block(),
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         tensor = kv_cache.allocate(
@@ -168,10 +176,16 @@ class LLMEngine:
             return None
         if not is_model_drafter(sched.speculative):
             return Speculator(sched.speculative, sched.speculative_k, max_rows=sched.speculative_max_rows)
-        model = load_drafter(self.config, self.model, self.tokenizer, num_blocks, self.max_model_len)
+        model = load_drafter(self.config, self.model, self.draft_config, num_blocks, self.max_model_len)
         pending = PendingDrafts()
         self.runner.rejection_rows = pending.rejection_rows
         return Speculator(sched.speculative, sched.speculative_k, model, pending, sched.speculative_max_rows)
+
+    def _drafter_bytes_per_block(self) -> int:
+        """Bytes of one block of the model drafter's KV cache (in the model's dtype), 0 without one."""
+        if self.draft_config is None:
+            return 0
+        return kv_cache.bytes_per_block(self.draft_config, self.config.cache.block_size, self.dtype)
 
     def _load_model(self, ops: TorchOps) -> DecoderModel:
         """The checkpoint's weights, laid out for `ops` on the engine's device."""
@@ -207,7 +221,8 @@ class LLMEngine:
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_bytes_per_block=kv_cache.bytes_per_block(
                 self.model_config, config.cache.block_size, self.kv_dtype
-            ),
+            )
+            + self._drafter_bytes_per_block(),
             max_model_len=self.max_model_len,
             block_size=config.cache.block_size,
             max_num_seqs=config.scheduler.max_num_seqs,

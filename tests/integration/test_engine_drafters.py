@@ -184,6 +184,32 @@ def test_drafter_settings_are_refused_clearly(tiny_llama, default_model, tmp_pat
         _engine(tiny_llama, f"draft:{other}")
 
 
+def test_a_byte_budget_pays_for_the_drafters_kv_cache_too(tiny_llama, tmp_path):
+    """A model drafter keeps as many KV blocks as the target (it must never run short first), in
+    its own shape: the budget holds both, and the engine reports a block's bytes with both."""
+    budget = 1 << 20
+    one_layer = write_tiny_draft(tiny_llama, tmp_path / "one-layer")  # half the tiny model's KV per token
+    settings = {"device": "cpu", "kv_cache_bytes": budget}
+    engines = {
+        name: LLMEngine.from_pretrained(str(tiny_llama), speculative=setting, **settings)
+        for name, setting in (("off", "off"), ("int4", "int4"), ("draft", f"draft:{one_layer}"))
+    }
+    blocks, per_block = {}, {}
+    for name, engine in engines.items():
+        target = engine.runner.kv_cache
+        blocks[name] = target.shape[2]  # the null block included
+        used = target.numel() * target.element_size()
+        if name != "off":
+            layers = engine.speculator.model.cache.layers
+            assert all(k.shape[0] == v.shape[0] == blocks[name] for k, v in layers)
+            used += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        per_block[name] = engine.model_info.kv_bytes_per_block
+        assert per_block[name] * blocks[name] == used <= budget < per_block[name] * (blocks[name] + 1), name
+    assert per_block["int4"] == 2 * per_block["off"]  # the same shape again
+    assert per_block["draft"] * 2 == per_block["off"] * 3  # one layer of two more
+    assert blocks["int4"] == budget // (2 * per_block["off"])
+
+
 # -- the default model ---------------------------------------------------------------------------------
 
 TOPICS = [

@@ -31,25 +31,35 @@ def is_model_drafter(setting: str) -> bool:
     return setting in MODEL_DRAFTERS or setting.startswith(DRAFT_PREFIX)
 
 
-def load_drafter(
-    config: EngineConfig, target: DecoderModel, tokenizer: Tokenizer, num_blocks: int, max_model_len: int
-) -> ModelDrafter:
-    """The drafter for `config.scheduler.speculative` (one of the model drafters), with a KV cache
-    of `num_blocks` blocks (as many as the target's, so it never runs short first)."""
+def drafter_config(config: EngineConfig, target: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The config of the model `config.scheduler.speculative` names (one of the model drafters),
+    checked before anything is loaded: the engine sizes the drafter's KV cache from it."""
     setting = config.scheduler.speculative
-    block_size = config.cache.block_size
     if setting == "base":
-        return ModelDrafter(target, num_blocks, block_size, max_model_len, experts_only=True)
+        return target
     if setting == "int4":
         if config.quantization == "int4":
             raise ConfigError(
                 "speculative: int4 drafts for a float32 or int8 engine; this engine's weights are "
                 "int4 already (EXPERT_QUANTIZATION), so its drafter would be itself: use ngram"
             )
-        model = _decoder(config.model, target.config, target, "int4", max_model_len)
+        return target
+    return _draft_config(Path(setting[len(DRAFT_PREFIX) :]), target, tokenizer)
+
+
+def load_drafter(
+    config: EngineConfig, target: DecoderModel, draft_config: ModelConfig, num_blocks: int, max_model_len: int
+) -> ModelDrafter:
+    """The drafter for `config.scheduler.speculative` (its config from drafter_config), with a KV
+    cache of `num_blocks` blocks (as many as the target's, so it never runs short first)."""
+    setting = config.scheduler.speculative
+    block_size = config.cache.block_size
+    if setting == "base":
+        return ModelDrafter(target, num_blocks, block_size, max_model_len, experts_only=True)
+    if setting == "int4":
+        model = _decoder(config.model, draft_config, target, "int4", max_model_len)
         return ModelDrafter(model, num_blocks, block_size, max_model_len, experts_only=False)
     path = Path(setting[len(DRAFT_PREFIX) :])
-    draft_config = _draft_config(path, target.config, tokenizer)
     draft_len = min(max_model_len, draft_config.max_position_embeddings)
     model = _decoder(path, draft_config, target, None, draft_len)
     return ModelDrafter(model, num_blocks, block_size, draft_len, experts_only=False)
