@@ -7,23 +7,29 @@ does: each child asks, before it runs its program, to be sent SIGTERM when its p
 service stops gracefully (reception hands its jobs back), Redis writes its append-only file; each
 service bounds its own stop (libs.grpc_server), so none lingers.
 
+The child asks through util-linux's `setpriv --pdeathsig TERM`, which then executes the program in
+its place, not through Python code run between fork and exec (`preexec_fn`): with no such code
+Python starts the child with vfork, and gRPC's fork handlers never run. They did with
+`preexec_fn`, in a launcher whose gRPC channels were busy (`expertctl up` and the tests poll the
+services): grpcio 1.8x closed the launcher's open streams ("Stream removed") and now and then
+aborted the child before its program ran ("epoll_wait error: Bad file descriptor", a service
+exiting with -6; grpc/grpc#43055).
+
 The kernel sends the signal when the *thread* that started the child ends, so only children started
 from the main thread are tied; one started from a worker thread (a test restarting Redis on a pool)
-would otherwise die with that thread. Elsewhere than Linux nothing is tied.
+would otherwise die with that thread. Elsewhere than Linux, or without `setpriv`, nothing is tied.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
+import shutil
 import subprocess
+import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here, not after fork
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
 def spawn(
@@ -40,13 +46,12 @@ def spawn(
     `umask` (-1: this process's) applies to the files it creates."""
     with open(log_path, "ab") as log:  # the process has its own copy
         process = subprocess.Popen(
-            list(argv),
+            _tied_to_parent(argv),
             env=None if env is None else dict(env),
             stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_tie_to_parent(),
             umask=umask,
         )
     if stdin_text is not None:
@@ -55,14 +60,9 @@ def spawn(
     return process
 
 
-def _tie_to_parent() -> Callable[[], None] | None:
-    if _prctl is None or threading.current_thread() is not threading.main_thread():
-        return None
-    parent = os.getpid()
-
-    def tie() -> None:  # runs in the child, between fork and exec
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the tie took hold: nobody would signal
-            os._exit(1)
-
-    return tie
+def _tied_to_parent(argv: Sequence[str]) -> list[str]:
+    """`argv`, run through setpriv so that it gets SIGTERM when this thread's process dies; as it
+    is from a worker thread, or where there is no setpriv."""
+    if _SETPRIV is None or threading.current_thread() is not threading.main_thread():
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]

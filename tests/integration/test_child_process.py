@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,3 +64,45 @@ def test_a_child_dies_with_the_launcher_killed_by_sigkill(tmp_path):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.stdout.close()
+
+
+def test_starting_children_leaves_a_busy_grpc_channel_alone(tmp_path):
+    """`expertctl up` and the tests start services while their gRPC channels poll others. No code
+    of ours runs between fork and exec, so gRPC's fork handlers never run: with them, grpcio closed
+    the launcher's open streams and now and then aborted the child before it ran its program."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from tools.child_process import spawn
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    done, errors, calls = threading.Event(), [], []
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                calls.append(1)
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        exits = [spawn(["true"], tmp_path / "child.log").wait(timeout=30) for _ in range(100)]
+    finally:
+        done.set()
+        poller.join(timeout=30)
+        channel.close()
+        server.stop(None)
+    assert exits == [0] * 100
+    assert not errors, errors[0]
+    assert calls
