@@ -45,6 +45,9 @@ from services.reception.sessions import SessionStore
 from services.reception.training import grpc_api as training_api
 from services.reception.training.admission import TrainingAdmission
 
+# Seconds the HTTP server waits, after the drain, for the answers of the calls handed back.
+HAND_BACK_S = 4.0
+
 
 class Reception:
     """Reception's parts, built once from `config`, and the hooks `serve` calls: admission (with
@@ -141,7 +144,11 @@ class Reception:
             training=self.training,
             files=FileUploads(self.training_files, config.training_files),
         )
-        http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + 1.0)
+        # The HTTP server's grace starts at the stop, with the drain: it must outlast the drain and
+        # then the hand-back, whose answers (a 503, a stream's last event) are written after it. One
+        # second was once too little on a loaded 2-core machine (a stream cut without its event);
+        # a stop with no call in flight still ends at once.
+        http = HttpServer(app, config.server, config.http_port, grace_s=config.drain_s + HAND_BACK_S)
         http.bind()  # a taken port fails the start at once, like the gRPC port
         return http
 
