@@ -22,7 +22,7 @@ def test_linear_matches_torch(native, ref, n, k, rows):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_linear_rows_are_bitwise_independent_of_the_batch(native):
+def test_linear_results_are_bitwise_independent_of_the_batch(native):
     g = torch.Generator().manual_seed(0)
     w = native.prepare_linear(torch.randn(300, 576, generator=g))
     x = torch.randn(200, 576, generator=g)

@@ -129,8 +129,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
       linear_stream(a, b, c, M, K, N, P);
     } else {
 #if defined(EXPERT_F32_AVX512)
-      if (M <= avx512::kBlockRows) avx512::linear_rows(a, b, c, M, K, N, P);
-      else avx512::linear_blocked(a, b, c, M, K, N, P);
+      avx512::linear_tiled(a, b, c, M, K, N, P);
 #else
       linear_blocked(a, c, M, K, N, P, FloatPanels{b, K, P});
 #endif
