@@ -250,7 +250,6 @@ def test_the_engine_sends_a_call_as_deltas_and_ends_the_choice_with_it(checkpoin
     assert "".join(d.arguments for d in deltas) == call.arguments == '{"zone": "UTC"}'
 
 
-
 def test_a_session_turn_lists_its_tools_before_its_messages_and_calls_in_the_fallback_format(checkpoint):
     ours, _ = checkpoint(QWEN_STYLE_TEMPLATE)  # a native template: a session still takes the fallback
     params = _params(tool_choice=common_pb2.ToolChoice(mode=common_pb2.TOOL_CHOICE_MODE_REQUIRED))
