@@ -17,6 +17,7 @@ The other rows are not touched at all, and a masked row's numbers depend on its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -220,8 +221,13 @@ class SampledToken:
 class Sampler:
     """Draw one token per row of logits according to the row's settings."""
 
-    def __init__(self, sync_free: bool = False) -> None:
+    def __init__(
+        self, sync_free: bool = False, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """`argmax`: the operator set's greedy pick over [S, V] logits (the native kernels' splits
+        the rows over the threads); torch.argmax by default."""
         self.sync_free = sync_free
+        self.argmax = argmax if argmax is not None else (lambda logits: logits.argmax(dim=-1))
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, rejection: Rejection | None = None
@@ -240,14 +246,14 @@ class Sampler:
             # After the penalties, which hand the end-of-sequence ids their raw logits back.
             logits = _allow_only(logits, batch.constrained_rows, batch.allowed_tokens)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         else:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
             probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free)
             tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
             if rejection is not None:
                 tokens = rejection.apply(probs, tokens, batch)
-            tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(batch.temperature == 0, self.argmax(logits), tokens)
         out = SamplerOutput(token_ids=tokens)
         if batch.num_logprobs >= 0:
             logprobs = raw.log_softmax(dim=-1)

@@ -140,3 +140,25 @@ def test_paged_attention_rows_are_bitwise_independent_of_the_batch(native):
     # ... and as a 30-token chunk in the middle
     chunk = native.attention(q[40:70], k_cache, v_cache, _metadata([30], [70], [table], block_size), 0.125)
     assert torch.equal(chunk, full[40:70])
+
+
+def test_argmax_is_torchs_on_every_row(native):
+    g = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    special = torch.randn(8, 257, generator=g)
+    special[0, 100] = special[0, 200] = nan  # the first NaN wins, even over a larger value
+    special[1, 5] = special[1, 7] = inf  # the first infinity
+    special[2, 256] = nan  # in the tail the vector pass leaves over
+    special[3, :] = -inf
+    special[3, 250] = 0.0  # a masked row: one allowed token
+    special[5, 0] = special[5, 256] = 50.0  # ties: the first index
+    cases = [
+        torch.randn(32, 49152, generator=g),
+        torch.randint(0, 3, (16, 1000), generator=g).float(),  # many ties
+        torch.randn(7, 33, generator=g),
+        torch.randn(3, 5, generator=g),  # shorter than one vector pass
+        torch.full((2, 100), -inf),
+        special,
+    ]
+    for logits in cases:
+        assert torch.equal(native.argmax(logits), logits.argmax(dim=-1)), logits.shape

@@ -25,6 +25,7 @@ _SOURCES = (
     "rope_cache.cpp",
     "attention.cpp",
     "activation.cpp",
+    "argmax.cpp",
     "adapters.cpp",
     "layers.cpp",
     "registration.cpp",

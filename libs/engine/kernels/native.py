@@ -158,6 +158,11 @@ class NativeOps(TorchOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] == 0:
+            return super().argmax(logits)
+        return self._k.argmax_rows(logits)
+
     def rope_and_cache(
         self,
         qkv: torch.Tensor,

@@ -134,6 +134,11 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy decoding's token per row of [S, V] logits: the first index of the row's largest
+        value, or of its first NaN (torch.argmax's answer)."""
+        return logits.argmax(dim=-1)
+
     def rope_and_cache(
         self,
         qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]

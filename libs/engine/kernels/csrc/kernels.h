@@ -15,6 +15,7 @@ at::Tensor quantized_embedding(const at::Tensor& codes, const at::Tensor& scales
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor rotary_embedding_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

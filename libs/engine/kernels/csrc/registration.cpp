@@ -19,6 +19,7 @@ TORCH_LIBRARY(expert_kernels, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         &expert::fused_add_rms_norm);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &expert::silu_and_mul);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &expert::argmax_rows);
   m.def(
       "rotary_embedding_and_cache(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, "
