@@ -26,7 +26,7 @@ namespace avx512 {
 constexpr int64_t kRows = 8;        // rows per register tile
 constexpr int64_t kPanels = 3;      // panels per register tile (when three full panels are left)
 constexpr int64_t kChunk = 192;     // k per chunk: a 3-panel slice (36 KB) stays in L1 for every row tile
-constexpr int64_t kBlockRows = 48;  // rows per packed block of x (a multiple of kRows)
+constexpr int64_t kBlockRows = 48;  // rows per block of x (a multiple of kRows)
 
 // Asks for the lines of the chunk multiplied next (up to kPanels slices of kc lines, `stride`
 // apart) into L2, `per_step` lines per step of the current chunk's tiles, so that the weights
@@ -58,11 +58,11 @@ struct Prefetcher {
   }
 };
 
-// R rows of packed x ([kc][R]) times NP panels' slices (panel q at b + q * stride, [kc][16]),
-// written or accumulated into c (R rows of NP * 16 columns, stride ldc). Each step also asks the
-// prefetcher, if any, for its share of the next chunk's lines.
+// R rows of x (row r at a + r * lda, kc values) times NP panels' slices (panel q at b + q * stride,
+// [kc][16]), written or accumulated into c (R rows of NP * 16 columns, stride ldc). Each step also
+// asks the prefetcher, if any, for its share of the next chunk's lines.
 template <int R, int NP>
-inline void tile(bool accumulate, const float* a, const float* b, int64_t stride, int64_t kc, float* c,
+inline void tile(bool accumulate, const float* a, int64_t lda, const float* b, int64_t stride, int64_t kc, float* c,
                  int64_t ldc, Prefetcher* prefetch) {
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
@@ -73,7 +73,7 @@ inline void tile(bool accumulate, const float* a, const float* b, int64_t stride
     for (int q = 0; q < NP; ++q) w[q] = _mm512_loadu_ps(b + q * stride + k * kNR);
     if (prefetch != nullptr) prefetch->step();
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[k * R + r]);
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
       for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_fmadd_ps(x, w[q], acc[r][q]);
     }
   }
@@ -82,43 +82,32 @@ inline void tile(bool accumulate, const float* a, const float* b, int64_t stride
 }
 
 template <int NP>
-inline void tile_rows(int64_t rows, bool accumulate, const float* a, const float* b, int64_t stride, int64_t kc,
-                      float* c, int64_t ldc, Prefetcher* prefetch) {
+inline void tile_rows(int64_t rows, bool accumulate, const float* a, int64_t lda, const float* b, int64_t stride,
+                      int64_t kc, float* c, int64_t ldc, Prefetcher* prefetch) {
   switch (rows) {
-    case 8: tile<8, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 7: tile<7, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 6: tile<6, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 5: tile<5, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 4: tile<4, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 3: tile<3, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    case 2: tile<2, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-    default: tile<1, NP>(accumulate, a, b, stride, kc, c, ldc, prefetch); break;
-  }
-}
-
-// Packs rows [mb, mb + mc) of x as [chunk][row tile][k][rows in tile].
-inline void pack_rows(const float* a, int64_t K, int64_t mb, int64_t mc, float* apack) {
-  for (int64_t kb = 0; kb < K; kb += kChunk) {
-    const int64_t kc = std::min(kChunk, K - kb);
-    float* base = apack + kb * mc;
-    for (int64_t t = 0; t < mc; t += kRows) {
-      const int64_t rows = std::min(kRows, mc - t);
-      float* dst = base + t * kc;
-      for (int64_t k = 0; k < kc; ++k)
-        for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = a[(mb + t + r) * K + kb + k];
-    }
+    case 8: tile<8, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 7: tile<7, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 6: tile<6, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 5: tile<5, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 4: tile<4, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 3: tile<3, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    case 2: tile<2, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
+    default: tile<1, NP>(accumulate, a, lda, b, stride, kc, c, ldc, prefetch); break;
   }
 }
 
 // y[M][N] = x[M][K] times the panels b ([P][K][16]), for M > 2: a batched decode step, the LM
-// head, a prefill chunk. Each thread takes a range of panels; per block of up to kBlockRows rows
-// (packed once), it walks its panels three at a time (fewer at the end of its range; the
+// head, a prefill chunk. Each thread takes a range of panels; per block of up to kBlockRows rows,
+// it walks its panels three at a time (fewer at the end of its range; the
 // zero-padded last panel alone, through a 16-wide scratch block), and each group's K in chunks of
 // kChunk: the chunk's 36 KB of weights come from memory (or L3) once and stay in L1 while every
 // row tile of the block multiplies them, while the tiles' steps ask for the next chunk's lines.
-// Chains continue across chunks through y (or the scratch), stored and reloaded exactly, so every
-// output element is one sequential chain of fused multiply-adds: the same bits as before and as
-// the other builds.
+// x is read in place, not packed: a tile's 8 rows are 8 sequential streams of kc values (6 KB a
+// chunk), which L1 holds as well as a packed copy, and packing each block of rows in each thread
+// cost 5-8 % of the narrow projections' time (the rows were packed anew for every 288 columns of
+// qkv, o and down). Chains continue across chunks through y (or the scratch), stored and reloaded
+// exactly, so every output element is one sequential chain of fused multiply-adds: the same bits
+// as the other builds.
 //
 // Why this shape, measured on the 2-core machine (stand-alone copies of the loops, 2 threads,
 // interleaved runs): for 32 rows over the default model's 30 layers of weights from memory,
@@ -130,8 +119,7 @@ inline void pack_rows(const float* a, int64_t K, int64_t mb, int64_t mc, float* 
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const int64_t stride = K * kNR;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t block_rows = std::min(kBlockRows, M);
-    std::vector<float> apack(block_rows * K), scratch(block_rows * kNR);
+    std::vector<float> scratch(std::min(kBlockRows, M) * kNR);
     // Panels [p, p + width) form the next group: up to kPanels, never past the thread's range,
     // the padded last panel alone.
     auto width_at = [&](int64_t p) -> int64_t {
@@ -143,7 +131,6 @@ inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, in
     for (int64_t mb = 0; mb < M; mb += kBlockRows) {
       const int64_t mc = std::min(kBlockRows, M - mb);
       const int64_t tiles = (mc + kRows - 1) / kRows;
-      pack_rows(a, K, mb, mc, apack.data());
       for (int64_t p = p0; p < p1;) {
         const int64_t width = width_at(p);
         const bool padded = (p + 1) * kNR > N;
@@ -162,14 +149,14 @@ inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, in
           else if (mb + kBlockRows < M) prefetch.aim(b + p0 * stride, width_at(p0), stride, std::min(kChunk, K),
                                                      tiles * kc);
           else ahead = nullptr;
-          const float* base = apack.data() + kb * mc;
+          const float* rows_x = a + mb * K + kb;
           const float* bp = b + p * stride + kb * kNR;
           for (int64_t t = 0; t < mc; t += kRows) {
             const int64_t rows = std::min(kRows, mc - t);
             float* c = cbase + t * ldc;
-            if (width == 3) tile_rows<3>(rows, kb > 0, base + t * kc, bp, stride, kc, c, ldc, ahead);
-            else if (width == 2) tile_rows<2>(rows, kb > 0, base + t * kc, bp, stride, kc, c, ldc, ahead);
-            else tile_rows<1>(rows, kb > 0, base + t * kc, bp, stride, kc, c, ldc, ahead);
+            if (width == 3) tile_rows<3>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
+            else if (width == 2) tile_rows<2>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
+            else tile_rows<1>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
           }
         }
         if (padded)
