@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <utility>
 #include <vector>
 
 #include "gemm_tiles.h"
@@ -100,19 +102,70 @@ inline void tile_rows(int64_t rows, bool accumulate, const float* a, int64_t lda
   }
 }
 
+// One work item of linear_tiled: rows [mb, mb + mc) of y times the group of `width` panels from
+// panel p, over all of K in chunks of kChunk. With `next` (the first panel of the group after this
+// one, whose width is next_width), the tiles' steps ask for the lines of the chunk multiplied next.
+// A zero-padded last panel is computed into `scratch` (kBlockRows rows of 16) and copied out.
+inline void multiply_group(const float* a, const float* b, float* y, int64_t K, int64_t N, int64_t mb, int64_t mc,
+                           int64_t p, int64_t width, const float* next, int64_t next_width, float* scratch) {
+  const int64_t stride = K * kNR, tiles = (mc + kRows - 1) / kRows;
+  const bool padded = (p + 1) * kNR > N;
+  float* cbase = padded ? scratch : y + mb * N + p * kNR;
+  const int64_t ldc = padded ? kNR : N;
+  for (int64_t kb = 0; kb < K; kb += kChunk) {
+    const int64_t kc = std::min(kChunk, K - kb);
+    Prefetcher prefetch;
+    Prefetcher* ahead = &prefetch;
+    if (next == nullptr) ahead = nullptr;
+    else if (kb + kc < K) prefetch.aim(b + p * stride + (kb + kc) * kNR, width, stride, std::min(kChunk, K - kb - kc), tiles * kc);
+    else prefetch.aim(next, next_width, stride, std::min(kChunk, K), tiles * kc);
+    const float* rows_x = a + mb * K + kb;
+    const float* bp = b + p * stride + kb * kNR;
+    for (int64_t t = 0; t < mc; t += kRows) {
+      const int64_t rows = std::min(kRows, mc - t);
+      float* c = cbase + t * ldc;
+      if (width == 3) tile_rows<3>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
+      else if (width == 2) tile_rows<2>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
+      else tile_rows<1>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
+    }
+  }
+  if (padded)
+    for (int64_t r = 0; r < mc; ++r) std::copy(scratch + r * kNR, scratch + r * kNR + (N - p * kNR), y + (mb + r) * N + p * kNR);
+}
+
+// The panels in groups of up to kPanels: (first panel, width), the zero-padded last panel alone.
+inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t P) {
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t p = 0; p < P;) {
+    int64_t width = std::min(kPanels, P - p);
+    while (width > 1 && (p + width) * kNR > N) --width;  // the padded panel goes alone
+    groups.emplace_back(p, width);
+    p += width;
+  }
+  return groups;
+}
+
 // y[M][N] = x[M][K] times the panels b ([P][K][16]), for M > 2: a batched decode step, the LM
-// head, a prefill chunk. Each thread takes a range of panels; per block of up to kBlockRows rows,
-// it walks its panels three at a time (fewer at the end of its range; the
-// zero-padded last panel alone, through a 16-wide scratch block), and each group's K in chunks of
-// kChunk: the chunk's 36 KB of weights come from memory (or L3) once and stay in L1 while every
-// row tile of the block multiplies them, while (in the first block of rows, which reads the
-// weights from memory) the tiles' steps ask for the next chunk's lines.
+// head, a prefill chunk. The work is items of (block of up to kBlockRows rows, group of up to 3
+// panels), in order of row block then group, which the threads take from a shared counter. An
+// item runs the group's K in chunks of kChunk: the chunk's 36 KB of weights come from memory (or
+// L3) once and stay in L1 while every row tile of the block multiplies them, and, in the first
+// block of rows (which reads the weights from memory), the tiles' steps ask for the lines of the
+// next chunk, or of the next group's first chunk, into L2.
+//
+// Why a counter, not a fixed split of the panels: on this 2-core machine one core is now and then
+// slower than the other for a while, and with a fixed half each the step waits for the slower
+// one; taking items as they come, the 2,048-row projections ran 5.4-13 % faster (two runs of 21
+// interleaved pairs), a 32-row decode step the same within the noise, the whole 32-request run
+// 4.5 % faster (median of 6 pairs). Two single-threaded processes, one per core, each ran at
+// their one-thread speed, so the cores do not slow each other.
+//
 // x is read in place, not packed: a tile's 8 rows are 8 sequential streams of kc values (6 KB a
 // chunk), which L1 holds as well as a packed copy, and packing each block of rows in each thread
 // cost 5-8 % of the narrow projections' time (the rows were packed anew for every 288 columns of
 // qkv, o and down). Chains continue across chunks through y (or the scratch), stored and reloaded
-// exactly, so every output element is one sequential chain of fused multiply-adds: the same bits
-// as the other builds.
+// exactly, and an item computes its outputs alone, so every output element is one sequential
+// chain of fused multiply-adds whatever thread computes it: the same bits as the other builds.
 //
 // Why this shape, measured on the 2-core machine (stand-alone copies of the loops, 2 threads,
 // interleaved runs): for 32 rows over the default model's 30 layers of weights from memory,
@@ -120,55 +173,22 @@ inline void tile_rows(int64_t rows, bool accumulate, const float* a, int64_t lda
 // 27.9-36.6 ms against 34.1-39.9 for the 16 x 1 tiles that prefetched from the first row tile only
 // (the same 8 x 3 tiles without prefetching: 39.6; chunks of 128, 144 and 256, 4 x 6 tiles: 1-10 %
 // slower); at 2,048 rows, 8 x 3 over chunks of 192 reached 188-220 GFLOPS against 169-196 for
-// 8 x 2 tiles over whole-K slices, whose 2 x K x 64 bytes of weights did not fit in L1.
+// 8 x 2 tiles over whole-K slices, whose 2 x K x 64 bytes of weights did not fit in L1. Asking for
+// the next chunk in later blocks of rows, whose weights are in L3 by then, cost more than it saved
+// (the 2,048-row projections 4.7-7.8 % faster without).
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
-  const int64_t stride = K * kNR;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  const std::vector<std::pair<int64_t, int64_t>> groups = panel_groups(N, P);
+  const int64_t G = static_cast<int64_t>(groups.size()), items = G * ((M + kBlockRows - 1) / kBlockRows);
+  std::atomic<int64_t> counter{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(std::min(kBlockRows, M) * kNR);
-    // Panels [p, p + width) form the next group: up to kPanels, never past the thread's range,
-    // the padded last panel alone.
-    auto width_at = [&](int64_t p) -> int64_t {
-      if ((p + 1) * kNR > N) return 1;
-      int64_t width = std::min(kPanels, p1 - p);
-      while ((p + width) * kNR > N) --width;  // leave the padded panel to its own group
-      return width;
-    };
-    for (int64_t mb = 0; mb < M; mb += kBlockRows) {
-      const int64_t mc = std::min(kBlockRows, M - mb);
-      const int64_t tiles = (mc + kRows - 1) / kRows;
-      for (int64_t p = p0; p < p1;) {
-        const int64_t width = width_at(p);
-        const bool padded = (p + 1) * kNR > N;
-        float* cbase = padded ? scratch.data() : y + mb * N + p * kNR;
-        const int64_t ldc = padded ? kNR : N;
-        for (int64_t kb = 0; kb < K; kb += kChunk) {
-          const int64_t kc = std::min(kChunk, K - kb);
-          // The first block of rows reads the weights from memory: it asks for the chunk after
-          // this one (the group's next K chunk, else the next group's first). Later blocks find
-          // them in L3, where asking cost more than it saved (the 2,048-row projections 4.7-7.8 %
-          // faster without).
-          Prefetcher prefetch;
-          Prefetcher* ahead = mb == 0 ? &prefetch : nullptr;
-          if (kb + kc < K) prefetch.aim(b + p * stride + (kb + kc) * kNR, width, stride, std::min(kChunk, K - kb - kc),
-                                        tiles * kc);
-          else if (p + width < p1) prefetch.aim(b + (p + width) * stride, width_at(p + width), stride,
-                                                std::min(kChunk, K), tiles * kc);
-          else ahead = nullptr;
-          const float* rows_x = a + mb * K + kb;
-          const float* bp = b + p * stride + kb * kNR;
-          for (int64_t t = 0; t < mc; t += kRows) {
-            const int64_t rows = std::min(kRows, mc - t);
-            float* c = cbase + t * ldc;
-            if (width == 3) tile_rows<3>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
-            else if (width == 2) tile_rows<2>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
-            else tile_rows<1>(rows, kb > 0, rows_x + t * K, K, bp, stride, kc, c, ldc, ahead);
-          }
-        }
-        if (padded)
-          for (int64_t r = 0; r < mc; ++r)
-            std::copy(scratch.data() + r * kNR, scratch.data() + r * kNR + (N - p * kNR), y + (mb + r) * N + p * kNR);
-        p += width;
-      }
+    for (int64_t item = counter.fetch_add(1); item < items; item = counter.fetch_add(1)) {
+      const int64_t mb = item / G * kBlockRows, g = item % G;
+      const auto [p, width] = groups[g];
+      const bool ask = mb == 0 && g + 1 < G;
+      multiply_group(a, b, y, K, N, mb, std::min(kBlockRows, M - mb), p, width,
+                     ask ? b + groups[g + 1].first * K * kNR : nullptr, ask ? groups[g + 1].second : 0,
+                     scratch.data());
     }
   });
 }
