@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -36,6 +37,7 @@ namespace expert {
 namespace {
 
 constexpr int64_t kQueryTile = 8;  // queries per work item in prefill
+constexpr int64_t kItemsPerTake = 8;  // the most work items a thread takes from the counter at once
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;
@@ -258,7 +260,16 @@ void attend_items(const std::vector<WorkItem>& items, const float* pq, float* po
   const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2), row = k_cache.size(3), group = Hq / Hkv;
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  // The threads take runs of `take` consecutive items from a shared counter rather than a fixed
+  // share each, so a core that runs slower for a while (it happens on this machine) does not hold
+  // up the call; a run is long enough for the block stream to prefetch across its items. Against
+  // fixed shares: 32-request decode throughput +5.5 % (median of 8 interleaved pairs), a
+  // 2,048-token prefill step 3.4 % shorter (10 pairs).
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  const int64_t take = std::max<int64_t>(1, std::min<int64_t>(kItemsPerTake, count / (threads * 4)));
+  std::atomic<int64_t> counter{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const int64_t stride = std::max<int64_t>(max_len, 1);
     std::vector<float> scores(group * stride), maxima(group), sums(group);
     // An int8 block widened for the group (unused with a float cache).
@@ -270,6 +281,8 @@ void attend_items(const std::vector<WorkItem>& items, const float* pq, float* po
     auto view_of = [&](const WorkItem& it) -> CacheView<T> {
       return {kc, vc, pbt + it.seq * max_blocks, Hkv, block_size, row};
     };
+    for (int64_t i0 = counter.fetch_add(take); i0 < count; i0 = counter.fetch_add(take)) {
+    const int64_t i1 = std::min(count, i0 + take);
     bool prime = true;
     for (int64_t i = i0; i < i1; ++i) {
       const WorkItem& it = items[i];
@@ -288,6 +301,7 @@ void attend_items(const std::vector<WorkItem>& items, const float* pq, float* po
                sums.data(), po + (token * Hq + h) * D, scratch.data(), row_scales.data());
         prime = false;
       }
+    }
     }
   });
 }
