@@ -14,11 +14,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <utility>
 #include <vector>
 
 #include "gemm_tiles.h"
+#include "work_runs.h"
 
 #define EXPERT_F32_AVX512 1
 
@@ -147,11 +147,11 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 
 // y[M][N] = x[M][K] times the panels b ([P][K][16]), for M > 2: a batched decode step, the LM
 // head, a prefill chunk. The work is items of (block of up to kBlockRows rows, group of up to 3
-// panels), in order of row block then group, which the threads take from a shared counter. An
-// item runs the group's K in chunks of kChunk: the chunk's 36 KB of weights come from memory (or
-// L3) once and stay in L1 while every row tile of the block multiplies them, and, in the first
-// block of rows (which reads the weights from memory), the tiles' steps ask for the lines of the
-// next chunk, or of the next group's first chunk, into L2.
+// panels), in order of row block then group, which the threads take one at a time from a shared
+// counter (work_runs.h). An item runs the group's K in chunks of kChunk: the chunk's 36 KB of
+// weights come from memory (or L3) once and stay in L1 while every row tile of the block
+// multiplies them, and, in the first block of rows (which reads the weights from memory), the
+// tiles' steps ask for the lines of the next chunk, or of the next group's first chunk, into L2.
 //
 // Why a counter, not a fixed split of the panels: on this 2-core machine one core is now and then
 // slower than the other for a while, and with a fixed half each the step waits for the slower
@@ -179,10 +179,9 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const std::vector<std::pair<int64_t, int64_t>> groups = panel_groups(N, P);
   const int64_t G = static_cast<int64_t>(groups.size()), items = G * ((M + kBlockRows - 1) / kBlockRows);
-  std::atomic<int64_t> counter{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+  parallel_runs(items, 1, [&](const auto& next) {
     std::vector<float> scratch(std::min(kBlockRows, M) * kNR);
-    for (int64_t item = counter.fetch_add(1); item < items; item = counter.fetch_add(1)) {
+    for (int64_t item, end; next(item, end);) {
       const int64_t mb = item / G * kBlockRows, g = item % G;
       const auto [p, width] = groups[g];
       const bool ask = mb == 0 && g + 1 < G;
