@@ -45,17 +45,27 @@ def test_feedback_moves_the_success_rate_once_per_record(clean_redis_url, tmp_pa
         tasks = [asyncio.create_task(learner.run()) for learner in learners]
         try:
             await asyncio.sleep(0.3)  # the group exists before the records come
-            for fields in (
-                record(["json-parser"], True, False),  # completed but invalid output: a failure
-                {"record": b"\xff not a record"},
-                record(["json-parser", "nobody"], True, True),
-                record([], True, True),
-            ):
-                await redis.xadd(FEEDBACK_STREAM, fields)
-            for _ in range(100):
-                if sum(learner.applied for learner in learners) == 3:
-                    break
-                await asyncio.sleep(0.05)
+
+            # The two learners share a consumer group, so records in flight at once may be applied
+            # in either order, and the moving average depends on order. The second record for the
+            # expert goes out only after the first is applied, so the expected value is exact.
+            async def add_and_wait(records, applied):
+                for fields in records:
+                    await redis.xadd(FEEDBACK_STREAM, fields)
+                for _ in range(100):
+                    if sum(learner.applied for learner in learners) == applied:
+                        return
+                    await asyncio.sleep(0.05)
+
+            await add_and_wait([record(["json-parser"], True, False)], applied=1)  # invalid output: a failure
+            await add_and_wait(
+                [
+                    {"record": b"\xff not a record"},
+                    record(["json-parser", "nobody"], True, True),
+                    record([], True, True),
+                ],
+                applied=3,
+            )
             await asyncio.sleep(0.2)
             expert = index.get("json-parser")
             assert expert.uses == 2
