@@ -131,12 +131,12 @@ inline void pack_block(const float* a, int64_t K, int64_t mb, int64_t mc, float*
 
 // One work item of linear_tiled: rows [mb, mb + mc) of y times the group of `width` panels from
 // panel p, over all of K in chunks of kChunk; xpack holds the block's rows packed by pack_block.
-// With `ask`, the tiles' steps ask for the lines of the chunk multiplied next: this group's next
-// chunk, then, in the last chunk, the first chunk of `next` (the first panel of the group this
-// thread multiplies next, next_width panels wide), if there is one.
+// The tiles' steps ask for the lines of the chunk multiplied next: this group's next chunk, then,
+// in the last chunk, the first chunk of `next` (the first panel of the group this thread
+// multiplies next, next_width panels wide), if there is one.
 // A zero-padded last panel is computed into `scratch` (kBlockRows rows of 16) and copied out.
 inline void multiply_group(const float* xpack, const float* b, float* y, int64_t K, int64_t N, int64_t mb, int64_t mc,
-                           int64_t p, int64_t width, bool ask, const float* next, int64_t next_width, float* scratch) {
+                           int64_t p, int64_t width, const float* next, int64_t next_width, float* scratch) {
   const int64_t stride = K * kNR, tiles = (mc + kRows - 1) / kRows;
   const bool padded = (p + 1) * kNR > N;
   float* cbase = padded ? scratch : y + mb * N + p * kNR;
@@ -145,14 +145,10 @@ inline void multiply_group(const float* xpack, const float* b, float* y, int64_t
     const int64_t kc = std::min(kChunk, K - kb);
     const int64_t steps = tiles * std::max<int64_t>(1, kc / kUnroll);
     Prefetcher prefetch;
-    Prefetcher* ahead = nullptr;
-    if (ask && kb + kc < K) {
-      prefetch.aim(b + p * stride + (kb + kc) * kNR, width, stride, std::min(kChunk, K - kb - kc), steps);
-      ahead = &prefetch;
-    } else if (ask && next != nullptr) {
-      prefetch.aim(next, next_width, stride, std::min(kChunk, K), steps);
-      ahead = &prefetch;
-    }
+    Prefetcher* ahead = &prefetch;
+    if (kb + kc < K) prefetch.aim(b + p * stride + (kb + kc) * kNR, width, stride, std::min(kChunk, K - kb - kc), steps);
+    else if (next != nullptr) prefetch.aim(next, next_width, stride, std::min(kChunk, K), steps);
+    else ahead = nullptr;
     const float* bp = b + p * stride + kb * kNR;
     for (int64_t t = 0; t < mc; t += kRows) {
       const int64_t rows = std::min(kRows, mc - t);
@@ -184,15 +180,18 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 // panels), in order of row block then group, which the threads take one at a time from a shared
 // counter (work_runs.h). An item runs the group's K in chunks of kChunk: the chunk's 36 KB of
 // weights come from memory (or L3) once and stay in L1 while every row tile of the block
-// multiplies them, and, in the first block of rows (which reads the weights from memory), the
-// tiles' steps ask for the lines of the next chunk into L2: the group's next chunk, or the first
-// chunk of the item this thread takes next. A thread claims that item from the counter before it
-// multiplies the current one; asking for the next group in order instead sent about half the
-// asks to the core that did not need them (the other thread took that group) and left the thread's
-// own next item unasked: claiming ahead made the 30 layers' projections 5-15 % faster at 8 to 64
-// rows (stand-alone copies of the loop, 2 threads, medians of 20-40 interleaved pairs), changed
-// nothing at 2,048 rows, and in the engine made 32-request decode 8.5 % faster (median of 10
-// interleaved pairs; the whole 32-request run +3.5 %, 8 pairs).
+// multiplies them, while the tiles' steps ask for the lines of the next chunk into L2: the
+// group's next chunk, or the first chunk of the item this thread takes next. A thread claims that
+// item from the counter before it multiplies the current one; asking for the next group in order
+// instead sent about half the asks to the core that did not need them (the other thread took
+// that group) and left the thread's own next item unasked: claiming ahead made the 30 layers'
+// projections 5-15 % faster at 8 to 64 rows (stand-alone copies of the loop, 2 threads, medians
+// of 20-40 interleaved pairs) and in the engine 32-request decode 8.5 % faster (median of 10
+// interleaved pairs). With the next item known, asking in every block of rows, not only the
+// first (which reads the weights from memory; later ones find them in L3), made 2,048-token
+// prefill steps 3.9-6.2 % shorter (medians of 10 and 12 pairs); without claiming ahead, and with
+// the earlier tiles that ran the prefetcher on every step, asking beyond the first block had cost
+// 4.7-7.8 %.
 //
 // Why a counter, not a fixed split of the panels: on this 2-core machine one core is now and then
 // slower than the other for a while, and with a fixed half each the step waits for the slower
@@ -214,9 +213,7 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 // 27.9-36.6 ms against 34.1-39.9 for the 16 x 1 tiles that prefetched from the first row tile only
 // (the same 8 x 3 tiles without prefetching: 39.6; chunks of 128, 144 and 256, 4 x 6 tiles: 1-10 %
 // slower); at 2,048 rows, 8 x 3 over chunks of 192 reached 188-220 GFLOPS against 169-196 for
-// 8 x 2 tiles over whole-K slices, whose 2 x K x 64 bytes of weights did not fit in L1. Asking for
-// the next chunk in later blocks of rows, whose weights are in L3 by then, cost more than it saved
-// (the 2,048-row projections 4.7-7.8 % faster without).
+// 8 x 2 tiles over whole-K slices, whose 2 x K x 64 bytes of weights did not fit in L1.
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const std::vector<std::pair<int64_t, int64_t>> groups = panel_groups(N, P);
   const int64_t G = static_cast<int64_t>(groups.size()), items = G * ((M + kBlockRows - 1) / kBlockRows);
@@ -231,10 +228,9 @@ inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, in
       const int64_t mb = item / G * kBlockRows, g = item % G, mc = std::min(kBlockRows, M - mb);
       const auto [p, width] = groups[g];
       if (packed != mb) pack_block(a, K, mb, mc, xpack.data()), packed = mb;
-      const bool ask_next = more && following < G;  // the next item is in the first block of rows too
-      const auto [np, nwidth] = ask_next ? groups[following] : std::pair<int64_t, int64_t>{0, 0};
-      multiply_group(xpack.data(), b, y, K, N, mb, mc, p, width, mb == 0, ask_next ? b + np * K * kNR : nullptr,
-                     nwidth, scratch.data());
+      const auto [np, nwidth] = more ? groups[following % G] : std::pair<int64_t, int64_t>{0, 0};
+      multiply_group(xpack.data(), b, y, K, N, mb, mc, p, width, more ? b + np * K * kNR : nullptr, nwidth,
+                     scratch.data());
       item = following;
       have = more;
     }
