@@ -32,8 +32,9 @@ constexpr int64_t kBlockRows = 48;  // rows per block of x (a multiple of kRows)
 constexpr int64_t kUnroll = 4;      // k steps per prefetch step
 
 // Asks for the lines of the chunk multiplied next (up to kPanels slices of kc lines, `stride`
-// apart) into L2, `per_step` lines per step of the current chunk's tiles, so that the weights
-// arrive from memory at the pace they are used, whatever the number of rows.
+// apart) into L2, `per_step` lines per call of step() (one call every kUnroll steps of the current
+// chunk's tiles), so that the weights arrive from memory at the pace they are used, whatever the
+// number of rows.
 struct Prefetcher {
   const float* line = nullptr;  // next line to ask for
   const float* slice = nullptr;  // start of the slice being asked for
