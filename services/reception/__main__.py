@@ -183,7 +183,10 @@ class Reception:
 
         async def dispatcher_then_callers() -> None:
             await self.dispatcher.drain(self.config.drain_s)
+            # The callers before the dispatcher's stop, which waits for its tasks to unwind: once
+            # that took longer than the HTTP server's grace, and the calls were cut off unanswered.
             self.admission.hand_back_followers()
+            await self.dispatcher.stop()
 
         await asyncio.gather(
             dispatcher_then_callers(),

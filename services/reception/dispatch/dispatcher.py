@@ -105,16 +105,16 @@ class Dispatcher:
         log.info("dispatcher started", consumer=self.consumer, max_jobs=self.settings.max_jobs)
 
     async def drain(self, seconds: float) -> None:
-        """Stop taking jobs and give the running ones `seconds` to end, then stop. A job still
-        running then is stopped where it is: its saga gives its slot back as it unwinds, and its
-        queue entry stays unacknowledged, so another dispatcher reclaims it and runs it again."""
+        """Stop taking jobs and give the running ones `seconds` to end; stop() then hands back
+        those still running. Such a job is stopped where it is: its saga gives its slot back as it
+        unwinds, and its queue entry stays unacknowledged, so another dispatcher reclaims it and
+        runs it again."""
         self._draining = True
         deadline = time.monotonic() + seconds
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._active:
             log.warning("handing back the jobs still running", jobs=self._active)
-        await self.stop()
 
     async def stop(self) -> None:
         """Stop now: the jobs in flight are left to be reclaimed by another dispatcher."""
