@@ -220,7 +220,11 @@ inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, in
   const int64_t G = static_cast<int64_t>(groups.size()), items = G * ((M + kBlockRows - 1) / kBlockRows);
   parallel_runs(items, 1, [&](const auto& next) {
     const int64_t block = std::min(kBlockRows, M);
-    std::vector<float> scratch(block * kNR), xpack((block + kRows - 1) / kRows * kRows * K);
+    std::vector<float> scratch(block * kNR);
+    // The packed rows live with the thread, so that a call neither allocates nor zeroes them
+    // (pack_block writes every value a tile reads); they only grow.
+    thread_local std::vector<float> xpack;
+    xpack.resize(std::max<size_t>(xpack.size(), (block + kRows - 1) / kRows * kRows * K));
     int64_t packed = -1;  // the row block xpack holds
     int64_t item, following, end;
     bool have = next(item, end);
