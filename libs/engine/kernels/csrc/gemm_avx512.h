@@ -30,6 +30,7 @@ constexpr int64_t kPanels = 3;      // panels per register tile (when three full
 constexpr int64_t kChunk = 192;     // k per chunk: a 3-panel slice (36 KB) stays in L1 for every row tile
 constexpr int64_t kBlockRows = 48;  // rows per block of x (a multiple of kRows)
 constexpr int64_t kUnroll = 4;      // k steps per prefetch step
+constexpr int64_t kRunGroups = 3;   // adjacent groups a thread takes at once when rows are few
 
 // Asks for the lines of the chunk multiplied next (up to kPanels slices of kc lines, `stride`
 // apart) into L2, `per_step` lines per call of step() (one call every kUnroll steps of the current
@@ -117,15 +118,56 @@ inline void tile_rows(int64_t rows, bool accumulate, const float* xp, const floa
   }
 }
 
+// Eight rows of x, 16 columns from k, transposed into out[j * kRows + r] = row r's column k + j
+// (128 floats): unpacking pairs of rows, then pairs of pairs, leaves in each 128-bit lane l of
+// the eight vectors four rows of one column 4l + j; two rounds of lane shuffles put the lanes in
+// column order.
+inline void transpose_8x16(const float* src, int64_t K, float* out) {
+  __m512 r[kRows];
+  for (int i = 0; i < kRows; ++i) r[i] = _mm512_loadu_ps(src + i * K);
+  __m512 t[kRows];
+  for (int i = 0; i < kRows; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // lane l: rows i, i+1 of columns 4l, 4l+1
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // lane l: rows i, i+1 of columns 4l+2, 4l+3
+  }
+  __m512 a[4], b[4];  // lane l of a[j] (b[j]): rows 0-3 (4-7) of column 4l + j
+  for (int h = 0; h < 2; ++h) {
+    const __m512d lo01 = _mm512_castps_pd(t[h]), lo23 = _mm512_castps_pd(t[2 + h]);
+    const __m512d hi01 = _mm512_castps_pd(t[4 + h]), hi23 = _mm512_castps_pd(t[6 + h]);
+    a[2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+    a[2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+    b[2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+    b[2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+  }
+  __m512 lo[4], hi[4];  // lanes (a[j] l, a[j] l+1, b[j] l, b[j] l+1) for l = 0 and l = 2
+  for (int j = 0; j < 4; ++j) {
+    lo[j] = _mm512_shuffle_f32x4(a[j], b[j], _MM_SHUFFLE(1, 0, 1, 0));
+    hi[j] = _mm512_shuffle_f32x4(a[j], b[j], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // Output vector m holds columns 2m and 2m + 1 (all 8 rows of each): column 4l + j is lane l of a[j], b[j].
+  for (int m = 0; m < 8; ++m) {
+    const int j = 2 * (m & 1), l = (m >> 1) & 1;
+    const __m512* half = m < 4 ? lo : hi;
+    const __m512 v = l == 0 ? _mm512_shuffle_f32x4(half[j], half[j + 1], _MM_SHUFFLE(2, 0, 2, 0))
+                            : _mm512_shuffle_f32x4(half[j], half[j + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    _mm512_storeu_ps(out + m * 16, v);
+  }
+}
+
 // Rows [mb, mb + mc) of x (K columns) as tiles of kRows rows, each [K][kRows] (a short last tile
-// leaves its unused rows as they were: no step reads them).
+// leaves its unused rows as they were: no step reads them). Full tiles go through transpose_8x16:
+// element by element, packing took 9 % of a 2,048-row prefill's projections (each thread packs
+// every block it takes items from, with two threads every block twice).
 inline void pack_block(const float* a, int64_t K, int64_t mb, int64_t mc, float* out) {
   for (int64_t t = 0; t < mc; t += kRows) {
     const int64_t rows = std::min(kRows, mc - t);
     float* tile = out + t * K;
+    int64_t k0 = 0;
+    if (rows == kRows)
+      for (; k0 + 16 <= K; k0 += 16) transpose_8x16(a + (mb + t) * K + k0, K, tile + k0 * kRows);
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = a + (mb + t + r) * K;
-      for (int64_t k = 0; k < K; ++k) tile[k * kRows + r] = src[k];
+      for (int64_t k = k0; k < K; ++k) tile[k * kRows + r] = src[k];
     }
   }
 }
@@ -176,23 +218,37 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
   return groups;
 }
 
+// How many consecutive items a thread takes from the shared counter at once (see linear_tiled).
+inline int64_t items_per_run(int64_t items, int64_t blocks, int64_t groups, int64_t threads) {
+  if (blocks >= 4 * threads) return groups;  // whole blocks of rows
+  return std::clamp<int64_t>(items / (2 * threads), 1, kRunGroups);  // and still two runs per thread
+}
+
 // y[M][N] = x[M][K] times the panels b ([P][K][16]), for M > 2: a batched decode step, the LM
 // head, a prefill chunk. The work is items of (block of up to kBlockRows rows, group of up to 3
-// panels), in order of row block then group, which the threads take one at a time from a shared
-// counter (work_runs.h). An item runs the group's K in chunks of kChunk: the chunk's 36 KB of
-// weights come from memory (or L3) once and stay in L1 while every row tile of the block
-// multiplies them, while the tiles' steps ask for the lines of the next chunk into L2: the
-// group's next chunk, or the first chunk of the item this thread takes next. A thread claims that
-// item from the counter before it multiplies the current one; asking for the next group in order
-// instead sent about half the asks to the core that did not need them (the other thread took
-// that group) and left the thread's own next item unasked: claiming ahead made the 30 layers'
-// projections 5-15 % faster at 8 to 64 rows (stand-alone copies of the loop, 2 threads, medians
-// of 20-40 interleaved pairs) and in the engine 32-request decode 8.5 % faster (median of 10
-// interleaved pairs). With the next item known, asking in every block of rows, not only the
-// first (which reads the weights from memory; later ones find them in L3), made 2,048-token
-// prefill steps 3.9-6.2 % shorter (medians of 10 and 12 pairs); without claiming ahead, and with
-// the earlier tiles that ran the prefetcher on every step, asking beyond the first block had cost
-// 4.7-7.8 %.
+// panels), in order of row block then group, which the threads take in runs of consecutive items
+// from a shared counter (work_runs.h). An item runs the group's K in chunks of kChunk: the
+// chunk's 36 KB of weights come from memory (or L3) once and stay in L1 while every row tile of
+// the block multiplies them, while the tiles' steps ask for the lines of the next chunk into L2:
+// the group's next chunk, or the first chunk of the item this thread takes next. A thread claims
+// that item before it multiplies the current one; asking for the next group in order instead sent
+// about half the asks to the core that did not need them (the other thread took that group) and
+// left the thread's own next item unasked: claiming ahead made the 30 layers' projections 5-15 %
+// faster at 8 to 64 rows (stand-alone copies of the loop, 2 threads, medians of 20-40
+// interleaved pairs) and in the engine 32-request decode 8.5 % faster (median of 10 interleaved
+// pairs). With the next item known, asking in every block of rows, not only the first (which
+// reads the weights from memory; later ones find them in L3), made 2,048-token prefill steps
+// 3.9-6.2 % shorter (medians of 10 and 12 pairs).
+//
+// Why runs (items_per_run): taken one at a time, the two threads' items alternated, so both
+// threads packed every block of rows and wrote neighbouring columns of the same rows of y, and
+// each one's weights stream broke off at every group. With many blocks, a run is a whole block:
+// each thread packs its blocks once and writes its own rows, and the 30 layers' projections at
+// 2,048 rows ran in 1,864 ms against 2,280 (stand-alone copies of the loop, 2 threads, 2 pairs;
+// two single-threaded processes, one per core, reach the same total). With few blocks (a decode
+// step), a run is 3 adjacent groups, whose weights lie one after the other: 32 rows in 41.5-44.8 ms
+// against 47.0-50.9 one item at a time, 64 and 128 rows 9-11 % faster (4 pairs); at 256 rows the
+// two kinds of runs are even, at 512 whole blocks are 5 % faster than 3 groups.
 //
 // Why a counter, not a fixed split of the panels: on this 2-core machine one core is now and then
 // slower than the other for a while, and with a fixed half each the step waits for the slower
@@ -202,11 +258,11 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 // their one-thread speed, so the cores do not slow each other.
 //
 // Each thread packs a block of rows once (pack_block) and keeps it while the items it takes stay
-// in that block, which with items in row-block order is all of a block's groups it gets; an
-// earlier version packed per item, anew for every 3 panels, and that cost 5-8 % of the narrow
-// projections. Chains continue across chunks through y (or the scratch), stored and reloaded
-// exactly, and an item computes its outputs alone, so every output element is one sequential
-// chain of fused multiply-adds whatever thread computes it: the same bits as the other builds.
+// in that block; an earlier version packed per item, anew for every 3 panels, and that cost 5-8 %
+// of the narrow projections. Chains continue across chunks through y (or the scratch), stored and
+// reloaded exactly, and an item computes its outputs alone, so every output element is one
+// sequential chain of fused multiply-adds whatever thread computes it: the same bits as the other
+// builds.
 //
 // Why this shape, measured on the 2-core machine (stand-alone copies of the loops, 2 threads,
 // interleaved runs): for 32 rows over the default model's 30 layers of weights from memory,
@@ -217,8 +273,9 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 // 8 x 2 tiles over whole-K slices, whose 2 x K x 64 bytes of weights did not fit in L1.
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const std::vector<std::pair<int64_t, int64_t>> groups = panel_groups(N, P);
-  const int64_t G = static_cast<int64_t>(groups.size()), items = G * ((M + kBlockRows - 1) / kBlockRows);
-  parallel_runs(items, 1, [&](const auto& next) {
+  const int64_t G = static_cast<int64_t>(groups.size()), blocks = (M + kBlockRows - 1) / kBlockRows, items = G * blocks;
+  const int64_t run = items_per_run(items, blocks, G, at::get_num_threads());
+  parallel_runs(items, run, [&](const auto& next_run) {
     const int64_t block = std::min(kBlockRows, M);
     std::vector<float> scratch(block * kNR);
     // The packed rows live with the thread, so that a call neither allocates nor zeroes them
@@ -226,10 +283,16 @@ inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, in
     thread_local std::vector<float> xpack;
     xpack.resize(std::max<size_t>(xpack.size(), (block + kRows - 1) / kRows * kRows * K));
     int64_t packed = -1;  // the row block xpack holds
-    int64_t item, following, end;
-    bool have = next(item, end);
+    int64_t run_at = 0, run_end = 0;  // the rest of the run this thread holds
+    auto take = [&](int64_t& item) {
+      if (run_at >= run_end && !next_run(run_at, run_end)) return false;
+      item = run_at++;
+      return true;
+    };
+    int64_t item, following;
+    bool have = take(item);
     while (have) {
-      const bool more = next(following, end);  // claimed now, so this item can ask for its weights
+      const bool more = take(following);  // known now, so this item can ask for its weights
       const int64_t mb = item / G * kBlockRows, g = item % G, mc = std::min(kBlockRows, M - mb);
       const auto [p, width] = groups[g];
       if (packed != mb) pack_block(a, K, mb, mc, xpack.data()), packed = mb;
