@@ -30,7 +30,8 @@ constexpr int64_t kPanels = 3;      // panels per register tile (when three full
 constexpr int64_t kChunk = 192;     // k per chunk: a 3-panel slice (36 KB) stays in L1 for every row tile
 constexpr int64_t kBlockRows = 48;  // rows per block of x (a multiple of kRows)
 constexpr int64_t kUnroll = 4;      // k steps per prefetch step
-constexpr int64_t kRunGroups = 3;   // adjacent groups a thread takes at once when rows are few
+constexpr int64_t kRunGroups = 3;   // adjacent groups a thread takes at once when rows are few...
+constexpr int64_t kLongRun = 64;    // ...or up to this many, while each thread still gets 8 runs
 
 // Asks for the lines of the chunk multiplied next (up to kPanels slices of kc lines, `stride`
 // apart) into L2, `per_step` lines per call of step() (one call every kUnroll steps of the current
@@ -221,7 +222,8 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 // How many consecutive items a thread takes from the shared counter at once (see linear_tiled).
 inline int64_t items_per_run(int64_t items, int64_t blocks, int64_t groups, int64_t threads) {
   if (blocks >= 4 * threads) return groups;  // whole blocks of rows
-  return std::clamp<int64_t>(items / (2 * threads), 1, kRunGroups);  // and still two runs per thread
+  const int64_t adjacent = std::min(kRunGroups, items / (2 * threads));  // still two runs per thread
+  return std::max<int64_t>({1, adjacent, std::min(kLongRun, items / (8 * threads))});
 }
 
 // y[M][N] = x[M][K] times the panels b ([P][K][16]), for M > 2: a batched decode step, the LM
