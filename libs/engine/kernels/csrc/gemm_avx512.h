@@ -157,8 +157,8 @@ inline void transpose_8x16(const float* src, int64_t K, float* out) {
 
 // Rows [mb, mb + mc) of x (K columns) as tiles of kRows rows, each [K][kRows] (a short last tile
 // leaves its unused rows as they were: no step reads them). Full tiles go through transpose_8x16:
-// element by element, packing took 9 % of a 2,048-row prefill's projections (each thread packs
-// every block it takes items from, with two threads every block twice).
+// a block of 48 rows of 576 in 2.8 us against 6.5 element by element, which, when both threads
+// packed every block (before runs), was worth 1-6 % of the 30 layers' projections at 2,048 rows.
 inline void pack_block(const float* a, int64_t K, int64_t mb, int64_t mc, float* out) {
   for (int64_t t = 0; t < mc; t += kRows) {
     const int64_t rows = std::min(kRows, mc - t);
