@@ -220,8 +220,9 @@ inline std::vector<std::pair<int64_t, int64_t>> panel_groups(int64_t N, int64_t 
 }
 
 // How many consecutive items a thread takes from the shared counter at once (see linear_tiled).
-inline int64_t items_per_run(int64_t items, int64_t blocks, int64_t groups, int64_t threads) {
+inline int64_t items_per_run(int64_t blocks, int64_t groups, int64_t threads) {
   if (blocks >= 4 * threads) return groups;  // whole blocks of rows
+  const int64_t items = blocks * groups;
   const int64_t adjacent = std::min(kRunGroups, items / (2 * threads));  // still two runs per thread
   return std::max<int64_t>({1, adjacent, std::min(kLongRun, items / (8 * threads))});
 }
@@ -279,7 +280,7 @@ inline int64_t items_per_run(int64_t items, int64_t blocks, int64_t groups, int6
 inline void linear_tiled(const float* a, const float* b, float* y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const std::vector<std::pair<int64_t, int64_t>> groups = panel_groups(N, P);
   const int64_t G = static_cast<int64_t>(groups.size()), blocks = (M + kBlockRows - 1) / kBlockRows, items = G * blocks;
-  const int64_t run = items_per_run(items, blocks, G, at::get_num_threads());
+  const int64_t run = items_per_run(blocks, G, at::get_num_threads());
   parallel_runs(items, run, [&](const auto& next_run) {
     const int64_t block = std::min(kBlockRows, M);
     std::vector<float> scratch(block * kNR);
