@@ -17,7 +17,7 @@ from libs.engine.request import Request
 from libs.engine.sampling_params import SamplingParams
 from libs.engine.sequence import Sequence
 from libs.engine.sessions import SessionRef
-from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer, UnencodableTextError
 
 # A prompt: text, token ids, or a chat conversation (a list of {"role", "content"} messages).
 Prompt = str | list[int] | list[Mapping[str, Any]]
@@ -178,14 +178,13 @@ class RequestBuilder:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
             try:
                 text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             except ChatTemplateError as exc:
-                field, _, message = str(exc).partition(": ")
-                raise InvalidRequestError(field or "messages", message or str(exc)) from None
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
+                raise InvalidRequestError(exc.field, exc.description) from None
+            return text, self._encode(text, "messages", add_special_tokens=False)
         if isinstance(prompt, list) and prompt:
             vocab = self.model_config.vocab_size
             for i, token in enumerate(prompt):
@@ -197,6 +196,13 @@ class RequestBuilder:
         raise InvalidRequestError(
             "prompt", "expected text, a non-empty list of token ids, or a list of messages"
         )
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokens of `text`: text no tokenizer can take is the request's error, naming `field`."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except UnencodableTextError as exc:
+            raise InvalidRequestError(field, str(exc)) from None
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams, num_virtual: int = 0) -> None:
         if not token_ids:

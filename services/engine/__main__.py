@@ -18,6 +18,7 @@ from libs.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from libs.engine.errors import InvalidRequestError
 from libs.engine.sampling_params import SamplingParams
 from libs.engine.sessions import SessionBusyError, SessionFullError, SessionLimitError
+from libs.engine.tokenizer import ChatTemplateError, UnencodableTextError
 from libs.errors import (
     ServiceError,
     failed_precondition,
@@ -41,8 +42,8 @@ log = get_logger(__name__)
 
 def map_error(error: BaseException) -> ServiceError | None:
     """The engine's own exceptions as gRPC statuses."""
-    if isinstance(error, InvalidRequestError):
-        return invalid_argument(error.field, error.description)
+    if isinstance(error, InvalidRequestError | ChatTemplateError | UnencodableTextError):
+        return _request_error(error)
     if isinstance(error, ExpertNotFoundError):
         return not_found(str(error))
     if isinstance(error, ExpertRefusedError):
@@ -58,6 +59,16 @@ def map_error(error: BaseException) -> ServiceError | None:
     if isinstance(error, SessionBusyError | SessionFullError):
         return failed_precondition(str(error))
     return None
+
+
+def _request_error(error: InvalidRequestError | ChatTemplateError | UnencodableTextError) -> ServiceError:
+    """A request the engine cannot take, named by field: a bad value, a conversation the template
+    refuses, or text no tokenizer takes, wherever a call renders or tokenizes it. The caller's
+    error (INVALID_ARGUMENT), never the engine's (INTERNAL, which a dispatcher would take for an
+    engine in trouble)."""
+    if isinstance(error, UnencodableTextError):
+        return invalid_argument("input", str(error))
+    return invalid_argument(error.field, error.description)
 
 
 async def main() -> None:

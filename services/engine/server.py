@@ -17,7 +17,7 @@ from libs.engine.async_engine import AsyncLLMEngine
 from libs.engine.outputs import Logprob, RequestOutput
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.sessions import SessionRef
-from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer, UnencodableTextError
 from libs.engine.tokenizer.turns import encode_turn
 from libs.errors import invalid_argument, not_found, unavailable
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -207,8 +207,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             added = encode_turn(self.engine.tokenizer, list(turn.history), messages)
         except ChatTemplateError as exc:
-            field, _, message = str(exc).partition(": ")
-            raise invalid_argument(f"session.{field}", message) from None
+            raise invalid_argument(f"session.{exc.field}", exc.description) from None
+        except UnencodableTextError as exc:
+            raise invalid_argument("session.messages", str(exc)) from None
         return [*turn.history, *added], added
 
     async def ReleaseSession(

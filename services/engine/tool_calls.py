@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from libs.engine.tokenizer import ChatTemplateError, Tokenizer
+from libs.engine.tokenizer import ChatTemplateError, Tokenizer, UnencodableTextError
 from libs.errors import invalid_argument
 from libs.gen.expert.v1 import common_pb2, engine_pb2
 from libs.structured_output import StructuredOutput
@@ -60,8 +60,9 @@ class RequestTools:
         try:
             return self.tokenizer.encode_chat(chat, tools=tools)
         except ChatTemplateError as exc:
-            field, _, message = str(exc).partition(": ")
-            raise invalid_argument(f"input.{field}" if field else "input", message or str(exc)) from None
+            raise invalid_argument(f"input.{exc.field}", exc.description) from None
+        except UnencodableTextError as exc:
+            raise invalid_argument("input.messages", str(exc)) from None
 
     def split(self, resumed_text: str = "") -> ChoiceSplit | None:
         """The split of the request's choices into content and calls (None: no call is allowed);

@@ -226,14 +226,20 @@ class Fleet:
         job.placed_at = self.clock()
 
     def release(self, job_id: str) -> bool:
+        """Give the job's reservation back; False when it holds none. A job on an engine dropped
+        and remembered (`lost`) is released there too: else that engine's registering again would
+        bring back a reservation its dispatcher already gave back, held for ever."""
         job = self.jobs.pop(job_id, None)
         if job is None:
-            return False
+            return self._release_lost(job_id)
         engine = self.engines.get(job.engine_id)
         if engine is not None:
             engine.jobs.pop(job_id, None)
             engine.last_used.update(dict.fromkeys(job.experts, self.clock()))
         return True
+
+    def _release_lost(self, job_id: str) -> bool:
+        return any(engine.jobs.pop(job_id, None) is not None for engine in self.lost.values())
 
     def capacity(self) -> FleetCapacity:
         """The fleet's free sequence slots and free KV blocks, summed over its engines."""

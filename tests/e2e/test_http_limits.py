@@ -148,7 +148,7 @@ SURROGATES = [
     (
         "/v1/chat/completions",
         {**CHAT, "response_format": _schema_format(schema={"properties": {S: {"type": "string"}}})},
-        "response_format.json_schema.schema",
+        "response_format.json_schema.schema.properties",  # the object holding the key
     ),
     ("/v1/completions", {**COMPLETION, "prompt": S}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [S]}, "prompt[0]"),

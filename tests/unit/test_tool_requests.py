@@ -137,6 +137,10 @@ def test_violations_are_named_as_openai_nests_them():
     assert param_of("request.tools[0].parameters", openai_body) == "tools[0].function.parameters"
     assert param_of("request.tool_choice.function", openai_body) == "tool_choice.function.name"
     assert param_of("request.tools", openai_body) == "tools"
+    call = "messages[1].tool_calls[0]"
+    assert param_of(f"request.{call}.arguments", openai_body) == f"{call}.function.arguments"
+    assert param_of(f"request.{call}.name", openai_body) == f"{call}.function.name"
+    assert param_of(f"request.{call}.id", openai_body) == f"{call}.id"
 
 
 def test_a_choice_of_calls_has_null_content():

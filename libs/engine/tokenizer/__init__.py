@@ -3,7 +3,7 @@
 from .chat_template import ROLES, ChatTemplate, ChatTemplateError, validate_messages
 from .checkpoint import TokenizerError
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, TextDelta, TextStream
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, UnencodableTextError
 
 __all__ = [
     "ROLES",
@@ -15,5 +15,6 @@ __all__ = [
     "TextStream",
     "Tokenizer",
     "TokenizerError",
+    "UnencodableTextError",
     "validate_messages",
 ]

@@ -10,6 +10,7 @@ sandbox; each distinct template source is compiled once.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -21,14 +22,35 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from libs.utf8 import undecodable
+
 ROLES = ("system", "user", "assistant", "tool")
 
 # The standard field first: templates read `reasoning_content`, gpt-oss-style ones read `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+# The field an error's text starts with (`messages[0].tool_calls[0].function.arguments: ...`): one
+# of what a render is given, so that a template's own message ("Error: ...") is not taken for one.
+_FIELD = re.compile(r"(messages|tools|chat_template)(\[\d+\])*(\.\w+(\[\d+\])*)*")
+
+
 class ChatTemplateError(ValueError):
-    """A conversation that cannot be rendered: invalid messages, a broken template, or none at all."""
+    """A conversation that cannot be rendered: invalid messages, a broken template, or none at all.
+    Its text is `<field>: <what is wrong>` where a field is to blame; the template's own refusals
+    (`raise_exception`) and failures name none, and blame the messages."""
+
+    @property
+    def field(self) -> str:
+        """The field to blame: the one the text starts with, else `messages`."""
+        head, sep, _ = str(self).partition(": ")
+        return head if sep and _FIELD.fullmatch(head) else "messages"
+
+    @property
+    def description(self) -> str:
+        """What is wrong, without the field."""
+        head, sep, rest = str(self).partition(": ")
+        return rest if sep and _FIELD.fullmatch(head) else str(self)
 
 
 class _TemplateRaised(jinja2.exceptions.TemplateError):
@@ -166,6 +188,14 @@ def _validate_tools(tools: Any) -> list[dict[str, Any]]:
     return [dict(tool) for tool in tools]
 
 
+def _check_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+    """Refuse text no tokenizer can take (a lone surrogate, decoded from a call's JSON arguments or
+    a tool's schema), naming where it is, before the template renders it into the prompt."""
+    found = undecodable(messages, "messages") or undecodable(tools or [], "tools")
+    if found is not None:
+        raise ChatTemplateError(f"{found[0]}: {found[1]}")
+
+
 class ChatTemplate:
     """One compiled chat template. `render` validates the messages, then runs the template.
 
@@ -195,6 +225,7 @@ class ChatTemplate:
         context["add_generation_prompt"] = add_generation_prompt
         if tools is not None:
             context["tools"] = _validate_tools(tools)
+        _check_text(context["messages"], context["tools"])
         try:
             return self._template.render(**context)
         except _TemplateRaised as exc:

@@ -10,10 +10,12 @@ from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from libs.utf8 import surrogate_problem
+
 from .chat_template import ChatTemplate, ChatTemplateError
 from .checkpoint import TokenizerError, load_tokenizer_files
 
-__all__ = ["Tokenizer", "TokenizerError"]
+__all__ = ["Tokenizer", "TokenizerError", "UnencodableTextError"]
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
 
@@ -34,6 +36,11 @@ def _decoder_types(state: Any) -> set[str]:
     if isinstance(state, Mapping):
         return {state.get("type"), *(t for d in state.get("decoders") or () for t in _decoder_types(d))}
     return set()
+
+
+class UnencodableTextError(ValueError):
+    """Text the tokenizer cannot take: it holds a lone surrogate, which UTF-8 cannot encode. The
+    caller's input is to blame, never the engine."""
 
 
 class Tokenizer:
@@ -132,7 +139,12 @@ class Tokenizer:
         return self._chat_template_sources.get("default")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading bos)."""
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading bos).
+        Raises UnencodableTextError for text UTF-8 cannot hold (the backend would raise a bare
+        TypeError, "TextInputSequence must be str", that names nothing)."""
+        problem = surrogate_problem(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise UnencodableTextError(problem)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(

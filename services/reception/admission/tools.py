@@ -13,6 +13,7 @@ from libs.limits import MAX_TOOL_DESCRIPTION_CHARS, MAX_TOOL_NAME_CHARS, MAX_TOO
 from libs.structured_output import StructuredOutput, format_problem
 from libs.tools.families import FALLBACK
 from libs.tools.grammar import FunctionSpec, tool_grammar
+from libs.utf8 import undecodable
 
 _NAME = re.compile(rf"[a-zA-Z0-9_-]{{1,{MAX_TOOL_NAME_CHARS}}}")
 _NAME_RULE = f"1-{MAX_TOOL_NAME_CHARS} of a-z, A-Z, 0-9, _ and -"
@@ -119,14 +120,22 @@ def _history(request: common_pb2.InferenceRequest) -> Problems:
             field = f"request.messages[{i}].tool_calls[{j}]"
             if not call.name:
                 problems.append((f"{field}.name", "must not be empty"))
-            try:
-                arguments = json.loads(call.arguments) if call.arguments else {}
-            except json.JSONDecodeError as exc:
-                problems.append((f"{field}.arguments", f"not JSON: {exc}"))
-                continue
-            if not isinstance(arguments, dict):
-                problems.append((f"{field}.arguments", "must be a JSON object"))
+            problems += _arguments(call.arguments, f"{field}.arguments")
     return problems
+
+
+def _arguments(text: str, field: str) -> Problems:
+    """A call's arguments: a JSON object whose text (escapes decoded) UTF-8 can hold, since the
+    engine decodes them to render the conversation (a lone surrogate there is the client's error,
+    refused here rather than failing in the engine's tokenizer)."""
+    try:
+        arguments = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        return [(field, f"not JSON: {exc}")]
+    if not isinstance(arguments, dict):
+        return [(field, "must be a JSON object")]
+    found = undecodable(arguments, "")
+    return [] if found is None else [(field, f"{found[1]} (decoded, at {found[0] or 'a key'})")]
 
 
 def _grammar(request: common_pb2.InferenceRequest) -> Problems:

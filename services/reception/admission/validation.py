@@ -22,6 +22,7 @@ from libs.limits import API_BOUNDS, MAX_EXPERTS, sampling_problems
 from libs.prompt_template import DEFAULT_BODY_TEMPLATE, rendered_length
 from libs.response_format import from_request, to_structured
 from libs.structured_output import MAX_FORMAT_BYTES, format_problem
+from libs.utf8 import undecodable
 from services.reception.admission.beams import beam_problems
 from services.reception.admission.tools import tool_problems
 
@@ -347,6 +348,9 @@ def _schema(text: str, field: str) -> list[tuple[str, str]]:
         jsonschema.Draft202012Validator.check_schema(schema)
     except (json.JSONDecodeError, jsonschema.SchemaError) as exc:
         return [(field, f"not a valid JSON schema: {str(exc).splitlines()[0]}")]
+    found = undecodable(schema, "")
+    if found is not None:  # escaped in the text: the engine decodes it into a grammar or a prompt
+        return [(field, f"{found[1]} (decoded, at {found[0] or 'a key'})")]
     unresolved = _unresolved_reference(schema)
     if unresolved is not None:
         return [(field, f"$ref {unresolved!r} does not resolve within the schema")]

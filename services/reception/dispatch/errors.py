@@ -25,4 +25,11 @@ class JobFailed(Exception):
 
 
 class EngineLost(Exception):
-    """The engine stream broke for a reason other than the request: try another engine."""
+    """The engine stream failed for a reason other than the request: the job runs again as a new
+    attempt. `broken`: the failure is evidence about the engine (the connection broke, the process
+    went away, the stream ended without its last message), which preparation is told of; otherwise
+    the engine answered (an INTERNAL error, say) and is left alone."""
+
+    def __init__(self, message: str, broken: bool = True) -> None:
+        super().__init__(message)
+        self.broken = broken

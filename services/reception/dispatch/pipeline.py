@@ -48,6 +48,11 @@ from services.reception.jobs import JobStore
 log = get_logger(__name__)
 
 _PLACE_LATER = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# A Generate that ended with these never got an answer from the engine: the connection broke or the
+# process went away (evidence about the engine, reported to preparation, which drops it). Any other
+# status is the engine's answer (INTERNAL, RESOURCE_EXHAUSTED...): it is alive, and the job runs as
+# a new attempt without the engine being reported.
+_CHANNEL_BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 # A Prepare that ended with these may have reserved a slot before the answer was lost.
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 DEFAULT_STREAM_INTERVAL = 16
@@ -171,8 +176,10 @@ class Pipeline:
         (any, the lost one's restarted process included: preparation drops the lost process at
         once) and runs as a new attempt (`_restart`), up to `engine_retries` times and within its
         deadline."""
+        # The engine process the last attempt's stream broke on, reported once, in the next
+        # attempt's first Prepare (see `_place`).
         lost: list[preparation_pb2.LostEngine] = []
-        for failures in range(self.engine_retries + 1):
+        for failures in range(self.engine_retries + 1):  # every attempt counts against the budget
             try:
                 async with (
                     self._placement(run, lost),
@@ -183,10 +190,14 @@ class Pipeline:
                 engine = run.placement.engine_id
                 if failures == self.engine_retries:
                     raise JobFailed(f"engine {engine} failed: {error}", grpc.StatusCode.UNAVAILABLE) from None
-                log.warning("engine lost: the job waits for an engine again", engine=engine, error=str(error))
-                lost.append(
-                    preparation_pb2.LostEngine(engine_id=engine, instance_id=run.placement.engine_instance_id)
+                log.warning(
+                    "engine lost: the job waits for an engine again"
+                    if error.broken
+                    else "the engine failed the job: it runs again as a new attempt",
+                    engine=engine,
+                    error=str(error),
                 )
+                lost = [_lost_engine(run.placement)] if error.broken else []
                 await self._restart(run)
         raise AssertionError("unreachable")
 
@@ -246,15 +257,18 @@ class Pipeline:
         await asyncio.shield(self.stages.release(run.job_id))
 
     async def _place(self, run: JobRun, lost: list[preparation_pb2.LostEngine]) -> common_pb2.Placement:
-        request = preparation_pb2.PrepareRequest(
-            job_id=run.job_id, plan=run.plan, lost_engines=lost, model=run.model
-        )
+        request = preparation_pb2.PrepareRequest(job_id=run.job_id, plan=run.plan, model=run.model)
         run.turn.place(request)
         delay = self.place_retry_s
+        # A loss goes in the first Prepare only. Sent again with every retry, it would make
+        # preparation drop the same engine process each time it registered again after that drop
+        # (alive all along), and the job would never find it.
+        report = _with_lost(request, lost)
         while True:
             # Shielded and kept on the run: if the job is stopped while the call is in flight,
             # preparation may have reserved a slot already, and `_placement` waits for its answer.
-            run.preparing = asyncio.ensure_future(self.stages.prepare(request, run.remaining()))
+            run.preparing = asyncio.ensure_future(self.stages.prepare(report, run.remaining()))
+            report = request
             try:
                 placement = await run.until(asyncio.shield(run.preparing))
                 run.preparing = None
@@ -289,9 +303,10 @@ class Pipeline:
             final = await run.until(self._consume(run, stream), grace_s=ENGINE_STOP_GRACE_S, on_cancel=abort)
         except grpc.aio.AioRpcError as exc:
             run.stop_if_expired(exc)
-            if run.turn.refuses(exc.code()):
+            if run.turn.refuses(exc.code()):  # the request's fault (INVALID_ARGUMENT...): not the engine's
                 raise JobFailed(f"engine: {exc.details()}", exc.code(), field_violations(exc)) from None
-            raise EngineLost(f"{exc.code().name}: {exc.details()}") from None
+            broken = exc.code() in _CHANNEL_BROKEN
+            raise EngineLost(f"{exc.code().name}: {exc.details()}", broken=broken) from None
         finally:
             stream.cancel()  # a no-op once the stream ended; otherwise it aborts the engine request
         return _outcome(run, final)
@@ -373,6 +388,22 @@ def _unvalidated(
     )
     result.validation_skipped = True
     return result
+
+
+def _lost_engine(placement: common_pb2.Placement) -> preparation_pb2.LostEngine:
+    return preparation_pb2.LostEngine(engine_id=placement.engine_id, instance_id=placement.engine_instance_id)
+
+
+def _with_lost(
+    request: preparation_pb2.PrepareRequest, lost: list[preparation_pb2.LostEngine]
+) -> preparation_pb2.PrepareRequest:
+    """`request` reporting `lost` (a copy: the retries send `request` without them)."""
+    if not lost:
+        return request
+    report = preparation_pb2.PrepareRequest()
+    report.CopyFrom(request)
+    report.lost_engines.extend(lost)
+    return report
 
 
 def _raise_unless_later(run: JobRun, error: grpc.aio.AioRpcError) -> None:

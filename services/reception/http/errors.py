@@ -133,11 +133,20 @@ def param_of(field: str, body: object) -> str | None:
     ):
         # the deprecated form: functions[i].name, function_call.name
         return ("functions" if base == "tools" else "function_call") + rest.replace(".function", ".name")
-    elif base in ("tools", "tool_choice") and isinstance(body, ChatCompletionRequest):
-        # OpenAI's nesting: tools[i].function.name, tool_choice.function.name
-        rest = re.sub(r"^(\[\d+\])?\.(name|description|parameters|strict)$", r"\1.function.\2", rest)
-        rest = re.sub(r"^\.function$", ".function.name", rest)
+    elif isinstance(body, ChatCompletionRequest):
+        rest = _chat_nesting(base, rest)
     return base + rest
+
+
+def _chat_nesting(base: str, rest: str) -> str:
+    """OpenAI's nesting of a chat's functions, which the request's proto keeps flat:
+    tools[i].function.name, tool_choice.function.name, messages[i].tool_calls[j].function.arguments."""
+    if base in ("tools", "tool_choice"):
+        rest = re.sub(r"^(\[\d+\])?\.(name|description|parameters|strict)$", r"\1.function.\2", rest)
+        return re.sub(r"^\.function$", ".function.name", rest)
+    if base == "messages":
+        return re.sub(r"^(\[\d+\]\.tool_calls\[\d+\])\.(name|arguments)$", r"\1.function.\2", rest)
+    return rest
 
 
 def _forced_param(rest: str, body: ChatCompletionRequest | CompletionRequest) -> str:

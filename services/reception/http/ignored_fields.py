@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from libs.logging import get_logger
 
@@ -26,7 +26,7 @@ class IgnoredFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    store: bool | None = None  # OpenAI keeps the completion for its dashboard: we keep no such store
+    store: StrictBool | None = None  # OpenAI keeps the completion for its dashboard: we keep no such store
     metadata: dict[str, str] | None = None  # tags for that store
     service_tier: str | None = None  # OpenAI's billing tier: there is one tier here
     reasoning_effort: str | None = None  # o-series models only: the models here do not reason apart

@@ -21,6 +21,7 @@ from services.reception.http.ignored_fields import report_ignored
 from services.reception.http.openai_request import to_request
 from services.reception.http.openai_response import Chunks, event, failure, response
 from services.reception.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from services.reception.http.text_guard import TEXT_ONLY
 from services.reception.job_events import Delta, Finished, JobEvent, Restarted
 from services.reception.metrics import ReceptionMetrics
 
@@ -31,12 +32,12 @@ def add_openai_routes(
     """The two endpoints; the ignored fields a request carries are logged, counted in `metrics` and
     named in the answer's header (ignored_fields.py), whatever the answer."""
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[TEXT_ONLY])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         answer = await _complete(admission, request, body, True, to_http_error)
         return _with_headers(answer, report_ignored(body, metrics))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[TEXT_ONLY])
     async def completions(request: Request, body: CompletionRequest):
         answer = await _complete(admission, request, body, False, to_http_error)
         return _with_headers(answer, report_ignored(body, metrics))

@@ -8,7 +8,6 @@ from __future__ import annotations
 from libs.gen.expert.v1 import common_pb2
 from libs.limits import SAMPLING_FIELDS
 from services.reception.admission.beams import early_stopping_word
-from services.reception.http.body_text import is_encodable
 from services.reception.http.errors import HttpError, not_supported
 from services.reception.http.openai_schema import (
     INT32,
@@ -123,10 +122,6 @@ def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
 
 def _one_prompt(item: object, param: str) -> str | list[int]:
     if isinstance(item, str):
-        if not is_encodable(item):
-            raise HttpError(
-                400, f"{param}: not valid Unicode text (a lone surrogate)", param, "invalid_value"
-            )
         return item
     if isinstance(item, list):
         return _token_ids(item, param)

@@ -1,14 +1,14 @@
 """The request bodies of OpenAI's chat and completions endpoints, as reception accepts them: unknown
-fields are refused, the numbers are bounded to what an InferenceRequest holds, and the text is text
-UTF-8 can carry (body_text.py)."""
+fields are refused, the numbers are bounded to what an InferenceRequest holds, and a flag is a JSON
+boolean (`"yes"` is refused, not read as true). Text UTF-8 cannot carry is refused before these
+models see the body, in one walk of the whole body (text_guard.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from services.reception.http.body_text import Text
 from services.reception.http.ignored_fields import IgnoredFields
 
 INT32 = 2**31 - 1
@@ -22,15 +22,15 @@ class _Body(BaseModel):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: Text
+    text: str
 
 
 class Message(_Body):
-    role: Text
-    content: Text | list[TextPart] | None = None
-    name: Text | None = None
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
     # a tool result: the call it answers
-    tool_call_id: Text | None = None
+    tool_call_id: str | None = None
     # an assistant's calls, checked part by part in openai_tools.py (the errors name the part)
     tool_calls: list[Any] | None = None
     # the deprecated form of an assistant's one call ({"name", "arguments"}), answered by a
@@ -39,23 +39,23 @@ class Message(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(IgnoredFields):
     """The fields chat and completions share: the ignored ones (ignored_fields.py), OpenAI's, then
     vLLM-style extras."""
 
-    model: Text
+    model: str
     max_tokens: int | None = Field(None, le=INT32)
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=UINT64)
-    user: Text | None = None
-    stream: bool = False
+    user: str | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=-INT32, le=INT32)
     # checked part by part in response_format.py (the errors name the part)
@@ -68,21 +68,21 @@ class SamplingFields(IgnoredFields):
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    speculative: bool | None = None
-    skip_special_tokens: bool | None = None
+    ignore_eos: StrictBool | None = None
+    speculative: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     # not in the engine yet: accepted at the value that changes nothing (0), refused otherwise
     min_tokens: int | None = Field(None, ge=0, le=INT32)
-    force_experts: list[Text] | None = None
-    exclude_experts: list[Text] | None = None
+    force_experts: list[str] | None = None
+    exclude_experts: list[str] | None = None
     max_experts: int | None = Field(None, ge=-INT32, le=INT32)
     priority: int | None = Field(None, ge=-INT32, le=INT32)
     # OpenAI's best_of (completions; vLLM takes it on chat too) and vLLM's beam-search extras, on
     # both routes as vLLM has them (openai_request.py maps them, reception's validation checks them)
     best_of: int | None = Field(None, ge=-INT32, le=INT32)
-    use_beam_search: bool | None = None
+    use_beam_search: StrictBool | None = None
     length_penalty: float | None = None
-    early_stopping: bool | Text | None = None
+    early_stopping: StrictBool | str | None = None
 
     @property
     def base_model(self) -> str:
@@ -104,12 +104,12 @@ class SamplingFields(IgnoredFields):
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, le=INT32)
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=-INT32, le=INT32)
     # checked part by part in openai_tools.py (the errors name the part)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # the deprecated form of tools and tool_choice (openai_tools.py maps it onto them)
     functions: list[Any] | None = None
     function_call: Any = None
@@ -124,10 +124,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     # OpenAI's four forms: a string, strings, token ids, lists of token ids; a list is checked item
     # by item in openai_request.prompts_of, so that an error names the item (`prompt[1][0]`)
-    prompt: Text | list[Any]
+    prompt: str | list[Any]
     logprobs: int | None = Field(None, ge=-INT32, le=INT32)
-    echo: bool | None = None
-    suffix: Text | None = None
+    echo: StrictBool | None = None
+    suffix: str | None = None
 
 
 FIELD_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)

@@ -35,6 +35,7 @@ from services.reception.http.responses_request import (
     in_responses_terms,
 )
 from services.reception.http.responses_schema import MAX_RESPONSE_ID_CHARS, ResponsesRequest
+from services.reception.http.text_guard import TEXT_ONLY
 
 
 def _not_found(response_id: str, param: str | None = None) -> HttpError:
@@ -53,7 +54,7 @@ def add_responses_routes(
     `sessions` stored responses run as plain jobs."""
     routes = _Responses(admission, store, to_http_error, sessions)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", dependencies=[TEXT_ONLY])
     async def create_response(request: Request, body: ResponsesRequest):
         try:
             return await routes.create(request, body)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from services.reception.http.body_text import Text
 from services.reception.http.openai_schema import INT32
 
 # The longest id a client may name (ours are `resp_` and a 32-character job id).
@@ -20,31 +19,31 @@ MAX_RESPONSE_ID_CHARS = 128
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Text
-    input: Text | list[dict[str, Any]]
-    instructions: Text | None = None
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32)
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: Text | None = Field(None, max_length=MAX_RESPONSE_ID_CHARS)
-    user: Text | None = None
+    parallel_tool_calls: StrictBool | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: str | None = Field(None, max_length=MAX_RESPONSE_ID_CHARS)
+    user: str | None = None
     # Accepted and not acted on: they change nothing about the answer (docs/api.md lists them).
-    metadata: dict[str, Text] | None = None
-    service_tier: Text | None = None
-    truncation: Text | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
     reasoning: dict[str, Any] | None = None
-    include: list[Text] | None = None
-    prompt_cache_key: Text | None = None
-    safety_identifier: Text | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     stream_options: dict[str, Any] | None = None  # include_obfuscation: we send no obfuscation
     # Refused unless they ask for nothing (responses_request.py): we cannot do what they ask.
-    background: bool | None = None
+    background: StrictBool | None = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None

@@ -24,6 +24,7 @@ from services.reception.http.calls import infer
 from services.reception.http.errors import HttpError, ToHttpError, error_response
 from services.reception.http.response_format import parse_response_format
 from services.reception.http.rest_schema import InferBody, JobBody
+from services.reception.http.text_guard import TEXT_ONLY
 from services.reception.job_events import JobEvent
 from services.reception.server import stream_response
 
@@ -114,11 +115,11 @@ def _tidy(data: dict[str, Any], descriptor: Descriptor) -> None:
 
 
 def add_rest_routes(app: FastAPI, admission: Admission, as_http_error: ToHttpError) -> None:
-    @app.post("/v1/infer")
+    @app.post("/v1/infer", dependencies=[TEXT_ONLY])
     async def infer(request: Request, body: InferBody):
         return await _infer(admission, request, body, as_http_error)
 
-    @app.post("/v1/jobs", status_code=202)
+    @app.post("/v1/jobs", status_code=202, dependencies=[TEXT_ONLY])
     async def submit(body: JobBody):
         inference = to_request(body)
         try:
