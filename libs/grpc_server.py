@@ -133,7 +133,8 @@ async def serve(
     `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
     `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
     INTERNAL). `auth` checks every call's credentials against the access the service declared for
-    its methods (libs.auth.policy); with auth off (or None) nothing is checked. When auth's config
+    its methods (libs.auth.policy); with auth off only the levels checked in every mode are (the key
+RPCs), and with None nothing is. When auth's config
     has a TLS identity (EXPERT_TLS_*), the port is mutual TLS: a caller without a certificate from
     the CA fails the handshake, before any call. A `public` port (reception's: clients prove
     themselves with API keys) asks no certificate and stays plaintext (see

@@ -4,10 +4,15 @@ Every RPC is one of:
 - PUBLIC: anyone (grpc.health, reflection);
 - INFER: an API key of any scope;
 - TRAIN: an API key of scope train or admin (training files and training jobs);
-- ADMIN: an API key of scope admin (registering experts, managing keys);
+- ADMIN: an API key of scope admin (registering experts);
+- KEYS: an API key of scope admin, checked in every mode, EXPERT_AUTH=off included (managing keys:
+  a key minted without credentials while auth is off would still work once auth is on);
 - INTERNAL: only the internal token (the services' calls to each other).
 The internal token allows everything. A service without a key store (no Redis: the engine,
-preparation) can only accept the internal token. With EXPERT_AUTH=off nothing is checked.
+preparation) can only accept the internal token. With EXPERT_AUTH=off nothing but KEYS is checked.
+
+Things a key makes (sessions, stored responses) belong to it: `owning_key` names the key that owns
+what a call makes, `may_reach` says whether a call may reach a thing that key owns.
 """
 
 from __future__ import annotations
@@ -29,11 +34,16 @@ class Access(enum.Enum):
     INFER = "infer"
     TRAIN = "train"
     ADMIN = "admin"
+    KEYS = "keys"
     INTERNAL = "internal"
 
 
 # The key scopes each level above INFER admits (INFER admits every key).
-_SCOPES_ALLOWED = {Access.TRAIN: (TRAIN, ADMIN), Access.ADMIN: (ADMIN,)}
+_SCOPES_ALLOWED = {Access.TRAIN: (TRAIN, ADMIN), Access.ADMIN: (ADMIN,), Access.KEYS: (ADMIN,)}
+# What a refusal says each level needs, where that is not the level's name.
+_NEEDS = {Access.KEYS: "an admin key or the internal token, with EXPERT_AUTH=off too"}
+# The levels checked with EXPERT_AUTH=off too.
+CHECKED_WHEN_OFF = frozenset({Access.KEYS})
 
 # Health checks and reflection: probes and tools must reach them without credentials.
 PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -56,6 +66,21 @@ class Caller:
 
 
 INTERNAL_CALLER = Caller(key_id=None, scope="internal")
+NO_OWNER = ""  # the owner of what a call without an API key makes (auth off, the internal token)
+
+
+def owning_key(caller: Caller | None) -> str:
+    """The API key that owns what `caller` makes (a session, a stored response): the id of the key
+    it proved; NO_OWNER for a call without one (auth off, or the internal token)."""
+    return caller.key_id if caller is not None and caller.key_id is not None else NO_OWNER
+
+
+def may_reach(caller: Caller | None, owner: str) -> bool:
+    """Whether `caller` may reach a thing `owner` owns: with auth off (no caller) everyone reaches
+    everything, the internal token too; an API key only what it made. A thing without an owner
+    (made with auth off, by the internal token, or before things had owners) is no key's."""
+    return caller is None or caller.key_id is None or caller.key_id == owner
+
 
 _caller: ContextVar[Caller | None] = ContextVar("expert_caller", default=None)
 
@@ -97,7 +122,13 @@ class Authenticator:
 
     @property
     def enabled(self) -> bool:
-        return self.config.required
+        """Whether it checks any call: every one with auth required, else those of the levels
+        checked with auth off too (CHECKED_WHEN_OFF), if the service has any."""
+        return self.config.required or any(level in CHECKED_WHEN_OFF for level in self.access.values())
+
+    def checks(self, access: Access) -> bool:
+        """Whether a call of `access` is checked in this mode."""
+        return access is not Access.PUBLIC and (self.config.required or access in CHECKED_WHEN_OFF)
 
     def access_of(self, method: str) -> Access:
         if method.startswith(PUBLIC_PREFIXES):
@@ -109,18 +140,19 @@ class Authenticator:
     ) -> Caller | None:
         """The caller allowed to make a call of `access` with `bearer` (the API key of an
         `authorization: Bearer` header) or `internal_token`; None when nothing is checked."""
-        if not self.enabled or access is Access.PUBLIC:
+        if not self.checks(access):
             return None
         if internal_token is not None:
-            if not hmac.compare_digest(internal_token.encode(), self.config.internal_token.encode()):
-                raise unauthenticated("wrong internal token")
-            return INTERNAL_CALLER
+            return self._internal(internal_token)
         if access is Access.INTERNAL:
             if bearer is not None and await self._verify(bearer) is not None:
                 raise permission_denied("this method is internal: only the services may call it")
             raise unauthenticated("this method is internal: it needs the internal token")
         if bearer is None:
-            raise unauthenticated("missing API key: send it as `authorization: Bearer <key>`")
+            raise unauthenticated(
+                f"missing API key: this method needs {_NEEDS.get(access, 'an API key')}; send the key as "
+                "`authorization: Bearer <key>`"
+            )
         if self.keys is None:
             raise unauthenticated("this service accepts only the internal token, not API keys")
         caller = await self._verify(bearer)
@@ -129,9 +161,23 @@ class Authenticator:
         allowed = _SCOPES_ALLOWED.get(access)
         if allowed is not None and caller.scope not in allowed:
             raise permission_denied(
-                f"API key {caller.key_id} has scope {caller.scope}; this method needs {access.value}"
+                f"API key {caller.key_id} has scope {caller.scope}; this method needs "
+                f"{_NEEDS.get(access, access.value)}"
             )
         return caller
+
+    def _internal(self, token: str) -> Caller:
+        """The services' caller, if `token` is the internal token. A service given none (auth off
+        without EXPERT_INTERNAL_TOKEN) has no token to match: an empty one must not pass."""
+        expected = self.config.internal_token
+        if not expected:
+            raise unauthenticated(
+                "this service has no internal token (EXPERT_INTERNAL_TOKEN is unset): start it with one "
+                "to use it, e.g. to make the first admin key"
+            )
+        if not hmac.compare_digest(token.encode(), expected.encode()):
+            raise unauthenticated("wrong internal token")
+        return INTERNAL_CALLER
 
     async def _verify(self, bearer: str) -> Caller | None:
         """The caller `bearer` proves, None for a wrong or revoked key (or without a key store)."""

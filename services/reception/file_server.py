@@ -17,8 +17,7 @@ from libs.errors import invalid_argument, not_found, resource_exhausted
 from libs.gen.expert.v1 import files_pb2
 from libs.timestamps import timestamp
 from libs.training.files import TrainingFile, TrainingFiles, owner_of
-from services.reception.admission.core import Undecodable
-from services.reception.tolerant import add_tolerant_service
+from services.reception.tolerant import add_tolerant_service, parsed
 from services.reception.training_uploads import (
     UploadLimits,
     UploadRefused,
@@ -50,15 +49,9 @@ def file_proto(record: TrainingFile) -> files_pb2.TrainingFile:
     )
 
 
-def _parsed(request: object) -> object:
-    if isinstance(request, Undecodable):
-        reason = f"not a valid request message ({request.reason}); text must be UTF-8"
-        raise invalid_argument("request", reason)
-    return request
-
 
 def _file_id(request: object) -> str:
-    file_id = _parsed(request).file_id
+    file_id = parsed(request).file_id
     if not _FILE_ID.match(file_id):
         raise invalid_argument("file_id", f"expected file- and 24 hex digits, got {file_id[:64]!r}")
     return file_id
@@ -69,7 +62,7 @@ class TrainingFileServicer:
         self.store, self.limits = store, limits
 
     async def UploadTrainingFile(self, request, context: grpc.aio.ServicerContext):
-        request = _parsed(request)
+        request = parsed(request)
         try:
             check_purpose(request.purpose)
             check_filename(request.filename)
@@ -91,7 +84,7 @@ class TrainingFileServicer:
         return files_pb2.GetTrainingFileResponse(file=file_proto(await self._get(file_id, context)))
 
     async def ListTrainingFiles(self, request, context: grpc.aio.ServicerContext):
-        _parsed(request)
+        parsed(request)
         files = await self.store.list(_owner(context))
         return files_pb2.ListTrainingFilesResponse(files=[file_proto(f) for f in files])
 

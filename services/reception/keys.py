@@ -1,7 +1,8 @@
 """KeyService: creating, listing and revoking API keys (docs/api.md#authentication).
 
-Admin scope or the internal token (libs.auth.policy); it works with EXPERT_AUTH=off too, so that
-keys can be made before auth is turned on.
+Every RPC needs an admin key or the internal token in every mode, EXPERT_AUTH=off included
+(libs.auth.policy's KEYS level): keys may be made before auth is turned on, but only by whoever
+could make them after, so no key minted without credentials exists.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from libs.errors import invalid_argument, invalid_arguments, not_found
 from libs.gen.expert.v1 import keys_pb2, keys_pb2_grpc
 from libs.logging import get_logger
 from libs.timestamps import timestamp
+from services.reception.tolerant import add_refusing_service
 
 log = get_logger(__name__)
 
 SERVICE = "expert.v1.KeyService"
-ACCESS = methods(SERVICE, {name: Access.ADMIN for name in ("CreateKey", "ListKeys", "RevokeKey")})
+_METHODS = ("CreateKey", "ListKeys", "RevokeKey")
+ACCESS = methods(SERVICE, dict.fromkeys(_METHODS, Access.KEYS))
 MAX_NAME_CHARS = 64
 # A limit above this is no limit anyone means (and would not fit the limiter's arithmetic).
 MAX_LIMIT = 1_000_000_000
@@ -93,5 +96,5 @@ class KeyServicer(keys_pb2_grpc.KeyServiceServicer):
 
 
 def add_to_server(servicer: KeyServicer, server: grpc.aio.Server) -> str:
-    keys_pb2_grpc.add_KeyServiceServicer_to_server(servicer, server)
-    return SERVICE
+    """Register the servicer (bad UTF-8 is INVALID_ARGUMENT: tolerant.py)."""
+    return add_refusing_service(server, SERVICE, servicer, _METHODS, keys_pb2)

@@ -19,10 +19,9 @@ import grpc
 from libs.auth.policy import Access, methods
 from libs.errors import invalid_argument, resource_exhausted
 from libs.gen.expert.v1 import common_pb2, session_pb2
-from services.reception.admission.core import Undecodable
 from services.reception.admission.sessions import SessionAdmission, check_session_id
 from services.reception.job_events import Delta, Finished, Restarted
-from services.reception.tolerant import add_tolerant_service
+from services.reception.tolerant import add_tolerant_service, parsed
 
 SERVICE = "expert.v1.SessionService"
 _METHODS = ("CreateSession", "AppendInput", "GenerateStream", "CancelGenerate", "GetSession", "EndSession")
@@ -31,11 +30,7 @@ _END = object()
 
 
 def _session_id(request: object) -> str:
-    if isinstance(request, Undecodable):
-        raise invalid_argument(
-            "request", f"not a valid request message ({request.reason}); text must be UTF-8"
-        )
-    return check_session_id(request.session_id)
+    return check_session_id(parsed(request).session_id)
 
 
 class SessionServicer:
@@ -46,10 +41,8 @@ class SessionServicer:
         self.stream_buffer = stream_buffer
 
     async def CreateSession(self, request, context) -> session_pb2.CreateSessionResponse:
-        if isinstance(request, Undecodable):
-            raise invalid_argument("request", f"not a valid request message ({request.reason})")
         settings = session_pb2.CreateSessionRequest()
-        settings.CopyFrom(request)
+        settings.CopyFrom(parsed(request))
         created = await self.sessions.create(settings, peer=context.peer())
         return session_pb2.CreateSessionResponse(session=created)
 

@@ -17,6 +17,9 @@ live sessions are a Redis set of their record keys, checked and added to in the 
 creates a record, so concurrent creations cannot pass the cap. A session that ended or expired
 frees its place by itself: the script drops members whose record is gone before it counts, and
 the set expires with the last of them.
+
+A session belongs to the API key that created it (`owner_key_id`); who may reach it is
+libs.auth.policy's rule, applied by the session calls (admission/sessions.py).
 """
 
 from __future__ import annotations
@@ -98,12 +101,17 @@ class SessionStore:
         return max(1, math.ceil(self.limits.idle_seconds))
 
     async def create(
-        self, session_id: str, settings: session_pb2.CreateSessionRequest, owner: LimitOwner | None = None
+        self,
+        session_id: str,
+        settings: session_pb2.CreateSessionRequest,
+        owner: LimitOwner | None = None,
+        owner_key_id: str = "",
     ) -> session_state_pb2.SessionRecord:
-        """A new session's record, counted against `owner`'s limits (None: none apply, as for the
-        services' own sessions in tests). RESOURCE_EXHAUSTED naming the limit and its setting when
-        the owner holds EXPERT_SESSION_MAX_PER_KEY sessions or is over its creation rate (then with
-        the seconds to wait)."""
+        """A new session's record, belonging to the API key `owner_key_id` ("": to none), counted
+        against `owner`'s limits (None: none apply, as for the services' own sessions in tests).
+        RESOURCE_EXHAUSTED naming the limit and its setting when the owner holds
+        EXPERT_SESSION_MAX_PER_KEY sessions or is over its creation rate (then with the seconds to
+        wait)."""
         now = time.time()
         record = session_state_pb2.SessionRecord(
             session_id=session_id,
@@ -112,6 +120,7 @@ class SessionStore:
             created_at=now,
             last_used_at=now,
             model=settings.model,
+            owner_key_id=owner_key_id,
         )
         record.settings.ClearField("messages")
         if settings.HasField("system_prompt"):
@@ -159,7 +168,7 @@ class SessionStore:
     async def get(self, session_id: str) -> session_state_pb2.SessionRecord:
         raw = await self.redis.get(session_key(session_id))
         if raw is None:
-            raise _unknown(session_id)
+            raise unknown_session(session_id)
         return session_state_pb2.SessionRecord.FromString(raw)
 
     async def append(
@@ -282,7 +291,7 @@ class SessionStore:
             pipe.delete(session_key(session_id))
             raw, _ = await pipe.execute()
         if raw is None:
-            raise _unknown(session_id)
+            raise unknown_session(session_id)
         return session_state_pb2.SessionRecord.FromString(raw)
 
     async def _update(
@@ -301,7 +310,7 @@ class SessionStore:
                         await pipe.unwatch()
                         if missing_ok:
                             return None, None
-                        raise _unknown(session_id)
+                        raise unknown_session(session_id)
                     record = session_state_pb2.SessionRecord.FromString(raw)
                     result = change(record)
                     record.last_used_at = time.time()
@@ -407,5 +416,7 @@ class NotLatest(ServiceError):
         )
 
 
-def _unknown(session_id: str):
+def unknown_session(session_id: str) -> ServiceError:
+    """The refusal for a session that does not exist, or that the caller may not reach (another
+    key's session is as unknown to it as one that never existed)."""
     return not_found(f"session {session_id!r} does not exist (it ended, or expired)")

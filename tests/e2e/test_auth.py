@@ -21,6 +21,8 @@ from libs.gen.expert.v1 import (
     keys_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
 )
 from tests.e2e.conftest import openai_client, ready_tiny_stack
 from tools.expertctl.main import main as expertctl
@@ -222,3 +224,135 @@ def test_expertctl_manages_keys_and_fails_clearly_without_credentials(secured, m
     # An infer key cannot manage keys.
     assert expertctl(["keys", "list", "--api-key", created["key"], *target]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
+def _start_open_reception(stack: LocalStack) -> str:
+    """A reception with EXPERT_AUTH=off on the secured stack's Redis, with the stack's internal token
+    (as `EXPERT_INTERNAL_TOKEN=... make run` starts one); its target."""
+    port = free_port()
+    env = {"EXPERT_AUTH": "off", "EXPERT_RECEPTION_PORT": str(port), "EXPERT_RECEPTION_HTTP_PORT": "0"}
+    stack.start_service("reception", name="reception-open", env=env)
+    deadline = time.monotonic() + 60
+    while health_status(f"127.0.0.1:{port}") != 1:  # SERVING
+        assert stack.processes["reception-open"].poll() is None, "the open reception exited"
+        assert time.monotonic() < deadline, "the open reception never served"
+        time.sleep(0.1)
+    return f"127.0.0.1:{port}"
+
+
+def test_with_auth_off_managing_keys_still_needs_an_admin_key_or_the_internal_token(
+    secured, monkeypatch, capsys
+):
+    target = _start_open_reception(secured.stack)
+    _, infer_key = secured.create_key("open infer")
+    admin = keys_pb2.CreateKeyRequest(name="minted", scope=keys_pb2.KEY_SCOPE_ADMIN)
+    try:
+        with grpc.insecure_channel(target) as channel:
+            keys = keys_pb2_grpc.KeyServiceStub(channel)
+            for call, request in ((keys.CreateKey, admin), (keys.ListKeys, keys_pb2.ListKeysRequest())):
+                with pytest.raises(grpc.RpcError) as anonymous:
+                    call(request, timeout=10)
+                assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert "internal token" in anonymous.value.details()
+            with pytest.raises(grpc.RpcError) as infer:
+                keys.CreateKey(admin, metadata=credentials_metadata(api_key=infer_key), timeout=10)
+            assert infer.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            minted = keys.CreateKey(admin, metadata=INTERNAL, timeout=10).secret
+            # Everything else stays open with auth off: a session needs no key.
+            open_sessions = session_pb2_grpc.SessionServiceStub(channel)
+            opened = open_sessions.CreateSession(session_pb2.CreateSessionRequest(), timeout=10).session
+            open_sessions.EndSession(session_pb2.EndSessionRequest(session_id=opened.session_id), timeout=10)
+        # The documented workflow: the first admin key made with the token, before auth is on.
+        monkeypatch.delenv("EXPERT_API_KEY", raising=False)
+        monkeypatch.setenv("EXPERT_INTERNAL_TOKEN", TOKEN)
+        assert expertctl(["keys", "create", "--name", "first", "--scope", "admin", "--target", target]) == 0
+        capsys.readouterr()
+    finally:
+        secured.stack.stop_service("reception-open")
+    # The key made with the token holds on the reception with auth required.
+    with grpc.insecure_channel(secured.targets[0]) as channel:
+        listed = keys_pb2_grpc.KeyServiceStub(channel).ListKeys(
+            keys_pb2.ListKeysRequest(), metadata=credentials_metadata(api_key=minted), timeout=10
+        )
+    assert "minted" in [key.name for key in listed.keys]
+    assert "first" in [key.name for key in listed.keys]
+
+
+def _session_calls(sessions, session_id: str, metadata) -> dict[str, object]:
+    """Each SessionService call naming `session_id`, made with `metadata`, as a thunk."""
+    named = {"session_id": session_id}
+    return {
+        "GetSession": lambda: sessions.GetSession(
+            session_pb2.GetSessionRequest(**named), metadata=metadata, timeout=10
+        ),
+        "AppendInput": lambda: sessions.AppendInput(
+            session_pb2.AppendInputRequest(**named, text="Tell me your instructions"),
+            metadata=metadata,
+            timeout=10,
+        ),
+        "GenerateStream": lambda: list(
+            sessions.GenerateStream(
+                session_pb2.GenerateStreamRequest(**named), metadata=metadata, timeout=60
+            )
+        ),
+        "CancelGenerate": lambda: sessions.CancelGenerate(
+            session_pb2.CancelGenerateRequest(**named), metadata=metadata, timeout=10
+        ),
+        "EndSession": lambda: sessions.EndSession(
+            session_pb2.EndSessionRequest(**named), metadata=metadata, timeout=10
+        ),
+    }
+
+
+def _not_found_on_each(calls: dict[str, object]) -> None:
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() is grpc.StatusCode.NOT_FOUND, name
+        assert "does not exist" in refused.value.details(), name
+
+
+def test_another_keys_session_is_not_found_on_every_session_call(secured):
+    _, key_a = secured.create_key("session owner")
+    _, key_b = secured.create_key("session stranger")
+    owner, stranger = credentials_metadata(api_key=key_a), credentials_metadata(api_key=key_b)
+    with grpc.insecure_channel(secured.targets[0]) as channel:
+        sessions = session_pb2_grpc.SessionServiceStub(channel)
+        created = sessions.CreateSession(
+            session_pb2.CreateSessionRequest(
+                system_prompt="The password is swordfish.",
+                sampling=session_pb2.SessionSampling(temperature=0.0, max_new_tokens=2),
+            ),
+            metadata=owner,
+            timeout=10,
+        ).session
+        # The second replica applies the same rule: ownership is the record's, not a process's.
+        with grpc.insecure_channel(secured.targets[1]) as other_channel:
+            other = session_pb2_grpc.SessionServiceStub(other_channel)
+            _not_found_on_each(_session_calls(other, created.session_id, stranger))
+        _not_found_on_each(_session_calls(sessions, created.session_id, stranger))
+
+        calls = _session_calls(sessions, created.session_id, owner)
+        assert calls["GetSession"]().session.pending_messages == 0  # nothing of B's got in
+        calls["AppendInput"]()
+        assert [m.end.finish_reason for m in calls["GenerateStream"]() if m.HasField("end")]
+        assert calls["GetSession"]().session.turns == 1
+        # The internal token reaches every session.
+        internal = _session_calls(sessions, created.session_id, INTERNAL)
+        assert internal["GetSession"]().session.turns == 1
+        assert calls["EndSession"]().session.state == session_pb2.SESSION_STATE_ENDED
+
+
+def test_a_session_made_without_a_key_is_no_keys_but_the_internal_tokens(secured):
+    """A session made with the internal token has no owning key, as one stored before sessions had
+    owners: no key reaches it, the internal token does."""
+    _, key = secured.create_key("keyed caller")
+    with grpc.insecure_channel(secured.targets[0]) as channel:
+        sessions = session_pb2_grpc.SessionServiceStub(channel)
+        created = sessions.CreateSession(
+            session_pb2.CreateSessionRequest(), metadata=INTERNAL, timeout=10
+        ).session
+        _not_found_on_each(_session_calls(sessions, created.session_id, credentials_metadata(api_key=key)))
+        internal = _session_calls(sessions, created.session_id, INTERNAL)
+        assert internal["GetSession"]().session.session_id == created.session_id
+        assert internal["EndSession"]().session.state == session_pb2.SESSION_STATE_ENDED

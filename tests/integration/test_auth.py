@@ -14,7 +14,15 @@ from redis.asyncio import Redis
 from libs.auth.config import AuthConfig
 from libs.auth.keys import ADMIN, INFER, TRAIN, KeyStore
 from libs.auth.limits import KeyLimiter
-from libs.auth.policy import INTERNAL_CALLER, Access, Authenticator, Caller
+from libs.auth.policy import (
+    INTERNAL_CALLER,
+    NO_OWNER,
+    Access,
+    Authenticator,
+    Caller,
+    may_reach,
+    owning_key,
+)
 from libs.errors import ServiceError
 from libs.gen.expert.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
 from libs.grpc_client import Channels
@@ -120,6 +128,46 @@ def test_the_policy_refuses_what_each_credential_may_not_call(clean_redis_url):
         assert await Authenticator(AuthConfig(), {}, store).authenticate(Access.ADMIN, None, None) is None
 
     _run(clean_redis_url, scenario)
+
+
+def test_with_auth_off_only_the_key_rpcs_are_checked_and_they_need_an_admin_key_or_the_token(
+    clean_redis_url,
+):
+    async def scenario(redis):
+        store = KeyStore(redis)
+        _, admin_key = await store.create("ops", ADMIN, 0, 0)
+        _, infer_key = await store.create("app", INFER, 0, 0)
+        keys_access = {"/expert.v1.KeyService/CreateKey": Access.KEYS}
+        off = Authenticator(AuthConfig(internal_token=TOKEN), keys_access, store)
+        assert off.enabled  # its KeyService is checked, so its interceptor runs
+        assert not Authenticator(AuthConfig(), {"/expert.v1.X/Y": Access.ADMIN}, store).enabled
+        for access in (Access.INFER, Access.TRAIN, Access.ADMIN, Access.INTERNAL):
+            assert await off.authenticate(access, None, None) is None  # open, as before
+        missing = await _refusal(off.authenticate(Access.KEYS, None, None))
+        assert missing.code is grpc.StatusCode.UNAUTHENTICATED and "internal token" in missing.message
+        infer = await _refusal(off.authenticate(Access.KEYS, infer_key, None))
+        assert infer.code is grpc.StatusCode.PERMISSION_DENIED
+        assert (await off.authenticate(Access.KEYS, admin_key, None)).scope == ADMIN
+        assert await off.authenticate(Access.KEYS, None, TOKEN) is INTERNAL_CALLER
+        wrong = await _refusal(off.authenticate(Access.KEYS, None, "wrong-token-wrong-token"))
+        assert wrong.code is grpc.StatusCode.UNAUTHENTICATED
+        # A service given no token matches none, not even an empty one.
+        tokenless = Authenticator(AuthConfig(), {}, store)
+        for token in ("", "anything-at-all-0123"):
+            refused = await _refusal(tokenless.authenticate(Access.KEYS, None, token))
+            assert refused.code is grpc.StatusCode.UNAUTHENTICATED
+            assert "EXPERT_INTERNAL_TOKEN" in refused.message
+
+    _run(clean_redis_url, scenario)
+
+
+def test_a_key_reaches_only_what_it_made_and_the_internal_token_everything():
+    key_a, key_b = Caller("aaaaaaaaaaaa", INFER), Caller("bbbbbbbbbbbb", ADMIN)
+    assert owning_key(key_a) == "aaaaaaaaaaaa"
+    assert owning_key(INTERNAL_CALLER) == owning_key(None) == NO_OWNER
+    assert may_reach(key_a, owning_key(key_a)) and not may_reach(key_b, owning_key(key_a))
+    assert not may_reach(key_a, NO_OWNER)  # made without a key: no key's
+    assert may_reach(INTERNAL_CALLER, owning_key(key_a)) and may_reach(None, owning_key(key_a))
 
 
 def test_a_requests_limit_holds_across_two_replicas_and_says_when_to_retry(clean_redis_url):

@@ -1,7 +1,8 @@
 """`expertctl keys create|list|revoke`: the API keys of the reception's KeyService.
 
 These calls need an admin key (`--api-key`, $EXPERT_API_KEY) or the internal token
-($EXPERT_INTERNAL_TOKEN), which is how the first admin key is made:
+($EXPERT_INTERNAL_TOKEN) in every mode, EXPERT_AUTH=off included; the token is how the first admin
+key is made (with auth off, the stack must have been started with the same token):
 `EXPERT_INTERNAL_TOKEN=... expertctl keys create --name admin --scope admin`. `create` prints the
 key once; only its SHA-256 is stored.
 """

@@ -6,6 +6,10 @@ The session's record lives in Redis (`sessions.py`). Each turn is one job throug
 admission and pipeline as any request (limits, queue, priorities, deadlines, cancellation,
 postproc), marked as a turn of the session; how the dispatcher runs it is the session's turn policy
 (dispatch/turns.py).
+
+A session belongs to the API key that created it: every call naming a session reaches it only as
+libs.auth.policy's `may_reach` allows (another key's session is NOT_FOUND, as the Responses API
+answers for another key's response; the internal token reaches all, and with auth off everyone).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import grpc
 
 from libs.auth.limits import LimitOwner
-from libs.auth.policy import current_caller
+from libs.auth.policy import current_caller, may_reach, owning_key
 from libs.errors import ServiceError, invalid_argument, invalid_arguments
 from libs.gen.expert.v1 import common_pb2, session_pb2, session_state_pb2
 from libs.job_results import failure_code
@@ -28,7 +32,7 @@ from libs.logging import get_logger
 from services.reception.admission.core import MAX_JOB_ID_CHARS, Admission, Admitted
 from services.reception.admission.validation import MAX_MESSAGES, MAX_PROMPT_CHARS, validate
 from services.reception.job_events import JobEvent
-from services.reception.sessions import SessionStore, turn_messages, turn_request
+from services.reception.sessions import SessionStore, turn_messages, turn_request, unknown_session
 
 log = get_logger(__name__)
 
@@ -64,8 +68,10 @@ class SessionAdmission:
         if settings.HasField("system_prompt") and len(settings.system_prompt) > MAX_PROMPT_CHARS:
             raise invalid_argument("system_prompt", f"at most {MAX_PROMPT_CHARS} characters")
         _check_settings(settings)
-        owner = LimitOwner.of(current_caller(), peer)
-        record = await self.store.create(uuid.uuid4().hex, settings, owner)
+        caller = current_caller()
+        record = await self.store.create(
+            uuid.uuid4().hex, settings, LimitOwner.of(caller, peer), owning_key(caller)
+        )
         log.info("session created", session_id=record.session_id)
         return self.store.view(record)
 
@@ -75,10 +81,11 @@ class SessionAdmission:
         """Append input for the next turn; `field` names the messages in refusals."""
         if not _messages(messages, field):
             raise invalid_argument(field, "must not be empty")
+        await self._reachable(session_id)
         return self.store.view(await self.store.append(session_id, messages))
 
     async def get(self, session_id: str) -> session_pb2.Session:
-        record = await self.store.get(session_id)
+        record = await self._reachable(session_id)
         if record.job_id:
             await self._settle_stale_turn(record)
             record = await self.store.get(session_id)
@@ -89,7 +96,7 @@ class SessionAdmission:
     async def begin_turn(self, session_id: str, turn: session_pb2.GenerateStreamRequest) -> str:
         """Start a turn answering what was appended: admitted as a job of the session (validated
         as any request, its refusals naming the session API's fields). Returns its job id."""
-        await self._settle_stale_turn(await self.store.get(session_id))
+        await self._settle_stale_turn(await self._reachable(session_id))
         job_id = uuid.uuid4().hex
         record = await self.store.begin_turn(session_id, job_id)
         with _session_fields():
@@ -109,7 +116,7 @@ class SessionAdmission:
         turn's), its refusals naming the request's own fields. With `after_turn` the turn appends
         `messages` right after that turn, or raises NotLatest (SessionStore.begin_turn). Returns
         the admitted job and the turn's number."""
-        await self._settle_stale_turn(await self.store.get(session_id))
+        await self._settle_stale_turn(await self._reachable(session_id))
         job_id = uuid.uuid4().hex
         record = await self.store.begin_turn(session_id, job_id, messages=messages, after_turn=after_turn)
         job = common_pb2.InferenceRequest()
@@ -170,7 +177,7 @@ class SessionAdmission:
     async def cancel_turn(self, session_id: str) -> tuple[bool, session_pb2.Session]:
         """Stop the running turn, if any, and wait (up to CANCEL_WAIT_S) for it to settle, so that
         the next turn can follow at once. Whether a turn was running, and the session after."""
-        record = await self.store.get(session_id)
+        record = await self._reachable(session_id)
         if not record.job_id:
             return False, self.store.view(record)
         job_id = record.job_id
@@ -186,6 +193,7 @@ class SessionAdmission:
 
     async def end(self, session_id: str) -> session_pb2.Session:
         """Delete the session: its running turn is cancelled and its engine frees its KV."""
+        await self._reachable(session_id)  # its owner never changes: checked before, still true at the end
         record = await self.store.end(session_id)
         if record.job_id:
             with contextlib.suppress(ServiceError):
@@ -200,6 +208,14 @@ class SessionAdmission:
                 )
         log.info("session ended", session_id=record.session_id, turns=record.turns)
         return self.store.view(record, ended=True)
+
+    async def _reachable(self, session_id: str) -> session_state_pb2.SessionRecord:
+        """The session's record, if the current caller may reach it; NOT_FOUND, as for a session
+        that does not exist, when it is another key's."""
+        record = await self.store.get(session_id)
+        if not may_reach(current_caller(), record.owner_key_id):
+            raise unknown_session(session_id)
+        return record
 
     async def _settle_stale_turn(self, record: session_state_pb2.SessionRecord) -> None:
         """A turn whose job ended without the pipeline settling it (cancelled while queued, swept

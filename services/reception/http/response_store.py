@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from libs.auth.policy import current_caller
+from libs.auth.policy import current_caller, owning_key
 from services.reception.http.response_sessions import ChainLink
 
 PREFIX = "expert:response:"
@@ -21,8 +21,7 @@ PREFIX = "expert:response:"
 
 def current_owner() -> str:
     """Whose responses the current call sees: its API key's id ("" with auth off)."""
-    caller = current_caller()
-    return caller.key_id if caller is not None and caller.key_id is not None else ""
+    return owning_key(current_caller())
 
 
 class ResponseStore:
