@@ -31,6 +31,9 @@ _SEMVER_RE = re.compile(
 )
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_DESCRIPTION = 2000
+# The store names a file by the version (index/<name>/<version>.json, libs/experts/store.py) and the
+# trainer a package (<name>-<version>.expert): file names are at most 255 bytes.
+MAX_VERSION = 128
 MAX_PRIORITY = 1000
 MAX_AUTHOR = 200
 # Free-text lists: (most items, longest item). Bounded so that a manifest stays a small file.
@@ -104,11 +107,7 @@ class Manifest:
                 "manifest.format_version", f"{self.format_version!r} is not supported (only {FORMAT_VERSION})"
             )
         _check_name("manifest.name", self.name)
-        if not isinstance(self.version, str) or not _SEMVER_RE.fullmatch(self.version):
-            raise ManifestError(
-                "manifest.version",
-                f"{self.version!r} is not a SemVer 2.0 version (MAJOR.MINOR.PATCH[-PRERELEASE][+BUILD])",
-            )
+        _check_version("manifest.version", self.version)
         _check_text("manifest.description", self.description, MAX_DESCRIPTION)
         if self.adapter_type not in ADAPTER_TYPES:
             raise ManifestError(
@@ -258,7 +257,39 @@ def _is_real(value: object) -> bool:
 
 def _check_name(field: str, value: object) -> None:
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise ManifestError(field, f"{value!r} does not match {NAME_PATTERN}")
+        raise ManifestError(field, f"{_shown(value)} does not match {NAME_PATTERN}")
+
+
+def _check_version(field: str, value: object) -> None:
+    if isinstance(value, str) and len(value) > MAX_VERSION:
+        raise ManifestError(field, f"is {len(value)} characters long; the limit is {MAX_VERSION}")
+    if not isinstance(value, str) or not _SEMVER_RE.fullmatch(value):
+        raise ManifestError(
+            field, f"{_shown(value)} is not a SemVer 2.0 version (MAJOR.MINOR.PATCH[-PRERELEASE][+BUILD])"
+        )
+
+
+def _shown(value: object) -> str:
+    """`value` as an error shows it: its repr, a long string's cut at 64 characters."""
+    if isinstance(value, str) and len(value) > 64:
+        return repr(value[:64]) + "…"
+    return repr(value)
+
+
+def check_publisher_field(field: str, name: str, value: object) -> None:
+    """Raise the ManifestError, naming `field`, that a manifest would raise for `value` as the field
+    its publisher chooses called `name` ("name", "version", "description" or "keywords"): what makes
+    an expert to be (a training job's) can be refused when it is asked for, not when it is packed."""
+    if name == "name":
+        _check_name(field, value)
+    elif name == "version":
+        _check_version(field, value)
+    elif name == "description":
+        _check_text(field, value, MAX_DESCRIPTION)
+    elif name == "keywords":
+        _check_strings(field, tuple(value), *_TEXT_LISTS["keywords"])
+    else:
+        raise ValueError(f"{name!r} is not a field a publisher chooses")
 
 
 def _check_text(field: str, value: object, max_chars: int) -> None:

@@ -3,7 +3,9 @@
 A line is `{"prompt": ..., "completion": ...}` (a user turn and the answer) or `{"messages": [{"role",
 "content"}, ...]}` (a whole conversation; every assistant turn is learned, and the last message must
 be one). Every problem is a `DataError` naming the file, the line and the field, and the whole file is
-checked before anything is trained or written.
+checked before anything is trained or written. A line nested past Python's recursion limit, or a
+string holding a lone surrogate (`"\ud800"`, which no tokenizer nor UTF-8 encoder takes), is refused
+like any other bad line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from libs.utf8 import undecodable
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -70,6 +74,13 @@ def parse_lines(lines: Iterable[str], name: str) -> Iterable[Sample]:
             record = json.loads(line)
         except ValueError as exc:
             raise DataError(f"{where}: not valid JSON ({exc})") from None
+        except RecursionError:
+            # A sample is at most three levels deep ({"messages": [{"role", "content"}]}).
+            raise DataError(f"{where}: nested too deeply to be a sample") from None
+        bad_text = undecodable(record, "")
+        if bad_text is not None:  # before any message quotes the line's text
+            field, problem = bad_text
+            raise DataError(f"{where}: {field + ': ' if field else ''}{problem}")
         yield Sample(_messages(record, where), where)
 
 
@@ -87,8 +98,7 @@ def _messages(record: object, where: str) -> tuple[dict[str, str], ...]:
     for key in ("prompt", "completion"):
         if key not in record:
             raise DataError(f"{where}: {key}: missing")
-        if not isinstance(record[key], str):
-            raise DataError(f"{where}: {key}: must be a string")
+        _check_text(record[key], key, where)
     if not record["prompt"].strip():
         raise DataError(f"{where}: prompt: must not be empty")
     if not record["completion"].strip():
@@ -121,9 +131,16 @@ def _message(message: object, field: str, where: str) -> dict[str, str]:
         raise DataError(f"{where}: {field}.{extra[0]}: unknown field (expected role and content)")
     role, content = message.get("role"), message.get("content")
     if role not in ROLES:
-        raise DataError(f"{where}: {field}.role: must be one of {', '.join(ROLES)}, got {role!r}")
-    if not isinstance(content, str):
-        raise DataError(f"{where}: {field}.content: missing or not a string")
+        shown = repr(role[:32]) if isinstance(role, str) else f"a {type(role).__name__}"
+        raise DataError(f"{where}: {field}.role: must be one of {', '.join(ROLES)}, got {shown}")
+    if content is None:
+        raise DataError(f"{where}: {field}.content: missing")
+    _check_text(content, f"{field}.content", where)
     if role == "assistant" and not content.strip():
         raise DataError(f"{where}: {field}.content: an assistant turn must not be empty")
     return {"role": role, "content": content}
+
+
+def _check_text(value: object, field: str, where: str) -> None:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {field}: must be a string")

@@ -10,6 +10,11 @@ ends it, and a resume takes that expiry away again. An event for a job whose rec
 written (it would be a stream nobody reads, without a TTL). Only its owner sees a job; anyone else
 gets None, as for a job that does not exist.
 
+Only JSON is stored (libs/training/job_json.py): a spec JSON cannot write is refused (the admission
+checked it first), a number the trainer reports that JSON cannot write (a diverged loss is NaN) is
+stored as null, and a record written before that rule held reads leniently, so one bad record never
+fails a listing of its owner's jobs.
+
 Status changes are compare-and-set scripts, so reception (cancel, resume) and the trainer (start,
 checkpoint, finish) never overwrite each other: PENDING -> RUNNING <-> CHECKPOINTING -> COMPLETED,
 FAILED or CANCELLED; a cancelled or failed job can be resumed (back to PENDING). Reception creates a
@@ -26,6 +31,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from libs.training.job_json import as_object, read_json, to_json
 from libs.training.queue import QUEUE_STREAM
 from libs.training.retention import DEFAULT_RETENTION_S
 
@@ -144,7 +150,7 @@ class TrainingJob:
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> TrainingJob:
         text = {k.decode(): v.decode() for k, v in raw.items()}
-        loaded = {name: json.loads(text[name]) for name in _JSON_FIELDS if text.get(name)}
+        loaded = {name: read_json(text[name]) for name in _JSON_FIELDS if text.get(name)}
 
         def when(name: str) -> float | None:
             return float(text[name]) if text.get(name) else None
@@ -153,14 +159,14 @@ class TrainingJob:
             job_id=job_id,
             owner=text["owner"],
             status=text["status"],
-            spec=loaded["spec"],
+            spec=as_object(loaded.get("spec")) or {},
             created_at=float(text["created_at"]),
             updated_at=float(text["updated_at"]),
             started_at=when("started_at"),
             finished_at=when("finished_at"),
-            metrics=loaded.get("metrics", {}),
-            checkpoints=loaded.get("checkpoints", []),
-            expert=loaded.get("expert"),
+            metrics=as_object(loaded.get("metrics")) or {},
+            checkpoints=[c for c in loaded.get("checkpoints") or [] if as_object(c)],
+            expert=as_object(loaded.get("expert")),
             error=text.get("error", ""),
             cancel_requested=text.get("cancel_requested") == "1",
             checkpoint_request=text.get("checkpoint_requested", ""),
@@ -217,7 +223,7 @@ class TrainingJobs:
                 mapping={
                     "owner": owner,
                     "status": PENDING,
-                    "spec": json.dumps(spec),
+                    "spec": json.dumps(spec, allow_nan=False),  # parse_spec's: finite
                     "created_at": repr(now),
                     "updated_at": repr(now),
                 },
@@ -314,9 +320,7 @@ class TrainingJobs:
         meanwhile: (cancel requested, the id of a checkpoint asked for or ""). One round trip."""
         message = f"step {metrics['step']}/{metrics['total_steps']}: train loss {metrics['train_loss']:.4f}"
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(
-                job_key(job_id), mapping={"metrics": json.dumps(metrics), "updated_at": repr(time.time())}
-            )
+            pipe.hset(job_key(job_id), mapping={"metrics": to_json(metrics), "updated_at": repr(time.time())})
             pipe.xadd(
                 events_key(job_id),
                 _event_fields("progress", message, metrics),
@@ -349,12 +353,12 @@ class TrainingJobs:
 
 def _stored(value: Any) -> str:
     if isinstance(value, dict | list):
-        return json.dumps(value)
+        return to_json(value)
     return value if isinstance(value, str) else repr(value)
 
 
 def _event_fields(kind: str, message: str, data: dict[str, Any]) -> dict[str, str]:
-    return {"type": kind, "message": message, "data": json.dumps(data), "created_at": repr(time.time())}
+    return {"type": kind, "message": message, "data": to_json(data), "created_at": repr(time.time())}
 
 
 def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
@@ -362,6 +366,6 @@ def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "id": entry_id.decode(),
         "type": fields[b"type"].decode(),
         "message": fields[b"message"].decode(),
-        "data": json.loads(fields[b"data"]),
+        "data": as_object(read_json(fields[b"data"].decode())) or {},
         "created_at": float(fields[b"created_at"]),
     }

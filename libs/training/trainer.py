@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from libs.training.checkpoint import read_checkpoint, restore_rng, rng_state, write_checkpoint
 from libs.training.control import Control, StepInfo
 from libs.training.render import IGNORE, Encoded
-from libs.training.settings import ADAPTER_TYPES, DEFAULT_LEARNING_RATES, SettingsError, TrainSettings
+from libs.training.settings import (
+    ADAPTABLE_MODULES,
+    ADAPTER_TYPES,
+    DEFAULT_LEARNING_RATES,
+    SettingsError,
+    TrainSettings,
+)
 
 __all__ = [
     "ADAPTER_TYPES",
@@ -37,7 +43,7 @@ __all__ = [
     "Trainer",
 ]
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ADAPTABLE_MODULES  # a LoRA adapter without target_modules adapts every projection
 MIN_SHARED_HEAD = 8  # shorter shared heads are not worth a second forward call
 
 

@@ -129,9 +129,10 @@ def test_expertctl_submits_watches_and_shows_a_job(training, tmp_path):
 def test_expertctl_cancels_a_running_job_and_resumes_it(training):
     # Each expertctl run costs seconds of start-up: the job is created and ended through the SDK.
     with training.client() as client:
-        file = client.training.upload(samples(10).encode())
-        # Enough steps that the job still runs when the cancel comes.
-        long_run = {"epochs": 200, "patience": 200, "batch_size": 2}
+        file = client.training.upload(samples(40).encode())
+        # Enough steps that the job still runs when the cancel comes: 50 epochs (the most
+        # EXPERT_TRAINING_MAX_EPOCHS allows) of 18 steps.
+        long_run = {"epochs": 50, "patience": 50, "batch_size": 2}
         job = client.training.create(
             file.id, expert={"name": "cancelled"}, hyperparameters=long_run, checkpoint_every_steps=1
         )
@@ -152,6 +153,6 @@ def test_expertctl_cancels_a_running_job_and_resumes_it(training):
         resumed = training.expertctl("resume", job.id, "--checkpoint", first.id, "--json")
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads(resumed.stdout)["status"] in ("pending", "running")
-        # Not trained to the end (200 epochs): cancelled again, and it ends so.
+        # Not trained to the end (50 epochs): cancelled again, and it ends so.
         client.training.cancel(job.id)
         assert list(client.training.watch(job.id, poll_interval=0.1))[-1].data["status"] == "CANCELLED"

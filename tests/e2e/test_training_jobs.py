@@ -187,8 +187,9 @@ def test_a_trainer_killed_mid_training_resumes_from_its_last_checkpoint(training
 
 
 def test_a_checkpoint_on_request_then_cancel_within_a_step_then_resume_from_it(training):
-    file_id = training.upload(shout_samples())
-    long_run = spec(file_id, "never-finished", hyperparameters={"epochs": 200, "batch_size": 1})
+    # 5,400 steps of one sample (at most EXPERT_TRAINING_MAX_EPOCHS, 50, epochs of 108).
+    file_id = training.upload(shout_samples(120))
+    long_run = spec(file_id, "never-finished", hyperparameters={"epochs": 50, "batch_size": 1})
     long_run["checkpoint_every_steps"] = 1000
     job = training.submit(long_run).json()
     path = f"/v1/training/jobs/{job['id']}"
@@ -245,8 +246,12 @@ def test_a_job_fails_with_its_reason_a_bad_sample_naming_its_line(training):
     assert failed["status"] == "FAILED" and failed["error"].startswith(f"{file_id}:1: ")
     assert "longer than the 8" in failed["error"]
 
+    # 5,400 steps of one sample (at most EXPERT_TRAINING_MAX_EPOCHS, 50, epochs of 108): far past 1 s.
     budget = spec(
-        file_id, "out-of-time", hyperparameters={"epochs": 200, "batch_size": 1}, time_budget_seconds=1
+        training.upload(shout_samples(120)),
+        "out-of-time",
+        hyperparameters={"epochs": 50, "batch_size": 1},
+        time_budget_seconds=1,
     )
     spent = training.wait_final(training.submit(budget).json()["id"])
     assert spent["status"] == "FAILED" and "time budget of 1 s is spent" in spent["error"]

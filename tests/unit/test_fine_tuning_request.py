@@ -8,7 +8,7 @@ import pytest
 
 from libs.errors import ServiceError
 from libs.training.spec import parse_spec
-from services.reception.http.fine_tuning_request import to_job_spec
+from services.reception.http.fine_tuning_request import openai_names, to_job_spec
 
 BASE = {"model": "tiny", "training_file": "file-abc"}
 
@@ -78,3 +78,20 @@ def test_what_a_job_cannot_honour_is_refused_naming_each_field(body, fields):
 
 def test_a_body_that_is_no_object_is_refused():
     assert refused(["model"]) == ["body"]
+
+
+@pytest.mark.parametrize("multiplier", [1e300, 10**400, 10.5, float("nan"), float("inf")])
+def test_a_learning_rate_multiplier_past_its_ceiling_is_refused_by_its_openai_name(multiplier):
+    body = {**BASE, "hyperparameters": {"learning_rate_multiplier": multiplier}}
+    assert refused(body) == ["hyperparameters.learning_rate_multiplier"]
+
+
+def test_a_refusal_of_the_admission_names_the_hyperparameter_where_the_request_gave_it():
+    nested = {**BASE, "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 99}}}}
+    assert openai_names(nested)["hyperparameters.epochs"] == "method.supervised.hyperparameters.n_epochs"
+    assert (
+        openai_names(nested)["hyperparameters.batch_size"] == "method.supervised.hyperparameters.batch_size"
+    )
+    top = {**BASE, "hyperparameters": {"n_epochs": 99}}
+    assert openai_names(top)["hyperparameters.epochs"] == "hyperparameters.n_epochs"
+    assert openai_names(["not", "a", "body"])["base_model"] == "model"

@@ -17,8 +17,8 @@ import torch
 
 from libs.engine.models.config import ModelConfig
 from libs.experts.package import VerifiedPackage
+from libs.experts.projections import INPUT_SCALABLE, PROJECTIONS
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
@@ -28,8 +28,6 @@ _PARENT = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
-# Input scaling needs the projection's own input; the fused q/k/v and gate/up matmuls share theirs.
-INPUT_SCALABLE = ("o_proj", "down_proj")
 
 
 class AdapterWeightsError(ValueError):

@@ -13,7 +13,7 @@ from fastapi import Body, FastAPI, Request
 from libs.errors import ServiceError, invalid_argument
 from services.reception.http.errors import ToHttpError
 from services.reception.http.fine_tuning_objects import checkpoint_object, event_object, job_object
-from services.reception.http.fine_tuning_request import SEED_TO_OPENAI, to_job_spec
+from services.reception.http.fine_tuning_request import SEED_TO_OPENAI, openai_names, to_job_spec
 from services.reception.http.json_answers import json_answer
 from services.reception.http.training import caller_owner
 from services.reception.training.admission import MAX_EVENTS, TrainingAdmission
@@ -27,11 +27,11 @@ def _page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     return {"object": "list", "data": objects[:limit], "has_more": len(objects) > limit}
 
 
-def _in_openai_names(error: Exception) -> BaseException:
-    """A refusal of the seed spec's fields, naming them as the OpenAI request did."""
+def _in_openai_names(error: Exception, names: dict[str, str] = SEED_TO_OPENAI) -> BaseException:
+    """A refusal of the seed spec's fields, naming them as the OpenAI request did (`names`)."""
     if not isinstance(error, ServiceError) or not error.violations:
         return error
-    renamed = [(SEED_TO_OPENAI.get(f, f), reason) for f, reason in error.violations]
+    renamed = [(names.get(f, f), reason) for f, reason in error.violations]
     message = "; ".join(f"{f}: {reason}" for f, reason in renamed)
     return ServiceError(error.code, message, renamed)
 
@@ -41,14 +41,14 @@ class FineTuningRoutes:
         self.admission = admission
         self.as_http_error = as_http_error
 
-    async def _answer(self, call):
-        return await json_answer(call, self.as_http_error, restate=_in_openai_names)
+    async def _answer(self, call, names: dict[str, str] = SEED_TO_OPENAI):
+        return await json_answer(call, self.as_http_error, restate=lambda e: _in_openai_names(e, names))
 
     async def create(self, request: Request, body: Any = ANY_BODY):
         async def call():
             return job_object(await self.admission.create(caller_owner(request), to_job_spec(body)))
 
-        return await self._answer(call)
+        return await self._answer(call, openai_names(body))
 
     async def list_jobs(self, request: Request, limit: int = 20, after: str = ""):
         async def call():

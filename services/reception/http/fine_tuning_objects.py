@@ -3,10 +3,12 @@
 
 A job is checked (its files read, its bounds applied) before it is stored, so `validating_files` is
 never seen: a stored job is `queued` until the trainer takes it. A running job asked to stop stays
-`running` until the trainer stops it within a step, then reads `cancelled`."""
+`running` until the trainer stops it within a step, then reads `cancelled`. Any stored record renders:
+one kept from before the specs had ceilings shows what it cannot show as null."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -31,15 +33,29 @@ def _error(job: TrainingJob) -> dict[str, Any]:
     return {"code": "training_failed", "message": job.error or "the job failed", "param": None}
 
 
+def _section(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    value = spec.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def _multiplier(spec: dict[str, Any]) -> float | None:
+    """The job's learning rate as OpenAI's multiplier of its adapter's default; None when the record
+    holds none that can be shown (one stored before the rates had a ceiling may not)."""
+    rate = _section(spec, "hyperparameters").get("learning_rate")
+    kind = str(_section(spec, "adapter").get("type", "lora")).replace("_", "-")
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or kind not in DEFAULT_LEARNING_RATES:
+        return None
+    multiplier = rate / DEFAULT_LEARNING_RATES[kind]
+    return round(multiplier, 6) if math.isfinite(multiplier) else None
+
+
 def job_object(job: TrainingJob) -> dict[str, Any]:
     spec, metrics = job.spec, job.metrics
-    hyper = spec.get("hyperparameters", {})
-    adapter_type = spec.get("adapter", {}).get("type", "lora").replace("_", "-")
-    multiplier = hyper.get("learning_rate", 0) / DEFAULT_LEARNING_RATES[adapter_type]
+    hyper = _section(spec, "hyperparameters")
     hyperparameters = {
         "n_epochs": hyper.get("epochs"),
         "batch_size": hyper.get("batch_size"),
-        "learning_rate_multiplier": round(multiplier, 6),
+        "learning_rate_multiplier": _multiplier(spec),
     }
     status = STATUS[job.status]
     eta = metrics.get("eta_seconds")
@@ -62,7 +78,7 @@ def job_object(job: TrainingJob) -> dict[str, Any]:
         "integrations": None,
         "metadata": None,
         "seed": hyper.get("seed", 0),
-        "user_provided_suffix": spec.get("expert", {}).get("name"),
+        "user_provided_suffix": _section(spec, "expert").get("name"),
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
     }
 

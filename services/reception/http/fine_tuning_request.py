@@ -15,6 +15,7 @@ from typing import Any
 
 from libs.errors import invalid_arguments
 from libs.experts.manifest import NAME_PATTERN
+from libs.training.bounds import MAX_LEARNING_RATE_MULTIPLIER
 from libs.training.settings import DEFAULT_LEARNING_RATES
 
 ADAPTER = "lora"  # what an OpenAI job trains: the adapter whose default learning rate the multiplier scales
@@ -122,17 +123,44 @@ def _hyperparameters(body: dict, problems: list[tuple[str, str]]) -> dict[str, A
         if value == "auto" or value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append((f"{where}.{name}", f"must be 'auto' or an integer >= 1, got {value!r}"))
+            problems.append((f"{where}.{name}", f"must be 'auto' or an integer >= 1, got {_shown(value)}"))
         else:
-            hyper[seed_name] = value
+            hyper[seed_name] = value  # its ceiling (EXPERT_TRAINING_MAX_*) is the admission's
     multiplier = raw.get("learning_rate_multiplier", "auto")
     if multiplier not in ("auto", None):
-        if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or not multiplier > 0:
-            reason = f"must be 'auto' or a positive number, got {multiplier!r}"
+        # Compared as given: NaN fails it, and an integer too large for a float is refused unconverted.
+        if (
+            isinstance(multiplier, bool)
+            or not isinstance(multiplier, int | float)
+            or not 0 < multiplier <= MAX_LEARNING_RATE_MULTIPLIER
+        ):
+            most = MAX_LEARNING_RATE_MULTIPLIER
+            reason = f"must be 'auto' or a number in (0, {most:g}], got {_shown(multiplier)}"
             problems.append((f"{where}.learning_rate_multiplier", reason))
         else:
             hyper["learning_rate"] = DEFAULT_LEARNING_RATES[ADAPTER] * float(multiplier)
     return hyper
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, str | int | float) else f"a {type(value).__name__}"
+    return text if len(text) <= 64 else text[:64] + "…"
+
+
+def openai_names(body: Any) -> dict[str, str]:
+    """SEED_TO_OPENAI for this request: a hyperparameter named where the request gave it
+    (`method.supervised.hyperparameters` or the deprecated top-level `hyperparameters`)."""
+    where = "hyperparameters"
+    if isinstance(body, dict) and body.get("hyperparameters") is None:
+        method = body.get("method")
+        supervised = method.get("supervised") if isinstance(method, dict) else None
+        if isinstance(supervised, dict) and "hyperparameters" in supervised:
+            where = "method.supervised.hyperparameters"
+    names = {**SEED_TO_OPENAI, "hyperparameters.batch_size": "hyperparameters.batch_size"}
+    return {
+        seed: name.replace("hyperparameters", where, 1) if name.startswith("hyperparameters.") else name
+        for seed, name in names.items()
+    }
 
 
 def _method_hyperparameters(method: Any, problems: list[tuple[str, str]]) -> dict | None:

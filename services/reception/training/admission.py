@@ -1,5 +1,6 @@
 """What reception does with training jobs, for both fronts: the caller's own jobs only (another
 key's job is NOT_FOUND, as one that does not exist), every spec problem and every bound gone over
+(every ceiling of libs/training/bounds.py, this deployment's EXPERT_TRAINING_MAX_* among them)
 refused at once as INVALID_ARGUMENT naming the fields, and the state changes the job's status
 allows (FAILED_PRECONDITION naming the status otherwise). The trainer does the work
 (services/trainer); this only writes and reads the records in Redis (libs.training.jobs)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from libs.errors import failed_precondition, invalid_argument, invalid_arguments, not_found
-from libs.training.bounds import TrainingBounds, bound_violations, planned_steps
+from libs.training.bounds import TrainingBounds, bound_violations, planned_steps, setting_violations
 from libs.training.files import TrainingFiles
 from libs.training.jobs import CANCELLED, COMPLETED, TrainingJob, TrainingJobs
 from libs.training.spec import JobSpec, SpecError, parse_spec
@@ -30,7 +31,10 @@ class TrainingAdmission:
             spec = parse_spec(raw_spec)
         except SpecError as error:
             raise invalid_arguments(error.violations) from None
-        counts, problems = await self._count_samples(spec, owner)
+        stored = spec.to_dict()
+        problems = setting_violations(self.bounds, stored)
+        counts, file_problems = await self._count_samples(spec, owner)
+        problems += file_problems
         if "training_file" in counts:
             s = spec.settings
             steps = planned_steps(
@@ -41,12 +45,10 @@ class TrainingAdmission:
                 steps=min(steps, s.max_steps or steps),
                 max_steps_given=s.max_steps is not None,
                 samples=counts,
-                max_sequence_length=s.max_length,
-                time_budget_seconds=spec.time_budget_seconds,
             )
         if problems:
             raise invalid_arguments(problems)
-        return await self.jobs.create(owner, spec.to_dict())
+        return await self.jobs.create(owner, stored)
 
     async def _count_samples(self, spec: JobSpec, owner: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
         """The samples (non-blank lines) of the spec's files, read as the caller: a job can name
@@ -60,7 +62,9 @@ class TrainingAdmission:
                 continue
             content = await self.files.content(file_id, owner)
             if content is None:
-                problems.append((name, f"no file {file_id} among yours (upload it first: POST /v1/files)"))
+                problems.append(
+                    (name, f"no file {file_id[:64]!r} among yours (upload it first: POST /v1/files)")
+                )
                 continue
             counts[name] = sum(1 for line in content.splitlines() if line.strip())
             if counts[name] == 0:

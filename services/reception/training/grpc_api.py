@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict, ParseDict
+from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 
 from libs.auth.limits import peer_host
 from libs.auth.policy import Access, current_caller, methods
@@ -14,23 +14,22 @@ from libs.gen.expert.v1 import training_pb2, training_pb2_grpc
 from libs.timestamps import timestamp
 from libs.training.files import owner_of
 from libs.training.jobs import STATUSES, TrainingJob
+from services.reception.tolerant import add_refusing_service
 from services.reception.training.admission import TrainingAdmission
 
 SERVICE = "expert.v1.TrainingService"
 # Changing a job needs a train (or admin) key; reading one's own jobs, any key.
-ACCESS = methods(
-    SERVICE,
-    {
-        "CreateTrainingJob": Access.TRAIN,
-        "CancelTrainingJob": Access.TRAIN,
-        "CheckpointTrainingJob": Access.TRAIN,
-        "ResumeTrainingJob": Access.TRAIN,
-        "GetTrainingJob": Access.INFER,
-        "ListTrainingJobs": Access.INFER,
-        "ListTrainingCheckpoints": Access.INFER,
-        "ListTrainingJobEvents": Access.INFER,
-    },
-)
+_ACCESS = {
+    "CreateTrainingJob": Access.TRAIN,
+    "CancelTrainingJob": Access.TRAIN,
+    "CheckpointTrainingJob": Access.TRAIN,
+    "ResumeTrainingJob": Access.TRAIN,
+    "GetTrainingJob": Access.INFER,
+    "ListTrainingJobs": Access.INFER,
+    "ListTrainingCheckpoints": Access.INFER,
+    "ListTrainingJobEvents": Access.INFER,
+}
+ACCESS = methods(SERVICE, _ACCESS)
 STATUS_ENUMS = {status: i for i, status in enumerate(STATUSES, start=1)}
 
 
@@ -40,7 +39,13 @@ def spec_from_proto(spec: training_pb2.TrainingJobSpec) -> dict[str, Any]:
 
 
 def _set(message, values: dict[str, Any]) -> None:
-    ParseDict({k: v for k, v in values.items() if v is not None}, message, ignore_unknown_fields=True)
+    """`message` filled from a stored record's JSON; left empty when the record holds what it cannot
+    carry (a number past int32 in a job stored before the specs had ceilings), so that the job is
+    still shown, without that part."""
+    try:
+        ParseDict({k: v for k, v in values.items() if v is not None}, message, ignore_unknown_fields=True)
+    except ParseError:
+        message.Clear()
 
 
 def checkpoint_proto(record: dict[str, Any]) -> training_pb2.TrainingCheckpoint:
@@ -130,5 +135,5 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
 
 def add_to_server(servicer: TrainingServicer, server: grpc.aio.Server) -> str:
-    training_pb2_grpc.add_TrainingServiceServicer_to_server(servicer, server)
-    return SERVICE
+    """Register the servicer (bad UTF-8 is INVALID_ARGUMENT: tolerant.py)."""
+    return add_refusing_service(server, SERVICE, servicer, _ACCESS, training_pb2)
