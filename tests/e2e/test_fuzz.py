@@ -1,9 +1,11 @@
-"""Hostile input against a real stack: random requests (hypothesis) at reception's public API.
+"""Hostile input against a real stack: random requests (hypothesis) at reception's public gRPC API.
 
-Every answer is either an accepted job or INVALID_ARGUMENT naming a field; never INTERNAL, UNKNOWN,
-a metadata overflow or a hang; and every service still reports SERVING afterwards. Accepted jobs
-are cancelled at once, so the engine spends no time on them. The HTTP routes get random JSON the
-same way (lone surrogates, nesting, huge numbers, wrong types): a 4xx in OpenAI's shape or a job.
+Submit gets requests shaped around every input limit: each answer is an accepted job or
+INVALID_ARGUMENT naming a field. Then every method of every public service (protos/generate.py's
+PUBLIC) gets random messages built from its descriptor (tests/helpers/fuzzing.py): never INTERNAL,
+UNKNOWN, a metadata overflow or a hang. Every service still reports SERVING afterwards. Accepted
+jobs are cancelled at once, so the engine spends little time on them. The HTTP routes have their
+own fuzzer, driven by reception's OpenAPI document (test_http_fuzz.py).
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ from __future__ import annotations
 import json
 
 import grpc
-import httpx
 import pytest
+from google.protobuf import descriptor
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+import libs.gen.expert.v1 as gen
 from libs import errors
+from libs.auth.metadata import credentials_metadata
 from libs.errors import field_violations
 from libs.gen.expert.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from protos.generate import PUBLIC
 from tests.e2e.conftest import stack_env
+from tests.helpers.fuzzing import SURROGATE_STAND_IN, Budget, fuzz_seed, messages, with_surrogates
 from tools.stack import SERVICES, LocalStack, health_status
 
 EXAMPLES = 500
@@ -139,7 +146,11 @@ def _check_refusal(error: grpc.RpcError) -> None:
 @pytest.fixture(scope="module")
 def fuzz_stack(tiny_llama, tmp_path_factory):
     env = stack_env(
-        tiny_llama, EXPERT_MAX_MODEL_LEN="1024", EXPERT_KV_NUM_BLOCKS="160", EXPERT_MAX_NUM_SEQS="4"
+        tiny_llama,
+        EXPERT_MAX_MODEL_LEN="1024",
+        EXPERT_KV_NUM_BLOCKS="160",
+        EXPERT_MAX_NUM_SEQS="4",
+        EXPERT_INTERNAL_TOKEN=TOKEN,
     )
     stack = LocalStack.on_free_ports(tmp_path_factory.mktemp("fuzz"), env=env)
     stack.start()
@@ -249,118 +260,117 @@ def test_the_hostile_requests_of_the_report_are_refused_by_field(fuzz_stack, stu
     assert ("request.force_experts", "at most 10 experts, got 1000") in forced
 
 
-# -- the HTTP routes -------------------------------------------------------------------------------
+# -- every method of every public service ----------------------------------------------------------
 
-# Strings as JSON carries them, lone surrogates included (valid JSON, not valid text).
-_HTTP_TEXT = st.one_of(st.text(max_size=20), st.sampled_from(["hi \ud800", "\udfff", "a\ud83d b"]))
-# Any JSON value: huge and non-finite numbers, nesting, the wrong types for every field.
-_JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(10**40), 10**40)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | _HTTP_TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_HTTP_TEXT, inner, max_size=3),
-    max_leaves=8,
-)
-_DEEP = st.builds(
-    lambda depth: [[]] if depth == 0 else json.loads("[" * depth + "]" * depth), st.integers(1, 900)
-)
+METHOD_EXAMPLES = 1000
+METHOD_BUDGET_S = 75.0  # then the examples left are skipped (tests/helpers/fuzzing.py's Budget)
+# What a fuzzed call must never get: a server fault, or no answer (a unary call's deadline passed).
+FAULTS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED)
+CALL_TIMEOUT_S = 60.0
+# Every fuzzed call carries the internal token: with auth off only the key RPCs check it, and with it
+# they parse and validate what they are sent instead of refusing the caller first.
+TOKEN = "fuzz-internal-token-0123456789abcdef"
+CREDENTIALS = credentials_metadata(internal_token=TOKEN)
 
 
-def _field(right: st.SearchStrategy) -> st.SearchStrategy:
-    """A field's value: mostly of its type, else anything JSON holds."""
-    return st.one_of(right, right, _JSON, _DEEP)
+def _public_methods() -> list[descriptor.MethodDescriptor]:
+    """Every method of every service of the public protos (those the SDK ships)."""
+    methods = []
+    for proto in PUBLIC:  # libs.gen.expert.v1 re-exports the SDK's modules of the public protos
+        module = getattr(gen, proto.removeprefix("expert/v1/").removesuffix(".proto") + "_pb2")
+        for service in module.DESCRIPTOR.services_by_name.values():
+            methods.extend(service.methods)
+    return methods
 
 
-_HTTP_MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": _field(st.sampled_from(ROLES)), "content": _field(_HTTP_TEXT)}), max_size=3
-)
-_HTTP_OPTIONAL = {
-    "max_tokens": _field(st.integers(-5, 10**12)),
-    "temperature": _field(st.floats(-3, 3)),
-    "top_p": _field(st.floats(-1, 2)),
-    "stop": _field(st.one_of(_HTTP_TEXT, st.lists(_HTTP_TEXT, max_size=3))),
-    "seed": _field(st.integers(-1, 2**65)),
-    "user": _field(_HTTP_TEXT),
-    "n": _field(st.integers(-2, 20)),
-    "top_k": _field(st.integers(-2, 10**10)),
-    "force_experts": _field(st.lists(_HTTP_TEXT, max_size=2)),
-    "response_format": _field(
-        st.one_of(
-            st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "regex", "grammar"])}),
-            st.fixed_dictionaries({"type": st.just("regex"), "regex": _field(_HTTP_TEXT)}),
-            st.fixed_dictionaries(
-                {
-                    "type": st.just("json_schema"),
-                    "json_schema": _field(st.fixed_dictionaries({"name": _HTTP_TEXT, "schema": _JSON})),
-                }
-            ),
-        )
-    ),
-    "priority": _field(st.integers(-1, 12)),
-    "logprobs": _field(st.booleans()),
-}
+def _call(channel: grpc.Channel, method: descriptor.MethodDescriptor, request: bytes) -> bytes | None:
+    """Call `method` with the serialized `request`: a unary call's answer; of a stream, its first
+    two messages are read and the stream is then cancelled (which cancels its job)."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    if not method.server_streaming:
+        return channel.unary_unary(path)(request, timeout=CALL_TIMEOUT_S, metadata=CREDENTIALS)
+    stream = channel.unary_stream(path)(request, timeout=CALL_TIMEOUT_S, metadata=CREDENTIALS)
+    try:
+        for _, _ in zip(range(2), stream, strict=False):
+            pass
+    finally:
+        stream.cancel()
+    return None
 
 
-def _openai_bodies(model: str) -> st.SearchStrategy[tuple[str, dict]]:
-    """(route, body): a valid request (so that some are accepted) with random fields over it."""
-    models = st.one_of(
-        st.just(model), st.just(model), _field(st.sampled_from([f"{model}:nobody", "no-such"]))
+def _check_no_fault(method: descriptor.MethodDescriptor, error: grpc.RpcError) -> None:
+    code = error.code()
+    if code is grpc.StatusCode.CANCELLED:  # a stream this test cancelled
+        return
+    where = f"{method.containing_service.name}.{method.name}"
+    assert code not in FAULTS, f"{where}: {code.name}: {(error.details() or '')[:300]}"
+    # an error whose details overflowed the client's metadata limit reads as RESOURCE_EXHAUSTED
+    assert "metadata" not in (error.details() or ""), f"{where}: {code.name}: {error.details()[:300]}"
+
+
+def _cancel_submitted(
+    channel: grpc.Channel, method: descriptor.MethodDescriptor, answer: bytes | None
+) -> None:
+    """An accepted Submit's job, cancelled so that the engine spends no time on it."""
+    if answer is None or method.full_name != "expert.v1.InferenceService.Submit":
+        return
+    job_id = inference_pb2.SubmitResponse.FromString(answer).submission.job_id
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    stub.CancelJob(inference_pb2.CancelJobRequest(job_id=job_id), timeout=CALL_TIMEOUT_S)
+
+
+def test_every_public_method_answers_random_messages_without_a_fault(fuzz_stack, stub, request):
+    """Random messages built from each method's input descriptor (any enum number, numbers at and
+    past their bounds, long text, lone surrogates in strings): every answer is a result or a client
+    error, never INTERNAL, UNKNOWN or a unary call left unanswered. The seed is printed (replay:
+    EXPERT_FUZZ_SEED, docs/operations.md#fuzzing)."""
+    _, channel = stub
+    methods = _public_methods()
+    assert {m.containing_service.name for m in methods} >= {
+        "InferenceService",
+        "SessionService",
+        "KeyService",
+    }
+    budget = Budget(METHOD_BUDGET_S)
+    calls = st.sampled_from(methods).flatmap(
+        lambda m: st.tuples(st.just(m), messages(GetMessageClass(m.input_type)))
     )
-    hello = [{"role": "user", "content": "hi"}]
-    extra = st.one_of(st.just({}), st.fixed_dictionaries({}, optional=_HTTP_OPTIONAL))
-    chat = st.builds(
-        lambda model, messages, more: {"model": model, "messages": messages, "max_tokens": 4, **more},
-        models,
-        st.one_of(st.just(hello), _field(_HTTP_MESSAGES)),
-        extra,
+
+    @seed(fuzz_seed(request.config))
+    @settings(
+        max_examples=METHOD_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )
-    completion = st.builds(
-        lambda model, prompt, more: {"model": model, "prompt": prompt, "max_tokens": 4, **more},
-        models,
-        st.one_of(st.just("hi"), _field(st.one_of(_HTTP_TEXT, st.lists(_HTTP_TEXT, max_size=2)))),
-        extra,
-    )
-    return st.one_of(
-        st.tuples(st.just("/v1/chat/completions"), chat), st.tuples(st.just("/v1/completions"), completion)
-    )
+    @given(calls)
+    def call(fuzzed):
+        method, message = fuzzed
+        if budget.spent():
+            return
+        data = with_surrogates(message.SerializeToString())
+        try:
+            _cancel_submitted(channel, method, _call(channel, method, data))
+        except grpc.RpcError as error:
+            _check_no_fault(method, error)
 
-
-def _check_http_refusal(response) -> None:
-    assert response.status_code < 500, (response.status_code, response.text[:300])
-    assert response.headers["content-type"] == "application/json", response.text[:300]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-
-
-def test_random_http_bodies_are_accepted_or_refused_in_openais_shape(fuzz_stack):
-    """OpenAI's routes and the REST API with random bodies: accepted (a stream, closed at once,
-    which cancels its job), or refused with a 4xx in OpenAI's shape; never a 500 or plain text."""
-    url = fuzz_stack.http_url()
-    with httpx.Client(base_url=url, timeout=30) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        seen = {"accepted": 0, "refused": 0}
-
-        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(_openai_bodies(model), st.booleans())
-        def post(route, rest):
-            path, body = route
-            if rest:  # the same fields on the REST API, where they exist under these names
-                path = "/v1/jobs"
-            content = json.dumps({**body, "stream": True} if not rest else body)
-            headers = {"content-type": "application/json"}
-            with http.stream("POST", path, content=content, headers=headers) as response:
-                if response.status_code in (200, 202):
-                    seen["accepted"] += 1
-                    if rest:
-                        http.delete(f"/v1/jobs/{json.loads(response.read())['job_id']}")
-                    return  # a stream closed here cancels its job
-                response.read()
-                _check_http_refusal(response)
-                seen["refused"] += 1
-
-        post()
-    print(f"HTTP fuzz: {seen}")
-    assert seen["accepted"] and seen["refused"], seen
+    call()
+    print(f"gRPC method fuzz: {budget.ran} calls over {len(methods)} methods, {budget.skipped} skipped")
     _all_serving(fuzz_stack)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "expert.v1.InferenceService/GetJob",
+        "expert.v1.SessionService/GetSession",
+        "expert.v1.KeyService/CreateKey",
+        "expert.v1.TrainingService/GetTrainingJob",
+        "expert.v1.TrainingFileService/GetTrainingFile",
+    ],
+)
+def test_bad_utf8_is_refused_by_field_on_every_public_service(stub, method):
+    """A string field that is not UTF-8 (a lone surrogate's bytes) is INVALID_ARGUMENT naming the
+    request, on a method of each public service whose field 1 is a string."""
+    _, channel = stub
+    field_1 = b"\x0a\x03" + with_surrogates(SURROGATE_STAND_IN.encode())  # field 1 (a string): a surrogate
+    with pytest.raises(grpc.RpcError) as raised:
+        channel.unary_unary(f"/{method}")(field_1, timeout=CALL_TIMEOUT_S, metadata=CREDENTIALS)
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()

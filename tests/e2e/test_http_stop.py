@@ -5,8 +5,12 @@ fall and come back together while Redis is away (docs/operations.md#failure-mode
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -156,3 +160,100 @@ def _fall_and_rise(answers: list[tuple[float, bool]]) -> tuple[float, float]:
     """When a probe first failed, and when it first succeeded after that."""
     fell = next(when for when, up in answers if not up)
     return fell, next(when for when, up in answers if when > fell and up)
+
+
+WAITING = 16  # non-streamed calls waiting when the stop begins: 4 run (TINY_SETTINGS), the rest queue
+ARRIVING = 6  # callers that keep calling while the stop begins
+
+
+def _outcome(url: str, body: dict) -> tuple[str, httpx.Response | Exception]:
+    """A call's answer, or how it failed without one: ("refused", ...) when no connection was
+    made (the server had stopped listening: the call never reached it), ("cut", ...) otherwise."""
+    try:
+        return "answered", _completion(url, body)
+    except httpx.ConnectError as error:
+        return "refused", error
+    except httpx.TransportError as error:
+        return "cut", error
+
+
+def _keep_calling(
+    url: str, body: dict, until: threading.Event
+) -> list[tuple[str, httpx.Response | Exception]]:
+    """Calls one after another until `until` is set or the server refuses connections."""
+    outcomes = []
+    while not until.is_set():
+        outcomes.append(_outcome(url, body))
+        if outcomes[-1][0] == "refused":
+            break
+    return outcomes
+
+
+def _recorded_job_ids(store: redis.Redis) -> set[str]:
+    prefix = job_key("")
+    ids = (key.decode().removeprefix(prefix) for key in store.scan_iter(match=job_key("*")))
+    return {job_id for job_id in ids if ":" not in job_id}
+
+
+def _answered_job_id(answer: httpx.Response) -> str | None:
+    """The job a call's answer names: a completion's id, or a handed-back call's 503 in OpenAI's
+    shape (JSON, Retry-After, the job's id in the message and in `expert_system`); None for the
+    503 of a call the stop cut off before its admission."""
+    if answer.status_code == 200:
+        return answer.json()["id"].removeprefix("cmpl-")
+    assert answer.status_code == 503, (
+        answer.status_code,
+        answer.headers.get("content-type"),
+        answer.text[:300],
+    )
+    assert answer.headers["content-type"] == "application/json", answer.text[:300]
+    assert int(answer.headers["Retry-After"]) >= 1
+    body = answer.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    if "expert_system" not in body:
+        assert "send it again" in body["error"]["message"], body
+        return None
+    job_id = body["expert_system"]["job_id"]
+    assert job_id in body["error"]["message"], body
+    return job_id
+
+
+@contextlib.contextmanager
+def _paused(store: redis.Redis):
+    """Redis stopped (SIGSTOP) for the block: every command waits, none fails."""
+    pid = store.info("server")["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stop_answers_every_admitted_http_caller_with_its_job_id_before_the_grace_ends(
+    tiny_stack, long_prompt
+):
+    """SIGTERM with no drain while 16 calls wait and 6 callers keep calling, with Redis paused
+    through the stop, so that no call's hand-back can read its job's state in time (what once left
+    one caller waiting when uvicorn's grace ran out, answered with a plain-text 500): every call
+    with a job is answered naming it (its result, or a JSON 503 with the id), the others with a
+    JSON 503 saying to send it again; none gets a 500 or is cut off with its job admitted."""
+    stack = tiny_stack(EXPERT_RECEPTION_DRAIN_SECONDS="0")
+    wait_ready(stack)
+    url = stack.http_url()
+    body = {"model": _model(url), "prompt": long_prompt, "max_tokens": LONG, "temperature": 0.0}
+    body["repetition_penalty"] = 1.0
+    store = redis.Redis.from_url(stack.redis_url)
+    stopped = threading.Event()
+    with ThreadPoolExecutor(WAITING + ARRIVING) as pool:
+        waiting = [pool.submit(_outcome, url, body) for _ in range(WAITING)]
+        _wait(lambda: len(_recorded_job_ids(store)) >= WAITING)
+        arriving = [pool.submit(_keep_calling, url, body, stopped) for _ in range(ARRIVING)]
+        _wait(lambda: len(_recorded_job_ids(store)) >= WAITING + ARRIVING)  # the arrivals are calling
+        with _paused(store):
+            stack.stop_service("reception")
+        stopped.set()
+        outcomes = [w.result(timeout=60) for w in waiting]
+        outcomes += [o for a in arriving for o in a.result(timeout=60)]
+    # A call cut off before it was admitted has no job to name; one admitted and cut would show here.
+    answered = {_answered_job_id(answer) for kind, answer in outcomes if kind == "answered"}
+    assert _recorded_job_ids(store) <= answered, _recorded_job_ids(store) - answered

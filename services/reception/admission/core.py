@@ -15,6 +15,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,9 @@ log = get_logger(__name__)
 DEFAULT_PRIORITY = 5
 MAX_JOB_ID_CHARS = 64  # ids are 32 hex digits; anything much longer is not worth a Redis lookup
 HANDED_BACK_RETRY_S = 1.0  # another reception answers at once (behind the same load balancer)
+# The job a call waits on in `result`, for a front that must answer the call without it: a stop that
+# cuts the call off names the job to follow elsewhere (http/calls.py).
+AWAITED_JOB: ContextVar[str | None] = ContextVar("expert_awaited_job", default=None)
 
 
 class Undecodable:
@@ -199,6 +203,7 @@ class Admission:
     async def result(self, job_id: str) -> common_pb2.InferenceResult:
         """Wait for an admitted job's result, as `infer` does (a session's turn admitted elsewhere,
         answered over HTTP, waits here too)."""
+        awaited = AWAITED_JOB.set(job_id)
         with bind_context(job_id=job_id):
             try:
                 async for event in self.follow(job_id, result_only=True):
@@ -208,6 +213,8 @@ class Admission:
             except asyncio.CancelledError:
                 self.cancel_in_background(job_id)
                 raise
+            finally:
+                AWAITED_JOB.reset(awaited)
         raise ServiceError(grpc.StatusCode.INTERNAL, f"job {job_id} ended without a result")
 
     async def stream(

@@ -1,7 +1,8 @@
 """The FastAPI app: the probes, `/v1/models`, the REST API's `/v1/infer` and `/v1/jobs` (rest.py),
 OpenAI's chat and completions endpoints (openai.py) and its Responses API (responses.py), all over
 the admission core (admission/core.py: admission, validation, the job record, the queue and the
-job's events), and OpenAI's Files API for training data (files.py); errors in OpenAI's shape."""
+job's events), and OpenAI's Files API for training data (files.py); errors in OpenAI's shape; the
+API's OpenAPI document at /openapi.json (openapi.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from services.reception.http.files import FILES_PATH, FileUploads, add_files_rou
 from services.reception.http.fine_tuning import add_fine_tuning_routes
 from services.reception.http.models import ServedModels
 from services.reception.http.openai import add_openai_routes
+from services.reception.http.openapi import OPENAPI_PATH, serve_openapi
 from services.reception.http.rejections import count_refusal
 from services.reception.http.response_store import ResponseStore
 from services.reception.http.responses import add_responses_routes
@@ -63,7 +65,8 @@ def create_app(
         title="Expert System",
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        # The API's description at /openapi.json (openapi.py), without a key, as vLLM serves it.
+        openapi_url=OPENAPI_PATH,
         # The API key of every /v1 call (the probes need none); nothing is checked without `auth`.
         dependencies=[Depends(authentication(auth, error_mapper))],
     )
@@ -86,6 +89,7 @@ def create_app(
         add_fine_tuning_routes(app, training, to_http_error)
     if files is not None:
         add_files_routes(app, files, to_http_error)
+    serve_openapi(app)
     return app
 
 

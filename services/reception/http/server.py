@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 
 import uvicorn
@@ -12,8 +13,14 @@ from fastapi import FastAPI
 from libs.config import ServerConfig
 from libs.grpc_server import StartupError
 from libs.logging import get_logger
+from services.reception.http.calls import cut_off
 
 log = get_logger(__name__)
+
+# uvicorn cancels the requests still running when its grace ends, and a cancelled call is answered
+# with a plain-text 500: the calls still waiting are cut off (calls.py) this long before that, and
+# answer with their job's id, which needs nothing but the call itself.
+ANSWER_MARGIN_S = 1.0
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -61,7 +68,7 @@ class HttpServer:
             lifespan="off",
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=max(1, round(self.grace_s)),
+            timeout_graceful_shutdown=math.ceil(self.grace_s + ANSWER_MARGIN_S),
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
@@ -73,11 +80,16 @@ class HttpServer:
         log.info("HTTP server started", port=self.port)
 
     async def stop(self) -> None:
-        """Stop accepting, let the requests in flight end (within the grace), close."""
+        """Stop accepting, let the requests in flight end within the grace, answer those still
+        waiting then (calls.py's cut-off), close."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            answer_the_rest = asyncio.get_running_loop().call_later(self.grace_s, cut_off(self.app).set)
+            try:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            finally:
+                answer_the_rest.cancel()
             self._server = self._task = None
         if self._socket is not None:
             self._socket.close()
