@@ -125,20 +125,20 @@ async def serve(
     public: bool = False,
 ) -> None:
     """Runs the gRPC server of `service` until SIGTERM or SIGINT (or until `stop` is set), then
-    stops gracefully and returns. `register(server)` adds the servicers and returns their full
-    service names (e.g. "expert.v1.RouterService"); health and reflection are added for them.
-    Once the server listens, `on_start` runs (cancelled if a stop comes first); it should mark the
-    service SERVING when ready. On stop: NOT_SERVING, no new RPCs, in-flight RPCs get `grace`
-    seconds to finish while `drain` (the service's own work in flight) runs beside them, then
-    `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
-    `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
-    INTERNAL). `auth` checks every call's credentials against the access the service declared for
-    its methods (libs.auth.policy); with auth off only the levels checked in every mode are (the key
-RPCs), and with None nothing is. When auth's config
-    has a TLS identity (EXPERT_TLS_*), the port is mutual TLS: a caller without a certificate from
-    the CA fails the handshake, before any call. A `public` port (reception's: clients prove
-    themselves with API keys) asks no certificate and stays plaintext (see
-    docs/operations.md#security). Raises StartupError when a port cannot be bound."""
+        stops gracefully and returns. `register(server)` adds the servicers and returns their full
+        service names (e.g. "expert.v1.RouterService"); health and reflection are added for them.
+        Once the server listens, `on_start` runs (cancelled if a stop comes first); it should mark the
+        service SERVING when ready. On stop: NOT_SERVING, no new RPCs, in-flight RPCs get `grace`
+        seconds to finish while `drain` (the service's own work in flight) runs beside them, then
+        `on_stop` runs (also after a failed `on_start`, so both must tolerate a partial start).
+        `error_mapper(exc)` may turn a non-ServiceError exception into a ServiceError (return None for
+        INTERNAL). `auth` checks every call's credentials against the access the service declared for
+        its methods (libs.auth.policy); with auth off only the levels checked in every mode are (the key
+    RPCs), and with None nothing is. When auth's config
+        has a TLS identity (EXPERT_TLS_*), the port is mutual TLS: a caller without a certificate from
+        the CA fails the handshake, before any call. A `public` port (reception's: clients prove
+        themselves with API keys) asks no certificate and stays plaintext (see
+        docs/operations.md#security). Raises StartupError when a port cannot be bound."""
     checker = AuthInterceptor(auth) if auth is not None and auth.enabled else None
     server = grpc.aio.server(
         interceptors=server_interceptors(service, error_mapper, checker), options=SERVER_OPTIONS

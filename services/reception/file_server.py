@@ -49,7 +49,6 @@ def file_proto(record: TrainingFile) -> files_pb2.TrainingFile:
     )
 
 
-
 def _file_id(request: object) -> str:
     file_id = parsed(request).file_id
     if not _FILE_ID.match(file_id):

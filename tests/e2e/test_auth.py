@@ -291,9 +291,7 @@ def _session_calls(sessions, session_id: str, metadata) -> dict[str, object]:
             timeout=10,
         ),
         "GenerateStream": lambda: list(
-            sessions.GenerateStream(
-                session_pb2.GenerateStreamRequest(**named), metadata=metadata, timeout=60
-            )
+            sessions.GenerateStream(session_pb2.GenerateStreamRequest(**named), metadata=metadata, timeout=60)
         ),
         "CancelGenerate": lambda: sessions.CancelGenerate(
             session_pb2.CancelGenerateRequest(**named), metadata=metadata, timeout=10

@@ -35,14 +35,17 @@ LAYERS: list[set[str]] = [
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 # What the engine library may use from the rest of libs/: settings, the limits of a request it
-# shares with the API, the expert package format and the structured output formats.
+# shares with the API, the expert package format and the projections adapters act on, the
+# structured output formats, and the one rule for text UTF-8 cannot hold.
 ENGINE_MAY_IMPORT = (
     "libs.config",
     "libs.limits",
     "libs.experts.manifest",
     "libs.experts.package",
+    "libs.experts.projections",
     "libs.experts.signing",
     "libs.structured_output",
+    "libs.utf8",
 )
 
 

@@ -122,7 +122,6 @@ def test_the_fixed_ceilings_hold_for_every_training_run():
             TrainSettings(**changes)
 
 
-
 def test_every_problem_of_a_spec_over_the_fixed_ceilings_is_named_at_once():
     with pytest.raises(SpecError) as refused:
         parse_spec(
