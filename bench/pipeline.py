@@ -12,7 +12,7 @@ gRPC hops add, and what streaming every token to the client adds on top.
 The stages are the job's InferenceMetrics: reception is the reception stage (validation,
 normalization, the job id); the enqueue that follows counts in the queue wait; router, preparation
 and postproc are measured inside those services. A stage passes when its p99 is within the budget.
-Tokens/s is the waves' generated tokens over their wall time; the target is 0.9x the peer at 32
+Tokens/s is the waves' generated tokens over their wall time; the target is 0.95x the peer at 32
 clients, for `infer` calls. Time to first token is, streamed through the stack, from the call to its
 first text chunk; in process, from the request's arrival to its first token.
 
@@ -45,7 +45,7 @@ BUDGETS_MS = {
     "postproc": (1.0, 10.0),
 }
 OVERHEAD_TARGET_MS = 15.0  # p50 at 1 client
-THROUGHPUT_TARGET = 0.9  # of the peer's tokens/s, at 32 clients
+THROUGHPUT_TARGET = 0.95  # of the peer's tokens/s, at 32 clients
 MAX_MODEL_LEN = 1024
 
 QUESTIONS = [
@@ -368,8 +368,11 @@ def main() -> None:
     direct = Direct(args.model, slots, args.max_tokens)
     figures, front_figures = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as logs:
+        # As `make run` starts it: the trainer too (idle, it still heartbeats and polls Redis).
         stack = LocalStack.on_free_ports(
-            Path(logs), env=stack_env(args.model, args.threads, max(slots, *args.front_clients))
+            Path(logs),
+            env=stack_env(args.model, args.threads, max([slots, *args.front_clients])),
+            trainer=True,
         )
         stack.start(timeout=600)
         try:
