@@ -16,7 +16,7 @@ Both servers get the same threads, the same most sequences at once and the same 
 
 Printed: one table per endpoint, with requests/s, output tok/s, TTFT p50/p99 and ITL p50/p99 per
 rate, ours (per weight type) and vLLM's, and the ratios: throughput ours/vLLM (higher is better),
-latency vLLM/ours (higher is better too). The targets (docs/operations.md#serving-benchmark): at
+latency vLLM/ours (higher is better too). The targets (docs/operations.md#benchmarks): at
 rate inf, our float32 output tok/s >= 1.5x vLLM-CPU's; at rate 1, our TTFT p50 <= vLLM-CPU's.
 
     python bench/vllm_cpu_peer.py --setup /tmp/vllm-venv     # once
