@@ -48,6 +48,10 @@ WRITE_PATIENCE_S = 30.0
 # With the texts kept out of Redis, how long a finished job's streams still hold them: the
 # followers of a job (Infer, InferStream) read its result as it is written, or reconnect within this.
 FOLLOWER_GRACE_S = 60
+# How long a follower waits on a silent job before it checks that the record still exists. Each
+# waiting caller costs a read and a check per period: at one second that was a third of reception's
+# Redis commands per job under load, for records that expire after hours.
+FOLLOW_CHECK_MS = 10_000
 FINAL = (
     common_pb2.JOB_STATUS_COMPLETED,
     common_pb2.JOB_STATUS_FAILED,
@@ -285,8 +289,10 @@ class JobStore:
         audit: AuditLog | None = None,
         limiter: KeyLimiter | None = None,
         follower_grace_s: int = FOLLOWER_GRACE_S,
+        follow_check_ms: int = FOLLOW_CHECK_MS,
     ) -> None:
         self.redis = redis
+        self.follow_check_ms = follow_check_ms
         # Charged, when a job ends, with the tokens it generated for its API key (one owner of the
         # tokens-per-minute count, whoever ends the job).
         self.limiter = limiter
@@ -500,10 +506,10 @@ class JobStore:
         """The job's events (job_events.py), from the first, as they are written: status changes,
         choice deltas, restarts and the result. With `result_only`, only the result, read from its
         own stream (one wake-up per job instead of one per token). Raises JobExpired when the
-        record is gone."""
+        record is gone (looked at after each `follow_check_ms` without an event)."""
         key, last = (result_key(job_id) if result_only else events_key(job_id)), b"0-0"
         while True:
-            batches = await self.redis.xread({key: last}, block=1000, count=256)
+            batches = await self.redis.xread({key: last}, block=self.follow_check_ms, count=256)
             if not batches and not await self.redis.exists(job_key(job_id)):
                 raise JobExpired(job_id)
             for _, entries in batches:

@@ -154,6 +154,7 @@ def test_following_a_job_yields_its_events_in_order_or_only_its_result(clean_red
 
 def test_following_a_job_whose_record_expired_says_so(clean_redis_url):
     async def scenario(redis, jobs):
+        jobs.follow_check_ms = 200  # the record is looked at after this long without an event
         await jobs.create("gone", common_pb2.InferenceRequest(prompt="hi"), priority=5)
         await redis.delete(job_key("gone"), events_key("gone"))
         with pytest.raises(JobExpired):
