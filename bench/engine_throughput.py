@@ -157,6 +157,41 @@ def resident_memory(model_dir: str, quantization: str | None) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llama_cpp_gguf(mode: str) -> dict[str, str]:
+    """The GGUF llama.cpp measures for our `mode` (none/int8/int4) at the same bits: the job fields
+    `source` (the default model's Q4_1 file), `target` (where llama_cpp_peer.make_gguf caches the
+    requantized copy; the source itself for Q4_1) and `type`."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from tools.expertctl.model_cmd import default_gguf_path
+
+    source = default_gguf_path()
+    type_name = LLAMA_CPP_TYPE[mode]
+    target = (
+        source
+        if type_name == "Q4_1"
+        else root / "data/bench/llama-cpp" / f"SmolLM2-135M-Instruct.{type_name}.gguf"
+    )
+    return {"source": str(source), "target": str(target), "type": type_name}
+
+
+def run_llama_cpp(venv: Path, script: str, job: dict) -> dict:
+    """`venv`'s python running bench/`script` on `job` (a JSON file); the last line it prints, parsed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), str(Path(__file__).parent / script), f.name],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise SystemExit(f"{script} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def llama_cpp_peer(
     venv: Path,
     mode: str,
@@ -167,38 +202,15 @@ def llama_cpp_peer(
     repeats: int,
 ) -> dict[str, float]:
     """llama.cpp on the same weights, run by bench/llama_cpp_peer.py in `venv`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tools.expertctl.model_cmd import default_gguf_path
-
-    source = default_gguf_path()
-    type_name = LLAMA_CPP_TYPE[mode]
-    target = (
-        source
-        if type_name == "Q4_1"
-        else Path("data/bench/llama-cpp") / f"SmolLM2-135M-Instruct.{type_name}.gguf"
-    )
-    job = {
-        "source": str(source),
-        "target": str(target),
-        "type": type_name,
+    gguf = llama_cpp_gguf(mode)
+    job = gguf | {
         "prompt": prompt,
         "new_tokens": new_tokens,
         "repeats": repeats,
         "threads": threads,
         "windows": windows,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    try:
-        out = subprocess.run(
-            [str(venv / "bin" / "python"), str(Path(__file__).parent / "llama_cpp_peer.py"), f.name],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        os.unlink(f.name)
-    return json.loads(out.stdout.strip().splitlines()[-1]) | {"type": type_name}
+    return run_llama_cpp(venv, "llama_cpp_peer.py", job) | {"type": gguf["type"]}
 
 
 class VllmCpuPeer:
