@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -140,10 +141,10 @@ def vllm_server(
             process.wait()
 
 
-def write_workload(model: Path, count: int, min_tokens: int, max_tokens: int, seed: int, path: Path) -> None:
-    """`count` prompts of uniformly random length in [min_tokens, max_tokens], each of random tokens
-    of the model's vocabulary that are neither special nor decode to a control character, as the
-    JSONL of vllm bench serve's custom dataset."""
+@functools.cache
+def drawable_tokens(model: Path):
+    """The model's tokenizer and the ids of its vocabulary that are neither special nor decode to a
+    control character (found once: every run of the bench draws from them)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -154,6 +155,13 @@ def write_workload(model: Path, count: int, min_tokens: int, max_tokens: int, se
         if tokenizer.id_to_token(i) not in special
         and not any(unicodedata.category(c) == "Cc" for c in tokenizer.decode([i]))
     ]
+    return tokenizer, allowed
+
+
+def write_workload(model: Path, count: int, min_tokens: int, max_tokens: int, seed: int, path: Path) -> None:
+    """`count` prompts of uniformly random length in [min_tokens, max_tokens], each of random
+    drawable tokens (drawable_tokens), as the JSONL of vllm bench serve's custom dataset."""
+    tokenizer, allowed = drawable_tokens(model)
     draw = random.Random(seed)
     with path.open("w") as out:
         for _ in range(count):
