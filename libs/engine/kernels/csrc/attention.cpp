@@ -9,15 +9,16 @@
 // dot product, softmax and weighted sum whatever the batch, the chunking or the query's
 // neighbours: a token's attention output is bitwise the same in prefill, chunked prefill, decode
 // and recompute after preemption. A work item takes the query heads that share a KV head together,
-// block by block, so each block of keys and values is read from memory once for all of them; that
-// and prefetching the block two ahead made decode attention about 20 % faster than one head at a
-// time (32 sequences of 192 tokens, default model), with the same bits. Prefetching each thread's
+// and in prefill up to kQueryTile consecutive queries with them, block by block, so each block of
+// keys and values is read from memory once for all of them; that and prefetching the block two
+// ahead made decode attention about 20 % faster than one head at a time (32 sequences of 192
+// tokens, default model), with the same bits. Prefetching each thread's
 // blocks as one stream (BlockStream), a line at a time behind the arithmetic, took the same
 // decode attention from 0.74 to about 0.47 ms a layer with the cache in memory.
 //
 // An int8 cache (kv_int8.h: codes and a scale per token row) is read directly: a block's codes are
-// widened to float once, into a block-sized scratch that stays in L1 for the query heads sharing
-// the KV head, and go through the same dot products as float rows; a key's scale multiplies its
+// widened to float once, into a block-sized scratch that stays in L1 for the work item's rows (its
+// queries' heads sharing the KV head), and go through the same dot products as float rows; a key's scale multiplies its
 // finished dot product and a value's scale its softmax weight. Nothing beyond one block is ever
 // dequantized, and a block moves a quarter of the float cache's bytes from memory. Widening a block
 // once per group rather than inside each head's dot products made int8 decode attention about 20 %
@@ -119,25 +120,32 @@ struct LinePrefetcher {
   inline void finish() { issue(1 << 30); }
 };
 
-// Query rows of the G heads that share kv_head, for one token: q and out are [G][D], scores is
-// [G][stride], maxima and sums [G] (scratch). Each head's numbers are computed exactly as alone:
-// its dot products, running max, exponentials, sum and weighted sum of V, keys in ascending order.
-// Interleaving the heads block by block only changes when they run: each block of K and V is read
-// from memory once for the group, while it is in L1, and the block kAhead ahead in the thread's
-// stream is prefetched behind the work on this one.
+// The query rows of one work item: nq consecutive queries of one sequence, each with the G heads
+// that share kv_head. Query qi sees the first num_keys - (nq - 1 - qi) keys, where num_keys is the
+// stream's (the last query's). q and out hold a query's G rows at [G][D], one query every
+// `token_stride` floats; scores is [nq * G][stride], maxima and sums [nq * G] (scratch).
+//
+// Each row's numbers are computed exactly as alone: its dot products, running max, exponentials,
+// sum and weighted sum of V, keys in ascending order, blocks and eight-key steps cut where they
+// would be for that row alone. Interleaving the rows block by block only changes when they run:
+// each block of K and V is read from memory, and an int8 block widened, once for the whole item
+// (up to kQueryTile queries x G heads) while it is in L1, and the block kAhead ahead in the
+// thread's stream is prefetched behind the work on this one.
 //
 // With an int8 cache each block is widened once into `scratch` ([block_size][D]) and `row_scales`
 // ([block_size]); a key's scale multiplies its dot product, a value's scale its softmax weight.
 template <int D, typename T>
-void attend_group(const float* q, int64_t G, const BlockStream<T>& stream, bool prime, float scale, float* scores,
-                  int64_t stride, float* maxima, float* sums, float* out, float* scratch, float* row_scales) {
+void attend_rows(const float* q, int64_t nq, int64_t G, int64_t token_stride, const BlockStream<T>& stream,
+                 bool prime, float scale, float* scores, int64_t stride, float* maxima, float* sums, float* out,
+                 float* scratch, float* row_scales) {
   constexpr int C = D / kLanes;
   constexpr int64_t kAhead = BlockStream<T>::kAhead;
   const CacheView<T>& cache = *stream.cache;
-  const int64_t kv_head = stream.kv_head, num_keys = stream.num_keys;
+  const int64_t kv_head = stream.kv_head, num_keys = stream.num_keys, rows = nq * G;
   const int64_t bs = cache.block_size, row = cache.row, n = BlockStream<T>::blocks(num_keys, bs);
   const int64_t block_bytes = stream.block_bytes();
-  for (int64_t g = 0; g < G; ++g) maxima[g] = -std::numeric_limits<float>::infinity();
+  auto keys_of = [&](int64_t qi) { return num_keys - (nq - 1 - qi); };
+  for (int64_t r = 0; r < rows; ++r) maxima[r] = -std::numeric_limits<float>::infinity();
   LinePrefetcher ahead;
   // The first call of a thread starts its stream; later calls were prefetched by the one before.
   if (prime)
@@ -146,107 +154,118 @@ void attend_group(const float* q, int64_t G, const BlockStream<T>& stream, bool 
       ahead.finish();
     }
   for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
-    const int64_t j1 = std::min(num_keys, j0 + bs);
     ahead.finish();
     ahead.start(stream.address(j0 / bs + kAhead), block_bytes);
-    const float* block = block_rows<D>(cache.k + cache.offset(kv_head, j0), j1 - j0, row, scratch, row_scales);
-    for (int64_t g = 0; g < G; ++g) {
-      Vec qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = Vec::load(q + g * D + c * kLanes);
-      float* s = scores + g * stride;
-      float m = maxima[g];
-      const float* k = block;
-      int64_t j = j0;
-      // Eight keys at a time: the same chain per key, summed by hsum8 (bitwise hsum).
-      for (; j + kLanes <= j1; j += kLanes, k += kLanes * D) {
-        Vec acc[kLanes];
-        for (int t = 0; t < kLanes; ++t) acc[t] = Vec::zero();
-        for (int c = 0; c < C; ++c) {
-          ahead.issue(1);
-          for (int t = 0; t < kLanes; ++t) acc[t] = Vec::fma(qv[c], Vec::load(k + t * D + c * kLanes), acc[t]);
+    const float* block =
+        block_rows<D>(cache.k + cache.offset(kv_head, j0), std::min(num_keys, j0 + bs) - j0, row, scratch, row_scales);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t j1 = std::min(keys_of(qi), j0 + bs);
+      for (int64_t g = 0; g < G; ++g) {
+        Vec qv[C];
+        const float* qrow = q + qi * token_stride + g * D;
+        for (int c = 0; c < C; ++c) qv[c] = Vec::load(qrow + c * kLanes);
+        float* s = scores + (qi * G + g) * stride;
+        float m = maxima[qi * G + g];
+        const float* k = block;
+        int64_t j = j0;
+        // Eight keys at a time: the same chain per key, summed by hsum8 (bitwise hsum).
+        for (; j + kLanes <= j1; j += kLanes, k += kLanes * D) {
+          Vec acc[kLanes];
+          for (int t = 0; t < kLanes; ++t) acc[t] = Vec::zero();
+          for (int c = 0; c < C; ++c) {
+            ahead.issue(1);
+            for (int t = 0; t < kLanes; ++t) acc[t] = Vec::fma(qv[c], Vec::load(k + t * D + c * kLanes), acc[t]);
+          }
+          Vec dots = hsum8(acc);
+          if constexpr (kQuantized<T>) dots = dots * Vec::load(row_scales + (j - j0));
+          (dots * Vec::broadcast(scale)).store(s + j);
+          for (int t = 0; t < kLanes; ++t) m = s[j + t] > m ? s[j + t] : m;
         }
-        Vec dots = hsum8(acc);
-        if constexpr (kQuantized<T>) dots = dots * Vec::load(row_scales + (j - j0));
-        (dots * Vec::broadcast(scale)).store(s + j);
-        for (int t = 0; t < kLanes; ++t) m = s[j + t] > m ? s[j + t] : m;
+        for (; j < j1; ++j, k += D) {
+          Vec acc = Vec::zero();
+          for (int c = 0; c < C; ++c) acc = Vec::fma(qv[c], Vec::load(k + c * kLanes), acc);
+          float dot = hsum(acc);
+          if constexpr (kQuantized<T>) dot *= row_scales[j - j0];
+          s[j] = dot * scale;
+          m = s[j] > m ? s[j] : m;
+        }
+        maxima[qi * G + g] = m;
       }
-      for (; j < j1; ++j, k += D) {
-        Vec acc = Vec::zero();
-        for (int c = 0; c < C; ++c) acc = Vec::fma(qv[c], Vec::load(k + c * kLanes), acc);
-        float dot = hsum(acc);
-        if constexpr (kQuantized<T>) dot *= row_scales[j - j0];
-        s[j] = dot * scale;
-        m = s[j] > m ? s[j] : m;
-      }
-      maxima[g] = m;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * stride;
-    const Vec vm = Vec::broadcast(maxima[g]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t keys = keys_of(r / G);
+    float* s = scores + r * stride;
+    const Vec vm = Vec::broadcast(maxima[r]);
     Vec vsum = Vec::zero();
     int64_t j = 0;
-    for (; j + kLanes <= num_keys; j += kLanes) {
+    for (; j + kLanes <= keys; j += kLanes) {
       const Vec e = exp(Vec::load(s + j) - vm);
       e.store(s + j);
       vsum = vsum + e;
     }
     float sum = hsum(vsum);
-    for (; j < num_keys; ++j) {
-      s[j] = exp_scalar(s[j] - maxima[g]);
+    for (; j < keys; ++j) {
+      s[j] = exp_scalar(s[j] - maxima[r]);
       sum += s[j];
     }
-    sums[g] = sum;
+    sums[r] = sum;
   }
-  // Each head's weighted sum continues block to block through `out` (stored and reloaded exactly).
+  // Each row's weighted sum continues block to block through `out` (stored and reloaded exactly).
   for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
-    const int64_t j1 = std::min(num_keys, j0 + bs);
     ahead.finish();
     ahead.start(stream.address(n + j0 / bs + kAhead), block_bytes);
-    const float* block = block_rows<D>(cache.v + cache.offset(kv_head, j0), j1 - j0, row, scratch, row_scales);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = scores + g * stride;
-      Vec o[C];
-      for (int c = 0; c < C; ++c) o[c] = j0 == 0 ? Vec::zero() : Vec::load(out + g * D + c * kLanes);
-      const float* v = block;
-      for (int64_t jj = j0; jj < j1; ++jj, v += D) {
-        float weight = s[jj];
-        if constexpr (kQuantized<T>) weight *= row_scales[jj - j0];
-        const Vec p = Vec::broadcast(weight);
-        ahead.issue(2);
-        for (int c = 0; c < C; ++c) o[c] = Vec::fma(p, Vec::load(v + c * kLanes), o[c]);
+    const float* block =
+        block_rows<D>(cache.v + cache.offset(kv_head, j0), std::min(num_keys, j0 + bs) - j0, row, scratch, row_scales);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t j1 = std::min(keys_of(qi), j0 + bs);
+      if (j1 <= j0) continue;  // this query's keys ended in an earlier block
+      for (int64_t g = 0; g < G; ++g) {
+        const float* s = scores + (qi * G + g) * stride;
+        float* orow = out + qi * token_stride + g * D;
+        Vec o[C];
+        for (int c = 0; c < C; ++c) o[c] = j0 == 0 ? Vec::zero() : Vec::load(orow + c * kLanes);
+        const float* v = block;
+        for (int64_t jj = j0; jj < j1; ++jj, v += D) {
+          float weight = s[jj];
+          if constexpr (kQuantized<T>) weight *= row_scales[jj - j0];
+          const Vec p = Vec::broadcast(weight);
+          ahead.issue(2);
+          for (int c = 0; c < C; ++c) o[c] = Vec::fma(p, Vec::load(v + c * kLanes), o[c]);
+        }
+        for (int c = 0; c < C; ++c) o[c].store(orow + c * kLanes);
       }
-      for (int c = 0; c < C; ++c) o[c].store(out + g * D + c * kLanes);
     }
   }
   ahead.finish();
-  for (int64_t g = 0; g < G; ++g) {
-    const Vec vs = Vec::broadcast(sums[g]);
-    for (int c = 0; c < C; ++c) (Vec::load(out + g * D + c * kLanes) / vs).store(out + g * D + c * kLanes);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Vec vs = Vec::broadcast(sums[r]);
+    float* orow = out + (r / G) * token_stride + (r % G) * D;
+    for (int c = 0; c < C; ++c) (Vec::load(orow + c * kLanes) / vs).store(orow + c * kLanes);
   }
 }
 
 template <typename T>
-using GroupFn = void (*)(const float*, int64_t, const BlockStream<T>&, bool, float, float*, int64_t, float*, float*,
-                         float*, float*, float*);
+using RowsFn = void (*)(const float*, int64_t, int64_t, int64_t, const BlockStream<T>&, bool, float, float*, int64_t,
+                        float*, float*, float*, float*, float*);
 
 template <typename T>
-GroupFn<T> group_function(int64_t head_dim) {
+RowsFn<T> rows_function(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend_group<16, T>;
-    case 32: return attend_group<32, T>;
-    case 64: return attend_group<64, T>;
-    case 80: return attend_group<80, T>;
-    case 96: return attend_group<96, T>;
-    case 128: return attend_group<128, T>;
-    case 256: return attend_group<256, T>;
+    case 16: return attend_rows<16, T>;
+    case 32: return attend_rows<32, T>;
+    case 64: return attend_rows<64, T>;
+    case 80: return attend_rows<80, T>;
+    case 96: return attend_rows<96, T>;
+    case 128: return attend_rows<128, T>;
+    case 256: return attend_rows<256, T>;
     default: return nullptr;
   }
 }
 
 }  // namespace
 
-bool paged_attention_supports(int64_t head_dim) { return group_function<float>(head_dim) != nullptr; }
+bool paged_attention_supports(int64_t head_dim) { return rows_function<float>(head_dim) != nullptr; }
 
 namespace {
 
@@ -255,7 +274,7 @@ template <typename T>
 void attend_items(const std::vector<WorkItem>& items, const float* pq, float* po, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int32_t* pbt, const int32_t* plen, const int32_t* pqsl,
                   int64_t Hq, int64_t D, int64_t max_blocks, int64_t max_len, float scale) {
-  const GroupFn<T> attend = group_function<T>(D);
+  const RowsFn<T> attend = rows_function<T>(D);
   TORCH_CHECK(attend != nullptr, "paged_attention: unsupported head_dim ", D);
   const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2), row = k_cache.size(3), group = Hq / Hkv;
   const T* kc = k_cache.data_ptr<T>();
@@ -267,35 +286,31 @@ void attend_items(const std::vector<WorkItem>& items, const float* pq, float* po
   const int64_t run = std::max<int64_t>(1, std::min<int64_t>(kItemsPerTake, count / (at::get_num_threads() * 4)));
   parallel_runs(count, run, [&](const auto& next) {
     const int64_t stride = std::max<int64_t>(max_len, 1);
-    std::vector<float> scores(group * stride), maxima(group), sums(group);
-    // An int8 block widened for the group (unused with a float cache).
-    std::vector<float> scratch(kQuantized<T> ? block_size * D : 0), row_scales(kQuantized<T> ? block_size : 0);
-    // Keys seen by query qi of item i: its position + 1.
-    auto keys_of = [&](const WorkItem& it, int64_t qi) -> int64_t {
-      return plen[it.seq] - (pqsl[it.seq + 1] - pqsl[it.seq]) + qi + 1;
+    const int64_t rows = group * kQueryTile;
+    std::vector<float> scores(rows * stride), maxima(rows), sums(rows);
+    // An int8 block widened for the item's rows (unused with a float cache).
+    // Aligned to a cache line as the cache's own rows are: a misaligned scratch made every other
+    // 32-byte load straddle two lines.
+    std::vector<float> scratch_store(kQuantized<T> ? block_size * D + 16 : 0), row_scales(kQuantized<T> ? block_size : 0);
+    float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_store.data()) + 63) & ~uintptr_t{63});
+    // Keys seen by the last query of item i: its position + 1.
+    auto keys_of = [&](const WorkItem& it) -> int64_t {
+      return plen[it.seq] - (pqsl[it.seq + 1] - pqsl[it.seq]) + it.q_end;
     };
     auto view_of = [&](const WorkItem& it) -> CacheView<T> {
       return {kc, vc, pbt + it.seq * max_blocks, Hkv, block_size, row};
     };
     for (int64_t i0, i1; next(i0, i1);) {
-      bool prime = true;
       for (int64_t i = i0; i < i1; ++i) {
         const WorkItem& it = items[i];
         const CacheView<T> cache = view_of(it);
         const CacheView<T> next_cache = i + 1 < i1 ? view_of(items[i + 1]) : cache;
-        for (int64_t qi = it.q_begin; qi < it.q_end; ++qi) {
-          const int64_t token = pqsl[it.seq] + qi;
-          const int64_t h = it.kv_head * group;
-          // The next call: this item's next query, or the next item's first.
-          BlockStream<T> stream{&cache, it.kv_head, keys_of(it, qi), nullptr, 0, 0};
-          if (qi + 1 < it.q_end) stream = {&cache, it.kv_head, keys_of(it, qi), &cache, it.kv_head, keys_of(it, qi + 1)};
-          else if (i + 1 < i1)
-            stream = {&cache, it.kv_head, keys_of(it, qi), &next_cache, items[i + 1].kv_head,
-                      keys_of(items[i + 1], items[i + 1].q_begin)};
-          attend(pq + (token * Hq + h) * D, group, stream, prime, scale, scores.data(), stride, maxima.data(),
-                 sums.data(), po + (token * Hq + h) * D, scratch.data(), row_scales.data());
-          prime = false;
-        }
+        // The next call is the next item's, if this run has one.
+        BlockStream<T> stream{&cache, it.kv_head, keys_of(it), nullptr, 0, 0};
+        if (i + 1 < i1) stream = {&cache, it.kv_head, keys_of(it), &next_cache, items[i + 1].kv_head, keys_of(items[i + 1])};
+        const int64_t offset = ((pqsl[it.seq] + it.q_begin) * Hq + it.kv_head * group) * D;
+        attend(pq + offset, it.q_end - it.q_begin, group, Hq * D, stream, i == i0, scale, scores.data(), stride,
+               maxima.data(), sums.data(), po + offset, scratch, row_scales.data());
       }
     }
   });
