@@ -16,7 +16,11 @@ Graphs without experts are captured at start-up for every size. A step with expe
 graph of its adapter key set (which projections carry LoRA or IA³ entries), captured on first use;
 entries index the pools through CSR tensors in the region, so any adapters fit the same graph as
 long as a row has at most `ENTRIES_PER_ROW` entries per projection. When the pools are reallocated
-(they grow by doubling), the expert graphs are captured again.
+(they grow by doubling), every expert graph of the older pools is dropped (it no longer counts
+toward `VARIANTS_PER_SIZE`) and each key set is captured again on its next use.
+
+A capture that fails for any reason (an operator that cannot be captured, a Triton compile error)
+logs a warning and leaves that size and key set eager; the engine starts regardless.
 
 Where no graph can run (the CPU, or `cuda_graphs="on"` there for tests), the same regions,
 layouts and padding are used and the step runs eagerly over them: the bookkeeping is one code path.
@@ -93,7 +97,8 @@ class DecodeGraphs:
         self.adapter_generation = adapter_generation
         self.steps: dict[tuple[int, Keys], CapturedStep] = {}
         self.failed: set[tuple[int, Keys]] = set()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.recorder: GraphRecorder | None = CudaGraphRecorder(device) if capture else None
+        self._generation = adapter_generation()  # the pools' generation the expert steps were made over
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -117,10 +122,9 @@ class DecodeGraphs:
     def get(self, size: int, keys: Keys) -> CapturedStep | None:
         """The step for (size, keys), captured now if it is not yet; None where it cannot be."""
         key = (size, keys)
+        if keys:
+            self._drop_stale()
         step = self.steps.get(key)
-        if step is not None and keys and step.adapter_generation != self.adapter_generation():
-            del self.steps[key]  # captured over pool tensors that were since reallocated
-            step = None
         if step is not None:
             return step
         if key in self.failed:
@@ -150,32 +154,93 @@ class DecodeGraphs:
             step.logits = self.forward(step, plan)
         return step.logits
 
+    def _drop_stale(self) -> None:
+        """Forget every expert step made over pool tensors that were since reallocated, so that the
+        key sets in use now can be captured in their place."""
+        generation = self.adapter_generation()
+        if generation == self._generation:
+            return
+        self._generation = generation
+        for key in [
+            k for k, step in self.steps.items() if step.keys and step.adapter_generation != generation
+        ]:
+            del self.steps[key]
+        self.failed = {key for key in self.failed if not key[1]}
+
     def _capture(self, step: CapturedStep) -> bool:
+        recorder = self.recorder
         started = time.monotonic()
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
         try:
-            # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward(step, None)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step.logits = self.forward(step, None)
-            step.graph = graph
-        except RuntimeError as exc:  # an operator that cannot be captured: this size runs eagerly
+            recorder.synchronize()
+            before = recorder.reserved_bytes()
+            step.graph, step.logits = recorder.record(lambda: self.forward(step, None))
+            recorder.synchronize()
+        # Any exception: a Triton compile error is not a RuntimeError, and a size that cannot be
+        # captured must leave the engine running, eagerly at that size.
+        except Exception as exc:
+            step.graph, step.logits = None, None
             log.warning("decode graph of size %d (experts %s) not captured: %s", step.size, step.keys, exc)
+            recorder.settle()
             return False
-        finally:
-            torch.cuda.synchronize(self.device)
         self.capture_seconds += time.monotonic() - started
-        self.capture_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.capture_bytes += max(0, recorder.reserved_bytes() - before)
         if step.keys:
             log.info("captured the decode graph of size %d for experts on %s", step.size, step.keys)
         return True
+
+
+class GraphRecorder:
+    """What capturing needs from the device: the CUDA implementation below, or a test's stand-in."""
+
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Wait for the device after a failed capture, without raising again."""
+        raise NotImplementedError
+
+    def reserved_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class CudaGraphRecorder(GraphRecorder):
+    """Records a step in a CUDA graph, every graph in one memory pool (the smaller sizes, captured
+    after the largest, reuse its memory)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call from another thread (the tokenizer's, a logger's) during the
+        # capture neither fails it nor is captured into it.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = forward()
+        return graph, logits
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def settle(self) -> None:
+        # A failed capture's error can surface again at the next synchronize; it has been logged.
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            log.warning("synchronizing after a failed capture: %s", exc)
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
 
 
 def _fill_idle(step: CapturedStep) -> None:

@@ -7,10 +7,19 @@ buffer; the runner fills the host side through numpy views, `send` moves the use
 device in one asynchronous copy from pinned memory, and the model reads typed views of the device
 side. On the CPU the host buffer is the device buffer and nothing is copied.
 
-Both buffers grow (by doubling) when a step needs more; nothing keeps a view past its step, so a
-reallocation is safe. Graph-captured steps copy the model's part into a region of their own
-(`cuda_graphs.py`), which never moves. The host buffer is rewritten only after the previous step's
-sampled tokens came back, which waits for every copy issued before them.
+**A host buffer is never rewritten before the copy that reads it has run.** An asynchronous copy
+reads the pinned buffer when the stream reaches it, which may be after the host has moved on: a
+step that samples nothing returns without waiting for the device, so the next step's staging would
+otherwise zero and refill the buffer under a copy still queued behind the previous step's work
+(wrong token ids, positions and slots for the third chunk of a long prompt on an idle server).
+So the host side is two buffers used in turn, each copy records an event, and staging into a
+buffer first waits for that buffer's last copy. With two buffers the wait is for the copy of two
+steps ago, which a step that sampled anything has already waited past, so it costs nothing there.
+
+Both sides grow (by doubling) when a step needs more; nothing keeps a view past its step, so a
+reallocation is safe (a host buffer is replaced only after its last copy has run; the device
+buffer's old storage is freed in stream order). Graph-captured steps copy the model's part into a
+region of their own (`cuda_graphs.py`), which never moves.
 """
 
 from __future__ import annotations
@@ -81,33 +90,69 @@ class Layout:
         }
 
 
-class StagingBuffers:
-    """A pinned host byte buffer and its device mirror (the same buffer on the CPU)."""
+class StreamCopies:
+    """Host-to-device copies queued on the current CUDA stream, each with an event recorded after it."""
 
-    def __init__(self, device: torch.device, initial_bytes: int = 1 << 16) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def wait(self, done: torch.cuda.Event) -> None:
+        done.synchronize()
+
+
+HOST_BUFFERS = 2  # used in turn: one being filled while the other's copy may still be queued
+
+
+class StagingBuffers:
+    """Pinned host byte buffers used in turn and their device mirror (on the CPU, one buffer that is
+    both). `copies` issues the host-to-device copies and waits for them: the CUDA stream's by
+    default; tests pass a stream of their own that runs copies late."""
+
+    def __init__(
+        self, device: torch.device, initial_bytes: int = 1 << 16, copies: StreamCopies | None = None
+    ) -> None:
         self.device = device
-        self.on_host = device.type == "cpu"
-        self.host = self._host_buffer(initial_bytes)
+        self.on_host = device.type == "cpu" and copies is None
+        self.copies = copies if copies is not None else (None if self.on_host else StreamCopies())
+        turns = 1 if self.on_host else HOST_BUFFERS
+        self._hosts = [self._host_buffer(initial_bytes) for _ in range(turns)]
+        self._pending: list[object | None] = [None] * turns  # each buffer's last copy, until waited for
+        self._turn = 0
         self.dev = self.host if self.on_host else torch.empty(initial_bytes, dtype=torch.uint8, device=device)
         # Views by layout key, made once per layout and buffer: building a dozen views costs more
         # host time than filling them.
-        self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
+        self._host_views: list[dict[tuple, dict[str, np.ndarray]]] = [{} for _ in range(turns)]
         self._dev_views: dict[tuple, dict[str, torch.Tensor]] = {}
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host buffer of the step being staged."""
+        return self._hosts[self._turn]
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         pin = not self.on_host and torch.cuda.is_available()
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def stage(self, layout: Layout) -> dict[str, np.ndarray]:
-        """Numpy views of `layout` in the host buffer (grown to hold it), zeroed."""
+        """Numpy views of `layout` in the next host buffer (grown to hold it), zeroed, once the copy
+        that last read that buffer has run."""
+        if not self.on_host:
+            self._turn = (self._turn + 1) % len(self._hosts)
+            pending = self._pending[self._turn]
+            if pending is not None:
+                self.copies.wait(pending)
+                self._pending[self._turn] = None
         if layout.nbytes > self.host.numel():
-            self.host = self._host_buffer(max(layout.nbytes, 2 * self.host.numel()))
-            self._host_views.clear()
+            self._hosts[self._turn] = self._host_buffer(max(layout.nbytes, 2 * self.host.numel()))
+            self._host_views[self._turn].clear()
             if self.on_host:
                 self.dev = self.host
                 self._dev_views.clear()
         self.host[: layout.nbytes].zero_()
-        return _cached(self._host_views, layout, lambda: layout.numpy_views(self.host))
+        return _cached(self._host_views[self._turn], layout, lambda: layout.numpy_views(self.host))
 
     def send(self, layout: Layout) -> dict[str, torch.Tensor]:
         """Copy the staged prefix to the device (one asynchronous copy) and return typed views of it."""
@@ -117,7 +162,9 @@ class StagingBuffers:
                     max(layout.nbytes, 2 * self.dev.numel()), dtype=torch.uint8, device=self.device
                 )
                 self._dev_views.clear()
-            self.dev[: layout.nbytes].copy_(self.host[: layout.nbytes], non_blocking=True)
+            self._pending[self._turn] = self.copies.copy(
+                self.dev[: layout.nbytes], self.host[: layout.nbytes]
+            )
         return _cached(self._dev_views, layout, lambda: layout.tensor_views(self.dev))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from libs.engine import LLMEngine, SamplingParams
-from libs.engine.cuda_graphs import DECODE_SIZES, DecodeGraphs, decode_sizes
+from libs.engine.cuda_graphs import DECODE_SIZES, VARIANTS_PER_SIZE, DecodeGraphs, GraphRecorder, decode_sizes
 from libs.engine.staging import Layout
 from tests.helpers.experts import Publisher
 from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
@@ -168,6 +168,71 @@ def test_pool_growth_captures_the_expert_steps_again():
     assert graphs.get(2, keys) is not first
     base = graphs.get(2, ())
     assert graphs.get(2, ()) is base  # steps without experts read no pool
+
+
+def _small_layout(size, keys):
+    layout = Layout()
+    layout.add("input_ids", torch.int64, size)
+    layout.add("query_start_loc", torch.int32, size + 1)
+    layout.add("seq_lens", torch.int32, size)
+    layout.add("slot_mapping", torch.int64, size)
+    return layout
+
+
+def test_pool_growth_drops_every_older_expert_step_so_new_key_sets_get_one():
+    generation = [0]
+    graphs = DecodeGraphs((4,), _small_layout, None, torch.device("cpu"), False, lambda: generation[0])
+    key_sets = [(("lora", f"p{i}"),) for i in range(VARIANTS_PER_SIZE + 1)]
+    for keys in key_sets[:VARIANTS_PER_SIZE]:
+        assert graphs.get(4, keys) is not None
+    assert graphs.get(4, key_sets[-1]) is None  # this size holds its quota of key sets
+    generation[0] += 1  # the pools grew: the steps above read tensors that are gone
+    assert graphs.get(4, key_sets[-1]) is not None
+    assert [k for _, k in graphs.steps if k] == [key_sets[-1]]
+
+
+class _CompileError(Exception):
+    """What a Triton compile failure looks like to the caller: not a RuntimeError."""
+
+
+class _FailingRecorder(GraphRecorder):
+    """Stands in for the CUDA graph recorder (no GPU here): recording the sizes in `failing` raises,
+    and the next synchronize raises again, as a CUDA stream does after a failed capture."""
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing, self.broken, self.settled = failing, False, 0
+
+    def record(self, forward):
+        logits = forward()
+        if logits.shape[0] in self.failing:
+            self.broken = True
+            raise _CompileError("triton: cannot compile this kernel")
+        return object(), logits
+
+    def synchronize(self) -> None:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def settle(self) -> None:
+        self.broken = False
+        self.settled += 1
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+
+def test_a_capture_that_fails_leaves_its_size_eager_and_the_others_captured(caplog):
+    def forward(step, plan):
+        return torch.zeros(step.size, 8)
+
+    graphs = DecodeGraphs((1, 2, 4), _small_layout, forward, torch.device("cpu"), False, lambda: 0)
+    graphs.capture, graphs.recorder = True, _FailingRecorder(failing={2})
+    graphs.capture_all()  # raises nothing: the engine starts
+    assert graphs.get(2, ()) is None and (2, ()) in graphs.failed
+    assert graphs.get(1, ()).graph is not None and graphs.get(4, ()).graph is not None
+    assert graphs.recorder.settled == 1
+    assert "decode graph of size 2 (experts ()) not captured: triton: cannot compile" in caplog.text
 
 
 class _RecordedStep:
