@@ -44,6 +44,25 @@ def tiny_llama(tiny_checkpoints: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def expert_packages(tiny_llama, tmp_path_factory):
+    """Three signed expert packages for the tiny Llama (a LoRA on every projection, a LoRA on q and
+    v, an IA³) and their publisher."""
+    from tests.helpers.experts import Publisher
+    from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
+
+    root = tmp_path_factory.mktemp("tiny-experts")
+    publisher = Publisher.create(root / "publisher")
+    packages = {
+        "lora": write_lora_adapter(tiny_llama, root / "lora", seed=1),
+        "lora-qv": write_lora_adapter(
+            tiny_llama, root / "lora-qv", target_modules=("q_proj", "v_proj"), seed=2
+        ),
+        "ia3": write_ia3_adapter(tiny_llama, root / "ia3", seed=3),
+    }
+    return {n: publisher.pack(d, tiny_llama, root / f"{n}.expert", n) for n, d in packages.items()}, publisher
+
+
+@pytest.fixture(scope="session")
 def shared_tiny_stack(tiny_llama, tmp_path_factory):
     """One ready stack on the tiny model with the default settings (tests/e2e/conftest.py's
     TINY_SETTINGS), started once for every module whose tests only send it requests: a stack costs

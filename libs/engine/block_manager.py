@@ -186,9 +186,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _block_hashes(self, seq: Sequence) -> list[bytes]:
-        """Chained hashes of every full block of the sequence's tokens, computed once each."""
+        """Chained hashes of every full block of the sequence's known tokens (none holding a
+        placeholder of asynchronous scheduling), computed once each."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+        for i in range(len(seq.block_hashes), seq.num_known_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else b""
             tokens = array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes()
             digest = hashlib.blake2b(digest_size=16)
@@ -255,7 +256,7 @@ class KVCacheManager:
         """Publish the sequence's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         start = self._registered.get(seq.seq_id, 0)
         if num_full <= start:
             return

@@ -149,6 +149,9 @@ class EngineConfig:
     start-up. "auto" captures them on CUDA with graph-safe kernels (Triton); "on" also runs the same
     padded steps eagerly on a CPU (where padding costs compute and buys nothing: for tests); "off"
     runs every step eagerly.
+    async_scheduling: a step is queued on the device before the previous step's tokens are read
+    back, its inputs taking them from the device ("auto": on CUDA; "on" also on the CPU, where it
+    overlaps nothing: for tests; "off" runs the steps in series).
     """
 
     model: str = DEFAULT_MODEL
@@ -164,6 +167,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int | None = None
     cuda_graphs: str = "auto"
+    async_scheduling: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
@@ -179,6 +183,7 @@ class EngineConfig:
         choices = {
             "kernels": ("auto", "native", "triton", "torch"),
             "cuda_graphs": ("auto", "on", "off"),
+            "async_scheduling": ("auto", "on", "off"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -250,6 +255,7 @@ class EngineConfig:
             max_model_len=reader.integer("EXPERT_MAX_MODEL_LEN"),
             seed=reader.integer("EXPERT_SEED"),
             cuda_graphs=reader.text("EXPERT_CUDA_GRAPHS", "auto"),
+            async_scheduling=reader.text("EXPERT_ASYNC_SCHEDULING", "auto"),
             cache=CacheConfig(
                 block_size=reader.integer("EXPERT_KV_BLOCK_SIZE", 16),
                 num_blocks=reader.integer("EXPERT_KV_NUM_BLOCKS"),
@@ -287,6 +293,7 @@ ENV_VARIABLES = {
     "max_model_len": "EXPERT_MAX_MODEL_LEN",
     "seed": "EXPERT_SEED",
     "cuda_graphs": "EXPERT_CUDA_GRAPHS",
+    "async_scheduling": "EXPERT_ASYNC_SCHEDULING",
     "block_size": "EXPERT_KV_BLOCK_SIZE",
     "num_blocks": "EXPERT_KV_NUM_BLOCKS",
     "kv_cache_bytes": "EXPERT_KV_CACHE_BYTES",

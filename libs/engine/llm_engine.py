@@ -32,7 +32,7 @@ from libs.engine.models.loader import load_weights
 from libs.engine.outputs import EngineStats, RequestOutput
 from libs.engine.request import Request
 from libs.engine.request_builder import Prompt, RequestBuilder
-from libs.engine.runner import ModelRunner
+from libs.engine.runner import Launched, ModelRunner
 from libs.engine.sampler import SampledToken
 from libs.engine.sampling_params import OutputKind, SamplingParams
 from libs.engine.scheduler import Scheduler, SchedulerOutput
@@ -67,6 +67,12 @@ def graph_mode(setting: str, device: torch.device, ops: TorchOps) -> str | None:
             )
         return None
     return "eager" if setting == "on" else None
+
+
+def async_scheduling(setting: str, device: torch.device) -> bool:
+    """Whether steps run ahead of their read-back for the `async_scheduling` setting: "auto" on
+    CUDA only (on the CPU the device is the host, so there is nothing to overlap)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
 def kv_storage_dtype(setting: str, device: torch.device, dtype: torch.dtype, ops: TorchOps) -> torch.dtype:
@@ -163,6 +169,8 @@ class LLMEngine:
         self._seqs: dict[int, Sequence] = {}
         self._beams = BeamDriver(self.scheduler.add_fork, self.scheduler.finish, self._seqs)
         self._aborted: list[Request] = []
+        self.async_scheduling = async_scheduling(config.async_scheduling, self.device)
+        self._in_flight: Launched | None = None  # a step run ahead whose tokens are still on the device
         self._counters: Counter[str] = Counter()
         self._finished_by_reason: Counter[str] = Counter()
         self.model_info = self._model_info()
@@ -350,9 +358,23 @@ class LLMEngine:
             self.sessions.begin_turn(request.seqs[0], request.session)
         self.experts.pin(request.experts)
         self._requests[request.request_id] = request
+        request.runs_ahead = self._can_run_ahead(request)
         seq = request.seqs[0]
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
+
+    def _can_run_ahead(self, request: Request) -> bool:
+        """Whether the request's next step can be built before its last token is on the host: not
+        when that token picks what the next step computes or how it samples (drafts, beams, forks
+        into n outputs, a format's mask, penalties over the output so far)."""
+        params = request.params
+        return (
+            self.speculator is None
+            and request.beam is None
+            and params.num_seqs == 1
+            and params.structured is None
+            and not params.uses_penalties
+        )
 
     def abort_request(self, request_ids: str | Seq[str]) -> None:
         """Stop requests now and free their blocks; their final output (finish_reason "abort") is
@@ -409,7 +431,7 @@ class LLMEngine:
         return expired
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._aborted) or self._in_flight is not None
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
@@ -439,18 +461,60 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of requests that progressed."""
+        """Schedule, run the model once, and return the outputs of requests that progressed.
+
+        Run ahead (asynchronous scheduling, `async_scheduling`): the step is queued on the device
+        with its sampled tokens left there as the next step's inputs, and the outputs returned are
+        the previous step's, read back while this one runs. A step runs ahead only when no
+        unfinished request needs its tokens on the host before the next step can be built
+        (`_runs_ahead`); otherwise the step in flight is read back first and the step runs in
+        series, as without the setting."""
         outputs = [out for r in self._aborted if (out := r.output()) is not None]
         self._aborted.clear()
+        ahead = self._runs_ahead()
+        if self._in_flight is not None and not ahead:
+            outputs += self._read_back()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return outputs
+            return outputs + (self._read_back() if self._in_flight is not None else [])
         self._on_scheduled(plan)
+        self._counters["steps"] += 1
+        if ahead:
+            launched = self.runner.launch(plan, self._in_flight)
+            self.scheduler.on_step_done(plan)
+            for seq in [] if launched is None else launched.seqs:
+                seq.append_placeholder()
+            if self._in_flight is not None:
+                outputs += self._read_back()
+            self._in_flight = launched
+            return outputs
         samples = self.runner.execute(plan)
         kept = self.scheduler.on_step_done(plan, {i: [t.token_id for t in ts] for i, ts in samples.items()})
-        self._counters["steps"] += 1
         touched = self._append_samples(samples, kept)
         return outputs + self._collect_outputs(touched)
+
+    def _runs_ahead(self) -> bool:
+        return self.async_scheduling and all(r.runs_ahead for r in self._requests.values())
+
+    def _read_back(self) -> list[RequestOutput]:
+        """The step in flight's tokens, read back in place of their placeholders; a sequence that
+        ended on one (a stop, `max_tokens`) drops the token the next step sampled after it and is
+        left as if it had stopped in series. Returns the progressed requests' outputs."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return []
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq_id, (sample,) in self.runner.collect(launched).items():
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.is_finished:  # aborted meanwhile, or ended on the step before
+                continue
+            request = self._requests[seq.request_id]
+            touched[request.request_id] = request
+            seq.resolve_placeholder(sample.token_id)
+            if not self._record_token(seq, request, sample, now):
+                self.kv.register_computed_blocks(seq)
+        return self._collect_outputs(touched)
 
     def _on_scheduled(self, plan: SchedulerOutput) -> None:
         """Counts the prompt tokens the step computes and when each request was first scheduled."""
@@ -504,10 +568,19 @@ class LLMEngine:
     def _append_one(self, seq: Sequence, request: Request, sample: SampledToken, now: float) -> bool:
         """Append one token; True if it ended the sequence."""
         seq.append_token(sample.token_id)
+        return self._record_token(seq, request, sample, now)
+
+    def _record_token(self, seq: Sequence, request: Request, sample: SampledToken, now: float) -> bool:
+        """Count and check a token now in `seq`; True if it ended the sequence (which is retired)."""
         self._counters["generation_tokens"] += 1
         status = request.on_token(seq, sample, now)
         if status is None:
             return False
+        if seq.drop_placeholders():
+            # The step in flight computed this last token and sampled one past it: as in series,
+            # the last token is not computed and holds no block of its own.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.kv.trim(seq, seq.num_computed_tokens)
         self.scheduler.finish(seq, status)
         request.mark_finished(seq, status, now)
         self._seqs.pop(seq.seq_id, None)

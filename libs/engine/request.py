@@ -81,6 +81,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.session: SessionRef | None = None  # set when the request is a turn of a session
         self.beam: BeamSearch | None = None  # set for use_beam_search: its beams are not outputs
+        self.runs_ahead = False  # its steps may run ahead of their read-back (LLMEngine._can_run_ahead)
         self.experts: tuple[ExpertUse, ...] = first.experts
         self.applied = [
             AppliedExpert(u.expert.name, u.expert.version, u.expert.adapter_type, u.weight)
@@ -152,8 +153,10 @@ class Request:
         if grammar_done:  # the format is complete and allows nothing more, not even an end token
             out.add_text(out.stream.finish())
             return SequenceStatus.FINISHED_STOPPED
-        at_max = self.params.max_tokens is not None and seq.num_output_tokens >= self.params.max_tokens
-        if at_max or seq.num_tokens >= self.max_model_len:
+        # Counted without the placeholders of asynchronous scheduling: the tokens after this one.
+        num_output = seq.num_output_tokens - seq.num_placeholders
+        at_max = self.params.max_tokens is not None and num_output >= self.params.max_tokens
+        if at_max or seq.num_known_tokens >= self.max_model_len:
             out.add_text(out.stream.finish())
             return SequenceStatus.FINISHED_LENGTH
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -92,6 +93,15 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> dict[int, list[SampledToken]]:
         """Run one step; returns seq_id -> sampled tokens for sequences whose tokens are now all
         computed (several for a sequence that forks into n outputs)."""
+        launched = self.launch(step)
+        return {} if launched is None else self.collect(launched)
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput, previous: Launched | None = None) -> Launched | None:
+        """Queue one step on the device and return its sampled tokens still there (None if no row
+        samples): nothing here waits for the device. `previous`: the step before, whose tokens the
+        host has not read yet; a scheduled sequence whose last token is still a placeholder takes it
+        from there, on the device (asynchronous scheduling)."""
         self.copy_blocks(step.blocks_to_copy)
         shape = StepShape.build(step.scheduled, 0, None)
         qsl = shape.query_start_loc
@@ -102,7 +112,34 @@ class ModelRunner:
             qsl = shape.query_start_loc
             plan = None if plan is None else plan.padded(captured.size)
         sample = SampleRows.of(step.scheduled, qsl)
+        carried = _carried_tokens(step.scheduled, qsl, previous)
 
+        views = self._stage(shape, plan, sample, captured, carried, previous)
+
+        if captured is not None:
+            logits = self.graphs.replay(captured, self.staging.dev, plan)
+            if not sample.rows:
+                return None
+            logits = logits.index_select(0, views["sample_rows"])
+        else:
+            hidden = self._forward(views, shape, plan)
+            if not sample.rows:
+                return None
+            logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        rejection = None if self.rejection_rows is None else self.rejection_rows(sample)
+        result = self.sampler(logits, sampling_batch(views, sample), rejection)
+        return Launched(sample.seqs, result)
+
+    def _stage(
+        self,
+        shape: StepShape,
+        plan: AdapterPlan | None,
+        sample: SampleRows,
+        captured: CapturedStep | None,
+        carried: tuple[np.ndarray, np.ndarray] | None,
+        previous: Launched | None,
+    ) -> dict[str, torch.Tensor]:
+        """The step's inputs written on the host and sent in one copy; device views of them."""
         layout = captured.layout.copy() if captured else Layout()
         if captured is None:
             add_model_fields(layout, shape.num_rows, shape.num_tokens, shape.width)
@@ -110,27 +147,26 @@ class ModelRunner:
                 plan.add_fields(layout, plan.entry_counts())
         if sample.rows:
             add_sampling_fields(layout, sample, self.vocab_size)
+        if carried is not None:
+            layout.add("carried_to", torch.int64, len(carried[0]))
+            layout.add("carried_from", torch.int64, len(carried[0]))
         host = self.staging.stage(layout)
         fill_model_fields(host, shape, self.block_size)
         if plan is not None:
             plan.fill(host)
         if sample.rows:
             fill_sampling_fields(host, sample, self.vocab_size)
+        if carried is not None:
+            host["carried_to"][:], host["carried_from"][:] = carried
         views = self.staging.send(layout)
+        if carried is not None:  # the placeholders' values, from the previous step's device output
+            tokens = previous.result.token_ids.index_select(0, views["carried_from"])
+            views["input_ids"].index_copy_(0, views["carried_to"], tokens)
+        return views
 
-        if captured is not None:
-            logits = self.graphs.replay(captured, self.staging.dev, plan)
-            if not sample.rows:
-                return {}
-            logits = logits.index_select(0, views["sample_rows"])
-        else:
-            hidden = self._forward(views, shape, plan)
-            if not sample.rows:
-                return {}
-            logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
-        rejection = None if self.rejection_rows is None else self.rejection_rows(sample)
-        result = self.sampler(logits, sampling_batch(views, sample), rejection)
-        return _collect(sample.seqs, result)
+    def collect(self, launched: Launched) -> dict[int, list[SampledToken]]:
+        """A launched step's sampled tokens on the host (this waits for the device)."""
+        return _collect(launched.seqs, launched.result)
 
     # -- eager steps ---------------------------------------------------------------------------
 
@@ -190,6 +226,40 @@ class ModelRunner:
             )
         hidden = self.model.forward(views["input_ids"], views["positions"], meta, self.kv_caches, adapters)
         return self.model.compute_logits(hidden)
+
+
+@dataclass
+class Launched:
+    """A step queued on the device: the sequence of each sampled row and the sampler's output."""
+
+    seqs: list[Sequence]
+    result: SamplerOutput
+
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> its sampled row (one row per sequence in a step that runs ahead)."""
+        return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+
+def _carried_tokens(
+    scheduled: list[tuple[Sequence, int]], qsl: np.ndarray, previous: Launched | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """For the scheduled sequences whose last token is a placeholder: that token's index in this
+    step's input ids and its row in the previous step's samples; None if there are none."""
+    if previous is None:
+        return None
+    rows = previous.row_of()
+    to, frm = [], []
+    for b, (seq, num_new) in enumerate(scheduled):
+        if not seq.num_placeholders:
+            continue
+        # The one pending placeholder is the sequence's last token; it is in this step when the
+        # step's tokens reach the end of the sequence.
+        if seq.num_computed_tokens + num_new == seq.num_tokens:
+            to.append(int(qsl[b + 1]) - 1)
+            frm.append(rows[seq.seq_id])
+    if not to:
+        return None
+    return np.array(to, dtype=np.int64), np.array(frm, dtype=np.int64)
 
 
 def _ranges(qsl: np.ndarray) -> list[tuple[int, int]]:

@@ -67,6 +67,9 @@ class SpeculationState:
     accepted: int = 0
 
 
+PLACEHOLDER = -1  # a token id no vocabulary has: a token sampled on the device, not yet read back
+
+
 class Sequence:
     """One output sequence of a request: prompt + generated tokens and how far the KV cache is.
 
@@ -127,6 +130,10 @@ class Sequence:
         # verifies them (so the step computes them like a prompt chunk), and are taken off after it.
         self.num_draft_tokens = 0
         self.speculation: SpeculationState | None = None  # adaptive K, made by the Speculator
+        # Asynchronous scheduling: tokens sampled by a step whose results are still on the device sit
+        # at the end of token_ids as PLACEHOLDER (so the scheduler counts and places them) until the
+        # host reads them back one step later (`resolve_placeholder`).
+        self.num_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
@@ -197,6 +204,28 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """A token sampled on the device, its value not yet read back."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest placeholder's value, read back."""
+        self.token_ids[len(self.token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
+
+    def drop_placeholders(self) -> int:
+        """Take off the placeholders still pending (the sequence ended before them); how many."""
+        dropped, self.num_placeholders = self.num_placeholders, 0
+        if dropped:
+            del self.token_ids[-dropped:]
+        return dropped
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has: all but the placeholders."""
+        return len(self.token_ids) - self.num_placeholders
 
     def fork(self, index: int) -> Sequence:
         """Output `index` of the same request, sharing everything computed so far (the caller

@@ -12,8 +12,6 @@ import torch
 from libs.engine import LLMEngine, SamplingParams
 from libs.engine.cuda_graphs import DECODE_SIZES, VARIANTS_PER_SIZE, DecodeGraphs, GraphRecorder, decode_sizes
 from libs.engine.staging import Layout
-from tests.helpers.experts import Publisher
-from tests.helpers.peft_adapters import write_ia3_adapter, write_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
@@ -110,20 +108,6 @@ def test_prefills_and_batches_past_the_largest_size_run_eagerly(tiny_llama):
     outs = engine.generate(_prompts(3, seed=5), GREEDY)  # prefill: eager; three decoding: no size fits
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert sum(step.replays for step in engine.runner.graphs.steps.values()) == before
-
-
-@pytest.fixture(scope="module")
-def expert_packages(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("graph-experts")
-    publisher = Publisher.create(root / "publisher")
-    packages = {
-        "lora": write_lora_adapter(tiny_llama, root / "lora", seed=1),
-        "lora-qv": write_lora_adapter(
-            tiny_llama, root / "lora-qv", target_modules=("q_proj", "v_proj"), seed=2
-        ),
-        "ia3": write_ia3_adapter(tiny_llama, root / "ia3", seed=3),
-    }
-    return {n: publisher.pack(d, tiny_llama, root / f"{n}.expert", n) for n, d in packages.items()}, publisher
 
 
 def test_steps_with_experts_replay_a_step_per_key_set(tiny_llama, plain, expert_packages):
