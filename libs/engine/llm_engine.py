@@ -389,6 +389,7 @@ class LLMEngine:
                 continue
             for seq in request.seqs:
                 if not seq.is_finished:
+                    self._drop_in_flight(seq)
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                     request.mark_finished(seq, SequenceStatus.FINISHED_ABORTED, now)
                 self._seqs.pop(seq.seq_id, None)
@@ -576,15 +577,18 @@ class LLMEngine:
         status = request.on_token(seq, sample, now)
         if status is None:
             return False
-        if seq.drop_placeholders():
-            # The step in flight computed this last token and sampled one past it: as in series,
-            # the last token is not computed and holds no block of its own.
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-            self.kv.trim(seq, seq.num_computed_tokens)
+        self._drop_in_flight(seq)
         self.scheduler.finish(seq, status)
         request.mark_finished(seq, status, now)
         self._seqs.pop(seq.seq_id, None)
         return True
+
+    def _drop_in_flight(self, seq: Sequence) -> None:
+        """A sequence ending now forgets the tokens sampled after its end by a step still in
+        flight: as in series, its last token is not computed and holds no block of its own."""
+        if seq.drop_placeholders():
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.kv.trim(seq, seq.num_computed_tokens)
 
     def _append_verified(
         self, seq: Sequence, request: Request, sampled: list[SampledToken], now: float

@@ -176,6 +176,24 @@ def test_an_aborted_request_drops_its_token_in_flight(engines):
                 finals[out.request_id] = out
     assert finals["abort-0"].outputs[0].finish_reason == "abort"
     assert len(finals["abort-1"].outputs[0].token_ids) == 50
+    assert engine.kv.pool.num_allocatable_blocks == engine.kv.pool.num_usable_blocks  # nothing held
+
+
+def test_an_aborted_session_turn_keeps_no_token_in_flight(engines):
+    engine = engines["on"]
+    prompt = encode_turn(engine.tokenizer, [], [{"role": "user", "content": "a long answer please"}])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("cut", prompt, params, session=SessionRef("cut-short", history_tokens=0))
+    streamed: list[int] = []
+    for _ in range(8):
+        for out in engine.step():
+            streamed = list(out.outputs[0].token_ids)
+    engine.abort_request("cut")
+    engine.step()
+    parked = engine.sessions._sessions["cut-short"].parked  # the turn's sequence, kept for the next
+    assert parked is not None and parked.num_placeholders == 0
+    assert parked.token_ids[len(prompt) :] == streamed and parked.num_computed_tokens == parked.num_tokens - 1
+    engine.end_session("cut-short")
 
 
 def test_decode_graph_replays_take_the_carried_tokens(tiny_llama, engines):
