@@ -28,6 +28,7 @@ VARIABLES = [
     ("EXPERT_MAX_MODEL_LEN", "4096", "max_model_len", 4096),
     ("EXPERT_SEED", "1234", "seed", 1234),
     ("EXPERT_CUDA_GRAPHS", "on", "cuda_graphs", "on"),
+    ("EXPERT_ASYNC_SCHEDULING", "off", "async_scheduling", "off"),
     ("EXPERT_KV_BLOCK_SIZE", "32", "cache.block_size", 32),
     ("EXPERT_KV_NUM_BLOCKS", "500", "cache.num_blocks", 500),
     ("EXPERT_KV_CACHE_BYTES", "1000000", "cache.kv_cache_bytes", 1_000_000),
@@ -66,6 +67,7 @@ def test_all_variables_together():
         max_model_len=4096,
         seed=1234,
         cuda_graphs="on",
+        async_scheduling="off",
         cache=CacheConfig(
             block_size=32,
             num_blocks=500,
@@ -136,6 +138,7 @@ OUT_OF_RANGE = [
     ("EXPERT_DTYPE", "float8"),
     ("EXPERT_KERNELS", "fast"),
     ("EXPERT_CUDA_GRAPHS", "maybe"),
+    ("EXPERT_ASYNC_SCHEDULING", "sometimes"),
     ("EXPERT_NUM_THREADS", "0"),
     ("EXPERT_NUM_THREADS", "-1"),
     ("EXPERT_MAX_MODEL_LEN", "1"),
