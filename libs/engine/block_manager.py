@@ -246,6 +246,7 @@ class KVCacheManager:
             old = self.pool.blocks[seq.block_table[write_index]]
             (new,) = self.pool.allocate(1)
             seq.block_table[write_index] = new.block_id
+            seq.table_edits += 1
             self.pool.free([old])
             self._copies.append((old.block_id, new.block_id))
         if num_new_blocks:
@@ -271,6 +272,7 @@ class KVCacheManager:
         if len(seq.block_table) > keep:
             self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table[keep:]))
             del seq.block_table[keep:]
+            seq.table_edits += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; the first write into a shared one copies it."""
@@ -283,6 +285,8 @@ class KVCacheManager:
         (a session's next turn continuing its last one); `src`'s blocks past them are freed."""
         keep = self.blocks_for(num_tokens)
         table, src.block_table = src.block_table, []
+        src.table_edits += 1
+        dst.table_edits += 1
         self.pool.free(self.pool.blocks[i] for i in reversed(table[keep:]))
         dst.block_table = table[:keep]
         num_full = num_tokens // self.block_size
@@ -305,6 +309,7 @@ class KVCacheManager:
         self._copies = [(src, dst) for src, dst in self._copies if dst not in owned]
         self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
+        seq.table_edits += 1
         self._registered.pop(seq.seq_id, None)
 
     def take_copies(self) -> list[tuple[int, int]]:

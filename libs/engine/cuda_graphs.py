@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from libs.engine.graph_tables import ResidentTables
 from libs.engine.staging import Layout
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class CapturedStep:
     region: torch.Tensor  # [layout.nbytes] uint8 on the device: the graph's inputs
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     adapter_generation: int = 0  # the pools' storage generation the graph was captured over
+    tables: ResidentTables | None = None  # what the region's block tables hold (graph_tables.py)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [size, vocab] float32: written by each replay
     replays: int = 0
@@ -134,7 +136,13 @@ class DecodeGraphs:
         layout = self.layout_for(size, keys)
         region = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self.device)
         step = CapturedStep(
-            size, keys, layout, region, layout.tensor_views(region), self.adapter_generation()
+            size,
+            keys,
+            layout,
+            region,
+            layout.tensor_views(region),
+            self.adapter_generation(),
+            ResidentTables(size),
         )
         _fill_idle(step)
         if self.capture and not self._capture(step):
@@ -143,10 +151,17 @@ class DecodeGraphs:
         self.steps[key] = step
         return step
 
-    def replay(self, step: CapturedStep, staged: torch.Tensor, plan: object) -> torch.Tensor:
-        """Run `step` on the inputs staged at the front of `staged` (a byte buffer laid out by
-        step.layout first); returns the logits [size, vocab]."""
-        step.region.copy_(staged[: step.layout.nbytes], non_blocking=True)
+    def replay(
+        self, step: CapturedStep, staged: torch.Tensor, plan: object, table_changes: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Run `step` on the inputs staged at the front of `staged` (a byte buffer laid out as
+        step.layout up to its block tables) after writing `table_changes` (rows, columns, block ids)
+        into the block tables the region keeps; returns the logits [size, vocab]."""
+        inputs = step.layout.fields["block_tables"].offset
+        step.region[:inputs].copy_(staged[:inputs], non_blocking=True)
+        rows, cols, blocks = table_changes
+        if rows.numel():
+            step.views["block_tables"].index_put_((rows, cols), blocks.to(torch.int32))
         step.replays += 1
         if step.graph is not None:
             step.graph.replay()

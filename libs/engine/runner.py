@@ -38,7 +38,12 @@ from libs.engine.step_inputs import (
     sampling_batch,
 )
 
-GRAPH_MODES = ("capture", "eager")  # CUDA graphs, or the same padded steps run eagerly (CPU)
+GRAPH_MODES = ("capture", "eager")
+TABLE_CHANGES = (
+    "table_rows",
+    "table_cols",
+    "table_blocks",
+)  # a captured step's block-table entries to write  # CUDA graphs, or the same padded steps run eagerly (CPU)
 
 
 class ModelRunner:
@@ -117,7 +122,7 @@ class ModelRunner:
         views = self._stage(shape, plan, sample, captured, carried, previous)
 
         if captured is not None:
-            logits = self.graphs.replay(captured, self.staging.dev, plan)
+            logits = self.graphs.replay(captured, self.staging.dev, plan, [views[n] for n in TABLE_CHANGES])
             if not sample.rows:
                 return None
             logits = logits.index_select(0, views["sample_rows"])
@@ -140,24 +145,25 @@ class ModelRunner:
         previous: Launched | None,
     ) -> dict[str, torch.Tensor]:
         """The step's inputs written on the host and sent in one copy; device views of them."""
-        layout = captured.layout.copy() if captured else Layout()
+        # A captured step stages what its region takes each replay, and its tables' changes.
+        layout = captured.layout.before("block_tables") if captured else Layout()
         if captured is None:
             add_model_fields(layout, shape.num_rows, shape.num_tokens, shape.width)
             if plan is not None:
                 plan.add_fields(layout, plan.entry_counts())
         if sample.rows:
             add_sampling_fields(layout, sample, self.vocab_size)
-        if carried is not None:
-            layout.add("carried_to", torch.int64, len(carried[0]))
-            layout.add("carried_from", torch.int64, len(carried[0]))
+        indices = _device_indices(shape, captured, carried)
+        for name, values in indices.items():
+            layout.add(name, torch.int64, len(values))
         host = self.staging.stage(layout)
         fill_model_fields(host, shape, self.block_size)
         if plan is not None:
             plan.fill(host)
         if sample.rows:
             fill_sampling_fields(host, sample, self.vocab_size)
-        if carried is not None:
-            host["carried_to"][:], host["carried_from"][:] = carried
+        for name, values in indices.items():
+            host[name][:] = values
         views = self.staging.send(layout)
         if carried is not None:  # the placeholders' values, from the previous step's device output
             tokens = previous.result.token_ids.index_select(0, views["carried_from"])
@@ -203,10 +209,13 @@ class ModelRunner:
         return self.graphs.get(size, () if plan is None else plan.keys)
 
     def _decode_layout(self, size: int, keys: Keys) -> Layout:
+        """A captured step's region: the staged inputs, then the block tables it keeps (last, so
+        that a replay's one copy of the staged inputs leaves them alone)."""
         layout = Layout()
-        add_model_fields(layout, size, size, self.max_blocks_per_seq)
+        add_model_fields(layout, size, size, None)
         if keys:
             _empty_plan(size, keys).add_fields(layout, dict.fromkeys(keys, size * ENTRIES_PER_ROW))
+        layout.add("block_tables", torch.int32, size, self.max_blocks_per_seq)
         return layout
 
     def _decode_forward(self, captured: CapturedStep, plan: AdapterPlan | None) -> torch.Tensor:
@@ -238,6 +247,19 @@ class Launched:
     def row_of(self) -> dict[int, int]:
         """seq_id -> its sampled row (one row per sequence in a step that runs ahead)."""
         return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+
+def _device_indices(
+    shape: StepShape, captured: CapturedStep | None, carried: tuple[np.ndarray, np.ndarray] | None
+) -> dict[str, np.ndarray]:
+    """Index lists a step stages for work on the device: where the carried tokens go and come
+    from, and a captured step's block-table changes."""
+    indices = {}
+    if carried is not None:
+        indices["carried_to"], indices["carried_from"] = carried
+    if captured is not None:
+        indices.update(zip(TABLE_CHANGES, captured.tables.changes(shape.seqs), strict=True))
+    return indices
 
 
 def _carried_tokens(

@@ -117,6 +117,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
         self.num_preemptions = 0
         self.block_table: list[int] = []
+        # Edits of block_table other than appends (a copy-on-write, a trim, a release): a table kept
+        # on the device by a decode graph is sent again whole after one (graph_tables.py).
+        self.table_edits = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         # Samples still to draw from the first logits row: n (or best_of) for a request's first
         # sequence with several (it forks into them), 1 otherwise. A beam search's first sequence

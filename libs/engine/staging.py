@@ -65,6 +65,11 @@ class Layout:
     def copy(self) -> Layout:
         return Layout(dict(self.fields), self.nbytes)
 
+    def before(self, name: str) -> Layout:
+        """The fields placed before `name` (a layout ending where `name` starts)."""
+        end = self.fields[name].offset
+        return Layout({n: f for n, f in self.fields.items() if f.offset < end}, end)
+
     @property
     def key(self) -> tuple:
         """Equal for layouts with the same fields at the same places (their views are interchangeable)."""

@@ -72,13 +72,16 @@ class StepShape:
         )
 
 
-def add_model_fields(layout: Layout, rows: int, tokens: int, width: int) -> None:
+def add_model_fields(layout: Layout, rows: int, tokens: int, width: int | None) -> None:
+    """The model's fields; block tables `width` wide, or none (width None: a decode graph keeps
+    its tables on the device, `graph_tables.py`)."""
     layout.add("input_ids", torch.int64, tokens)
     layout.add("positions", torch.int64, tokens)
     layout.add("slot_mapping", torch.int64, tokens)
     layout.add("query_start_loc", torch.int32, rows + 1)
     layout.add("seq_lens", torch.int32, rows)
-    layout.add("block_tables", torch.int32, rows, width)
+    if width is not None:
+        layout.add("block_tables", torch.int32, rows, width)
 
 
 def fill_model_fields(views: dict[str, np.ndarray], shape: StepShape, block_size: int) -> None:
@@ -87,13 +90,25 @@ def fill_model_fields(views: dict[str, np.ndarray], shape: StepShape, block_size
     total = int(qsl[-1])
     views["query_start_loc"][:] = qsl
     views["seq_lens"][:] = seq_lens
-    tables = views["block_tables"]  # padding rows and columns stay 0: the null block
-    for row, seq in enumerate(shape.seqs):
-        tables[row, : len(seq.block_table)] = seq.block_table
-    row_of_token = np.repeat(np.arange(shape.num_rows), q_lens)
     positions = np.repeat(seq_lens - q_lens, q_lens) + (np.arange(total) - np.repeat(qsl[:-1], q_lens))
     slots = views["slot_mapping"]
-    slots[:] = tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+    if "block_tables" in views:
+        tables = views["block_tables"]  # padding rows and columns stay 0: the null block
+        for row, seq in enumerate(shape.seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        row_of_token = np.repeat(np.arange(shape.num_rows), q_lens)
+        slots[:] = tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+    else:  # a decode graph's step: one token per real row, its block from the sequence's table
+        real = len(shape.seqs)
+        slots[:real] = np.fromiter(
+            (
+                seq.block_table[p // block_size]
+                for seq, p in zip(shape.seqs, positions[:real].tolist(), strict=True)
+            ),
+            np.int64,
+            real,
+        )
+        slots[:real] *= block_size
     slots += positions % block_size
     if shape.pad:
         slots[total - shape.pad :] = -1  # padding rows write nothing

@@ -70,6 +70,19 @@ def test_padded_steps_give_the_tokens_of_unpadded_ones(plain, graphed):
         assert [o.token_ids for o in graphed.generate(prompts, params)] == expected
 
 
+def test_block_tables_kept_in_the_graph_regions_follow_rows_as_sequences_come_and_go(tiny_llama, plain):
+    # Four-token blocks: every few steps a sequence gains a block; outputs of different lengths
+    # end at different steps, so the rows below them move up and take other sequences' tables.
+    small = {"max_model_len": 256, "num_blocks": 400, "block_size": 4}
+    graphed = LLMEngine.from_pretrained(str(tiny_llama), cuda_graphs="on", max_num_seqs=8, **small)
+    eager = LLMEngine.from_pretrained(str(tiny_llama), cuda_graphs="off", **small)
+    prompts = _prompts(6, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 9, 22, 14, 3)]
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == expected
+    assert sum(step.replays for step in graphed.runner.graphs.steps.values()) > 20
+
+
 def test_padding_rows_write_no_kv(graphed):
     # Padding rows point at the null block 0 with slot -1: block 0 stays zero however many run.
     graphed.generate(_prompts(3, seed=3), GREEDY)
