@@ -68,7 +68,9 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.staging = StagingBuffers(self.device)
         # On a GPU nothing in sampling may wait for the device (no branch on a device value).
-        self.sampler = Sampler(sync_free=self.device.type == "cuda", argmax=model.ops.argmax)
+        self.sampler = Sampler(
+            sync_free=self.device.type == "cuda", argmax=model.ops.argmax, top_p_cutoff=model.ops.top_p_cutoff
+        )
         # Speculative decoding with a model drafter: the rows whose tokens the rejection rule decides
         # (drafters/verification.py PendingDrafts.rejection_rows), set by the engine.
         self.rejection_rows: Callable[[SampleRows], RejectionRows | None] | None = None

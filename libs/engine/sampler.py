@@ -24,6 +24,9 @@ from typing import Protocol
 import torch
 
 _M32 = 0xFFFFFFFF
+# top_p_cutoff(probs, wanted) -> [S]: per row, the smallest probability whose strictly larger
+# neighbours hold less than `wanted` (kernels/triton/sampling.py).
+TopPCutoff = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 CANDIDATES = 256  # tokens examined for top-k / top-p before falling back to a full sort
 
 
@@ -134,10 +137,13 @@ def _allow_only(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor)
     return logits.index_copy(0, rows, masked)
 
 
-def _filter(probs: torch.Tensor, batch: SamplingBatch, sort_all: bool = False) -> torch.Tensor:
+def _filter(
+    probs: torch.Tensor, batch: SamplingBatch, sort_all: bool = False, top_p_cutoff: TopPCutoff | None = None
+) -> torch.Tensor:
     """Zero the probabilities outside each row's min-p, then top-k, then top-p set (vLLM's order);
     rows with a filter off pass through it unchanged. Ties at a cut-off value are all kept.
-    `sort_all`: top-p looks at whole sorted rows (the same cut-offs, without a host sync)."""
+    `sort_all`: top-p looks at whole sorted rows (the same cut-offs, without a host sync), unless
+    `top_p_cutoff` finds them without sorting (kernels/triton/sampling.py)."""
     s, v = probs.shape
     if batch.any_min_p:
         floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -147,6 +153,8 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch, sort_all: bool = False) -
     rows = torch.arange(s, device=probs.device)
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=v), v)
     width = min(v, max(CANDIDATES, batch.max_top_k if batch.any_top_k else 0))
+    if batch.any_top_p and top_p_cutoff is not None:
+        return _cut_top_p(probs, batch, k, width, top_p_cutoff)
     if sort_all and batch.any_top_p:
         width = v
     top = probs.topk(width, dim=-1).values  # [S, width], descending
@@ -172,6 +180,24 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch, sort_all: bool = False) -
         count = ((before < wanted[:, None]) & (top > 0)).sum(dim=-1).clamp(min=1)
         last = top[rows, count - 1]
         cutoff = torch.where(active, torch.maximum(cutoff, last), cutoff)
+    return torch.where(probs >= cutoff[:, None], probs, 0.0)
+
+
+def _cut_top_p(
+    probs: torch.Tensor, batch: SamplingBatch, k: torch.Tensor, width: int, top_p_cutoff: TopPCutoff
+) -> torch.Tensor:
+    """Top-k then top-p as `_filter` does, with top-p's cut-off searched, not sorted for: no host
+    sync and no sort of the vocabulary (top-k's k-th value still comes from a top-k of `width`)."""
+    s = probs.shape[0]
+    cutoff = torch.zeros(s, dtype=probs.dtype, device=probs.device)
+    if batch.any_top_k:
+        kth = probs.topk(width, dim=-1).values[
+            torch.arange(s, device=probs.device), (k - 1).clamp(max=width - 1)
+        ]
+        cutoff = torch.where(batch.top_k > 0, kth, cutoff)
+    kept = torch.where(probs >= cutoff[:, None], probs, 0.0)
+    last = top_p_cutoff(kept, batch.top_p * kept.sum(dim=-1))
+    cutoff = torch.where(batch.top_p < 1.0, torch.maximum(cutoff, last), cutoff)
     return torch.where(probs >= cutoff[:, None], probs, 0.0)
 
 
@@ -222,12 +248,17 @@ class Sampler:
     """Draw one token per row of logits according to the row's settings."""
 
     def __init__(
-        self, sync_free: bool = False, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        sync_free: bool = False,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        top_p_cutoff: TopPCutoff | None = None,
     ) -> None:
         """`argmax`: the operator set's greedy pick over [S, V] logits (the native kernels' splits
-        the rows over the threads); torch.argmax by default."""
+        the rows over the threads); torch.argmax by default. `top_p_cutoff`: the operator set's
+        search for top-p's cut-off, used when `sync_free` (else a sort of the vocabulary is)."""
         self.sync_free = sync_free
         self.argmax = argmax if argmax is not None else (lambda logits: logits.argmax(dim=-1))
+        self.top_p_cutoff = top_p_cutoff if sync_free else None
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, rejection: Rejection | None = None
@@ -249,7 +280,9 @@ class Sampler:
             tokens = self.argmax(logits)
         else:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-            probs = _filter((logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free)
+            probs = _filter(
+                (logits / temperature[:, None]).softmax(dim=-1), batch, self.sync_free, self.top_p_cutoff
+            )
             tokens = _inverse_cdf(probs, uniform(batch.seed_lo, batch.seed_hi, batch.step))
             if rejection is not None:
                 tokens = rejection.apply(probs, tokens, batch)

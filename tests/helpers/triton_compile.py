@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from libs.engine.kernels.triton import attention, fused, lora
+from libs.engine.kernels.triton import attention, fused, lora, sampling
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -87,6 +87,11 @@ def variants():
             index | {"y_ptr": p, "table_ptr": pool, "scale_ptr": "*fp32"},
             {"BLOCK_M": 16, "BLOCK_N": 64},
         )
+    yield (
+        sampling._top_p_cutoff_kernel,
+        {"probs_ptr": "*fp32", "wanted_ptr": "*fp32", "max_ptr": "*fp32", "out_ptr": "*fp32"},
+        {"BLOCK": sampling.BLOCK, "STEPS": sampling.BISECTIONS},
+    )
 
 
 def main() -> int:

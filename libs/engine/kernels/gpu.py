@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, TorchOps
-from libs.engine.kernels.triton import attention, fused, lora
+from libs.engine.kernels.triton import attention, fused, lora, sampling
 
 
 class TritonOps(TorchOps):
@@ -24,6 +24,7 @@ class TritonOps(TorchOps):
 
     name = "triton"
     graph_safe = True
+    top_p_cutoff = staticmethod(sampling.top_p_cutoff)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused.rms_norm(x, weight, eps)

@@ -8,7 +8,7 @@ directly (FlashAttention / FlashInfer style) would replace `attention` behind th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,9 @@ class TorchOps:
     # Whether every operator can be captured in a CUDA graph (no host syncs, grids from host ints).
     # These are not: attention builds its padded batch with `nonzero`.
     graph_safe = False
+    # A one-launch search for top-p's cut-off (top_p_cutoff(probs, wanted) -> [S]), used by the
+    # sampler where it must not wait for the device; None: it sorts the vocabulary instead.
+    top_p_cutoff: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def stack_layers(self, layers: Sequence[Any]) -> Any | None:
         """The model's decoder layers (each with input_norm, qkv, q_norm, k_norm, o, post_norm,
