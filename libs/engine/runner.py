@@ -30,9 +30,11 @@ from libs.engine.staging import Layout, StagingBuffers
 from libs.engine.step_inputs import (
     SampleRows,
     StepShape,
+    add_mask_fields,
     add_model_fields,
     add_sampling_fields,
     attention_metadata,
+    fill_mask_fields,
     fill_model_fields,
     fill_sampling_fields,
     sampling_batch,
@@ -67,6 +69,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.vocab_size = model.config.vocab_size
         self.staging = StagingBuffers(self.device)
+        # The structured-output masks: staged after the forward pass is queued (computing them is
+        # host work that then overlaps the device's), in a buffer pair of their own.
+        self.mask_staging = StagingBuffers(self.device)
         # On a GPU nothing in sampling may wait for the device (no branch on a device value).
         self.sampler = Sampler(
             sync_free=self.device.type == "cuda", argmax=model.ops.argmax, top_p_cutoff=model.ops.top_p_cutoff
@@ -133,6 +138,10 @@ class ModelRunner:
             if not sample.rows:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+        masks = Layout()
+        if add_mask_fields(masks, sample, self.vocab_size):
+            fill_mask_fields(self.mask_staging.stage(masks), sample)
+            views = views | self.mask_staging.send(masks)
         rejection = None if self.rejection_rows is None else self.rejection_rows(sample)
         result = self.sampler(logits, sampling_batch(views, sample), rejection)
         return Launched(sample.seqs, result)

@@ -3,7 +3,9 @@
 `StepShape` is a step's host-side plan: its sequences, their query lengths and padding rows.
 `add_model_fields` / `fill_model_fields` lay out and write token ids, positions, slots, query starts,
 sequence lengths and block tables (plus the adapter entries, `adapters/batch.py`);
-`add_sampling_fields` / `fill_sampling_fields` the sampled rows and every row's sampling settings.
+`add_sampling_fields` / `fill_sampling_fields` the sampled rows and every row's sampling settings,
+`add_mask_fields` / `fill_mask_fields` the structured-output masks (staged after the forward pass
+is queued, so that the host computes them while the device runs it).
 The layout of the model's fields depends only on (rows, tokens, block-table width, adapter key set
 and capacities), so a CUDA graph captured for one layout replays for every step that fits it.
 
@@ -195,10 +197,16 @@ def add_sampling_fields(layout: Layout, sample: SampleRows, vocab_size: int) -> 
             layout.add(name, torch.float32, s)
         for name, width in zip(_PADDED_TOKENS, _token_widths(sample.seqs), strict=True):
             layout.add(name, torch.int64, s, width)
+
+
+def add_mask_fields(layout: Layout, sample: SampleRows, vocab_size: int) -> bool:
+    """The constrained rows and their bitmasks of allowed tokens, staged apart from the other
+    inputs: the runner fills them while the forward pass runs. False if no row is constrained."""
     constrained = sum(1 for q in sample.seqs if q.grammar is not None)
     if constrained:
         layout.add("constrained_rows", torch.int64, constrained)
         layout.add("allowed_tokens", torch.int32, constrained, bitmask_width(vocab_size))
+    return bool(constrained)
 
 
 def _token_widths(seqs: list[Sequence]) -> tuple[int, int, int]:
@@ -210,8 +218,7 @@ def _token_widths(seqs: list[Sequence]) -> tuple[int, int, int]:
 
 
 def fill_sampling_fields(views: dict[str, np.ndarray], sample: SampleRows, vocab_size: int) -> None:
-    """Each sampled row's settings; penalty token lists padded with `vocab_size`; the constrained
-    rows' bitmasks filled by their matchers (the n rows of a forking sequence share one mask)."""
+    """Each sampled row's settings; penalty token lists padded with `vocab_size`."""
     seqs, params = sample.seqs, [q.params for q in sample.seqs]
     s = len(seqs)
     views["sample_rows"][:] = sample.rows
@@ -240,11 +247,9 @@ def fill_sampling_fields(views: dict[str, np.ndarray], sample: SampleRows, vocab
             out.fill(vocab_size)
             for i, r in enumerate(rows):
                 out[i, : len(r)] = r
-    if "constrained_rows" in views:
-        _fill_masks(views, sample)
 
 
-def _fill_masks(views: dict[str, np.ndarray], sample: SampleRows) -> None:
+def fill_mask_fields(views: dict[str, np.ndarray], sample: SampleRows) -> None:
     """The constrained rows' bitmasks from their matchers. The n rows of a forking sequence share
     one mask; a verifying sequence's matcher steps over each draft to give the next row its mask,
     then rolls back, so it only ever advances over tokens the output keeps (Request.on_token)."""

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+import libs.engine.runner as runner_module
 from libs.engine import LLMEngine, SamplingParams
 from libs.engine.sessions import SessionRef
 from libs.engine.tokenizer.turns import encode_turn
@@ -204,3 +205,31 @@ def test_decode_graph_replays_take_the_carried_tokens(tiny_llama, engines):
     prompts, params = _prompts(5, seed=9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert _finals(graphed, prompts, params) == _finals(engines["off"], prompts, params)
     assert any(step.replays for step in graphed.runner.graphs.steps.values())
+
+
+def test_structured_output_masks_are_computed_after_the_forward_pass_is_queued(engines, monkeypatch):
+    # The masks are host work (the grammar's matcher); staged after the forward pass is queued,
+    # they overlap the device's work on a GPU. Here the order of the calls shows it.
+    engine = engines["off"]
+    calls: list[str] = []
+    forward = engine.model.forward
+
+    def recording_forward(*args, **kwargs):
+        calls.append("forward")
+        return forward(*args, **kwargs)
+
+    fill = runner_module.fill_mask_fields
+
+    def recording_fill(views, sample):
+        calls.append("masks")
+        return fill(views, sample)
+
+    monkeypatch.setattr(engine.model, "forward", recording_forward)
+    monkeypatch.setattr(runner_module, "fill_mask_fields", recording_fill)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured=StructuredOutput("json_schema", json.dumps(schema))
+    )
+    engine.generate(_prompts(1, seed=10), params)
+    assert calls.count("masks") >= 2  # one per sampled step
+    assert all(calls[i - 1] == "forward" for i, call in enumerate(calls) if call == "masks")
