@@ -27,10 +27,15 @@ class DraftSlot:
     token_ids: list[int] = field(default_factory=list)
     num_real_tokens: int = 0  # the sequence's tokens when this round began (drafts follow them)
     adapter_key: bytes = b""  # the block manager hashes with it (prefix caching is off here)
+    table_edits: int = 0  # the block manager counts edits of block_table (Sequence.table_edits)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids)  # a drafter's tokens are all on the host (no placeholders)
 
 
 class DraftCache:
