@@ -29,22 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from libs.engine.kernels.triton.attention_tiles import dim_tile, dot, dot_flags, key_tile
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """a @ b accumulated in float32: IEEE float32 products for float32 inputs (no TF32), the
-    tensor-core dot for 16-bit ones. Triton's interpreter multiplies bfloat16 operands as their
-    uint16 bit patterns, so there (DOT_UPCAST) they go to float32 first: products of two bfloat16
-    values are exact in float32, which is what a tensor-core dot computes too."""
-    if DOT_UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
@@ -117,14 +104,14 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
 
-        s = _dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
+        s = dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
         visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # [M] rescales what was accumulated under the old maximum
         p = tl.exp2(s - m_new[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, DOT_UPCAST)
         m_i = m_new
 
     # Every row sees key 0 (position >= 0), so l_i > 0.
@@ -162,8 +149,7 @@ def paged_attention(
     # Decode: the fewest rows tl.dot takes (16); longer queries: 64-row tiles.
     block_m = max(16 if max_query_len * group_p <= 16 else 64, group_p)
     block_q = block_m // group_p
-    block_d = max(triton.next_power_of_2(head_dim), 16)
-    block_n = 32 if q.dtype == torch.float32 else 64
+    block_d = dim_tile(head_dim)
     grid = (num_seqs, hkv, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q,
@@ -187,10 +173,9 @@ def paged_attention(
         GROUP_P=group_p,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=key_tile(q.dtype),
         BLOCK_SIZE=block_size,
-        IEEE=q.dtype == torch.float32,
-        DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        **dot_flags(q),
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
         num_stages=2,
     )
