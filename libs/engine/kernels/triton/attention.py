@@ -18,7 +18,8 @@ match the torch reference closely; bfloat16 / float16 use tensor-core dots accum
 The grid (B, Hkv, cdiv(max_query_len, BLOCK_Q)) is built from host integers only. A program whose
 query block lies past its sequence's q_len returns at once, and the key loop's bound is read from
 seq_lens and query_start_loc on the device, so a launch syncs nothing and a CUDA graph can
-capture it. There is no split over keys (flash-decoding): a decode step runs B * Hkv programs.
+capture it. A decode step with few (sequence, KV head) pairs and long contexts runs instead the
+split over keys of `split_kv.py` (flash-decoding), chosen there from host integers only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from libs.engine.kernels.triton import split_kv
 from libs.engine.kernels.triton.attention_tiles import dim_tile, dot, dot_flags, key_tile
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,13 +131,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32, contiguous
     scale: float,
     max_query_len: int,
+    max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, Hq * D] in q's dtype
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries (its last q_len tokens) over its cached keys,
     read through the block table; returns `out` ([T, Hq * D] in q's dtype), allocated if not given.
 
-    `max_query_len` (a host int, at least every sequence's q_len) sizes the grid, so the launch reads
-    no device value and can be captured in a CUDA graph."""
+    `max_query_len` (a host int, at least every sequence's q_len) sizes the grid, and with
+    `max_seq_len` (a host int, AttentionMetadata's) picks a decode step's split over keys
+    (`split_kv.py`), so the launch reads no device value and can be captured in a CUDA graph."""
     num_tokens, hq, head_dim = _check(q, k_cache, v_cache, block_tables, query_start_loc, out)
     _, hkv, block_size, _ = k_cache.shape
     if out is None:
@@ -143,6 +147,13 @@ def paged_attention(
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
+    splits = split_kv.num_splits(
+        num_seqs, hkv, max_query_len, max_seq_len, split_kv.multiprocessors(q.device)
+    )
+    if splits > 1:
+        return split_kv.split_kv_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, splits, out
+        )
 
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
