@@ -91,7 +91,7 @@ def _one_case(q, k_cache, v_cache, meta, batch: int, queries: int, device, repea
     tables = meta.block_tables
     ours = _time(
         lambda: paged_attention(
-            q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc, scale, queries
+            q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc, scale, queries, meta.max_seq_len
         ),
         device,
         repeats,

@@ -4,9 +4,9 @@ exits non-zero if any fails. It must run without TRITON_INTERPRET (the interpret
 kernels with Python functions), so tests run it in a subprocess.
 
 The variants are those the engine launches on the default GPU dtype (bfloat16) for the shapes of
-Llama-3.2-1B, Llama-3-8B and SmolLM2-135M, plus float32 attention and a float32 adapter pool: the
-interpreter accepts some programs the GPU compiler refuses (dot shapes, layouts, types), and this
-is where those show.
+Llama-3.2-1B, Llama-3-8B and SmolLM2-135M, plus float32 attention (single pass and split over keys)
+and a float32 adapter pool: the interpreter accepts some programs the GPU compiler refuses (dot
+shapes, layouts, types), and this is where those show.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from libs.engine.kernels.triton import attention, fused, lora, sampling
+from libs.engine.kernels.triton import attention, fused, lora, sampling, split_kv
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -47,6 +47,7 @@ def variants():
                         "DOT_UPCAST": False,
                     },
                 )
+        yield from _split_kv_variants(dtype)
     p = "*bf16"
     for width in (576, 2048, 4096):
         block = {"BLOCK": triton.next_power_of_2(width)}
@@ -92,6 +93,41 @@ def variants():
         {"probs_ptr": "*fp32", "wanted_ptr": "*fp32", "max_ptr": "*fp32", "out_ptr": "*fp32"},
         {"BLOCK": sampling.BLOCK, "STEPS": sampling.BISECTIONS},
     )
+
+
+def _split_kv_variants(dtype: str):
+    """The decode split over keys: its partial and combine kernels, for the head shapes above."""
+    p = "*" + dtype
+    block_n = 32 if dtype == "fp32" else 64
+    for head_dim, group in ((64, 4), (128, 4), (64, 3)):
+        yield (
+            split_kv._partial_kernel,
+            {
+                "q_ptr": p,
+                "k_ptr": p,
+                "v_ptr": p,
+                "partial_ptr": "*fp32",
+                "stats_ptr": "*fp32",
+                "qk_scale": "fp32",
+            }
+            | {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"},
+            {
+                "HEAD_DIM": head_dim,
+                "BLOCK_D": head_dim,
+                "GROUP": group,
+                "BLOCK_M": 16,
+                "BLOCK_N": block_n,
+                "BLOCK_SIZE": 16,
+                "IEEE": dtype == "fp32",
+                "DOT_UPCAST": False,
+            },
+        )
+        yield (
+            split_kv._combine_kernel,
+            {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": p}
+            | {"seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"},
+            {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_S": split_kv.MAX_SPLITS, "BLOCK_N": block_n},
+        )
 
 
 def main() -> int:

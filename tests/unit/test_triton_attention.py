@@ -1,8 +1,9 @@
 """The Triton paged-attention kernel against the torch reference (`TorchOps.attention`).
 
 Without a GPU it runs under Triton's interpreter on CPU tensors (tests/conftest.py sets
-TRITON_INTERPRET=1), so the batches stay small. Every cache slot holds random values, so a key read
-from the wrong block or offset shows in the output.
+TRITON_INTERPRET=1), so the batches stay small. Every context here is shorter than a split over keys
+needs (`split_kv.MIN_KEYS_PER_SPLIT`), so these are the single-pass kernel's tests; the split's are
+in test_triton_split_kv.py.
 """
 
 from __future__ import annotations
@@ -10,74 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libs.engine.kernels import AttentionMetadata, TorchOps
 from libs.engine.kernels.triton.attention import paged_attention
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SCALE = 0.3
-PAD = (1, 1)  # a padding row: one query, one token, a block table row of null blocks
-TOLERANCE = {  # (rtol, atol) against the float32 reference on the same (rounded) inputs
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (2e-2, 3e-2),
-    torch.float16: (5e-3, 5e-3),
-}
+from tests.helpers.paged_batch import DEVICE, PAD, SCALE, Batch
 
 
-class Batch:
-    """Random queries and caches for sequences given as (q_len, seq_len), blocks in shuffled order."""
-
-    def __init__(self, seqs, *, hq=4, hkv=2, d=16, block_size=16, dtype=torch.float32, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        blocks = [0 if seq is PAD else -(-seq[1] // block_size) for seq in seqs]
-        # Block 0 is the null block; two spare blocks are never referenced.
-        num_blocks = 1 + sum(blocks) + 2
-        physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-        self.block_tables = torch.zeros(len(seqs), max(blocks) + 1, dtype=torch.int32)
-        for b, n in enumerate(blocks):
-            self.block_tables[b, :n] = torch.tensor(physical[:n], dtype=torch.int32)
-            physical = physical[n:]
-        q_lens = torch.tensor([q_len for q_len, _ in seqs], dtype=torch.int32)
-        self.seq_lens = torch.tensor([seq_len for _, seq_len in seqs], dtype=torch.int32)
-        self.query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        self.query_start_loc[1:] = q_lens.cumsum(0)
-        self.max_query_len = int(q_lens.max())
-        t = int(self.query_start_loc[-1])
-        # q is a view into a fused qkv projection, as the runner hands it over: rows are strided.
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
-        self.q = qkv[:, : hq * d].view(t, hq, d)
-        self.k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
-        self.v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
-        self.block_size = block_size
-
-    def run(self, max_query_len: int | None = None) -> torch.Tensor:
-        tensors = (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc)
-        return _attend(*tensors, max_query_len=max_query_len or self.max_query_len)
-
-    def reference(self) -> torch.Tensor:
-        """TorchOps.attention in float32 on the (already rounded) inputs."""
-        meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            slot_mapping=torch.zeros(self.q.shape[0], dtype=torch.int64),  # attention does not read it
-            max_query_len=self.max_query_len,
-            max_seq_len=int(self.seq_lens.max()),
-            block_size=self.block_size,
-        )
-        return TorchOps().attention(self.q.float(), self.k_cache.float(), self.v_cache.float(), meta, SCALE)
-
-    def check(self, got: torch.Tensor | None = None) -> None:
-        got = self.run() if got is None else got
-        assert got.shape == (self.q.shape[0], self.q.shape[1] * self.q.shape[2])
-        assert got.dtype == self.q.dtype
-        rtol, atol = TOLERANCE[self.q.dtype]
-        torch.testing.assert_close(got.float(), self.reference(), rtol=rtol, atol=atol)
-
-
-def _attend(*tensors: torch.Tensor, max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(
+    *tensors: torch.Tensor, max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """paged_attention on DEVICE, the result back on the CPU."""
     on_device = [x.to(DEVICE) for x in tensors]
-    return paged_attention(*on_device, SCALE, max_query_len, out=out).cpu()
+    return paged_attention(*on_device, SCALE, max_query_len, max_seq_len, out=out).cpu()
 
 
 def test_keys_are_read_through_a_shuffled_block_table():
@@ -134,6 +77,7 @@ def test_padding_rows_do_not_change_other_rows():
         batch.seq_lens[real],
         torch.tensor([0, 3, 4], dtype=torch.int32),
         max_query_len=3,
+        max_seq_len=33,
     )
     assert torch.equal(alone, got[rows])
 
@@ -180,7 +124,9 @@ def test_a_given_out_buffer_is_written_in_place_and_returned():
         batch.query_start_loc,
     )
     out = torch.full((7, 4 * 16), float("nan"), device=DEVICE)
-    got = paged_attention(*(x.to(DEVICE) for x in tensors), SCALE, batch.max_query_len, out=out)
+    got = paged_attention(
+        *(x.to(DEVICE) for x in tensors), SCALE, batch.max_query_len, batch.max_seq_len, out=out
+    )
     assert got is out
     batch.check(out.cpu())
 
@@ -197,4 +143,5 @@ def test_mismatched_heads_are_rejected():
             batch.query_start_loc,
             SCALE,
             1,
+            5,
         )

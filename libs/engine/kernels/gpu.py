@@ -83,6 +83,7 @@ class TritonOps(TorchOps):
             meta.query_start_loc,
             scale,
             meta.max_query_len,
+            meta.max_seq_len,
         )
 
     def lora_apply(

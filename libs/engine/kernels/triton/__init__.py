@@ -1,6 +1,7 @@
-"""The engine's GPU kernels, written in Triton: paged attention that reads the block table in place,
-RMSNorm with its residual add, rotary embedding with the KV-cache write, SiLU·mul, and the batched
-LoRA / IA³ kernels. `kernels/gpu.py` puts them behind the operator interface.
+"""The engine's GPU kernels, written in Triton: paged attention that reads the block table in place
+(split over keys for decode steps too small to occupy the GPU), RMSNorm with its residual add,
+rotary embedding with the KV-cache write, SiLU·mul, and the batched LoRA / IA³ kernels.
+`kernels/gpu.py` puts them behind the operator interface.
 
 Every kernel takes its launch grid from host integers only (shapes and bounds the runner knows),
 never from a device value, and synchronizes nothing, so a CUDA graph can capture it. On a machine

@@ -18,7 +18,8 @@ match the torch reference closely; bfloat16 / float16 use tensor-core dots accum
 The grid (B, Hkv, cdiv(max_query_len, BLOCK_Q)) is built from host integers only. A program whose
 query block lies past its sequence's q_len returns at once, and the key loop's bound is read from
 seq_lens and query_start_loc on the device, so a launch syncs nothing and a CUDA graph can
-capture it. There is no split over keys (flash-decoding): a decode step runs B * Hkv programs.
+capture it. A decode step with few (sequence, KV head) pairs and long contexts runs instead the
+split over keys of `split_kv.py` (flash-decoding), chosen there from host integers only.
 """
 
 from __future__ import annotations
@@ -29,22 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from libs.engine.kernels.triton import split_kv
+from libs.engine.kernels.triton.attention_tiles import dim_tile, dot, dot_flags, key_tile
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """a @ b accumulated in float32: IEEE float32 products for float32 inputs (no TF32), the
-    tensor-core dot for 16-bit ones. Triton's interpreter multiplies bfloat16 operands as their
-    uint16 bit patterns, so there (DOT_UPCAST) they go to float32 first: products of two bfloat16
-    values are exact in float32, which is what a tensor-core dot computes too."""
-    if DOT_UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
@@ -117,14 +106,14 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
 
-        s = _dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
+        s = dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
         visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # [M] rescales what was accumulated under the old maximum
         p = tl.exp2(s - m_new[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, DOT_UPCAST)
         m_i = m_new
 
     # Every row sees key 0 (position >= 0), so l_i > 0.
@@ -142,13 +131,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32, contiguous
     scale: float,
     max_query_len: int,
+    max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, Hq * D] in q's dtype
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries (its last q_len tokens) over its cached keys,
     read through the block table; returns `out` ([T, Hq * D] in q's dtype), allocated if not given.
 
-    `max_query_len` (a host int, at least every sequence's q_len) sizes the grid, so the launch reads
-    no device value and can be captured in a CUDA graph."""
+    `max_query_len` (a host int, at least every sequence's q_len) sizes the grid, and with
+    `max_seq_len` (a host int, AttentionMetadata's) picks a decode step's split over keys
+    (`split_kv.py`), so the launch reads no device value and can be captured in a CUDA graph."""
     num_tokens, hq, head_dim = _check(q, k_cache, v_cache, block_tables, query_start_loc, out)
     _, hkv, block_size, _ = k_cache.shape
     if out is None:
@@ -156,14 +147,20 @@ def paged_attention(
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
+    splits = split_kv.num_splits(
+        num_seqs, hkv, max_query_len, max_seq_len, split_kv.multiprocessors(q.device)
+    )
+    if splits > 1:
+        return split_kv.split_kv_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, splits, out
+        )
 
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
     # Decode: the fewest rows tl.dot takes (16); longer queries: 64-row tiles.
     block_m = max(16 if max_query_len * group_p <= 16 else 64, group_p)
     block_q = block_m // group_p
-    block_d = max(triton.next_power_of_2(head_dim), 16)
-    block_n = 32 if q.dtype == torch.float32 else 64
+    block_d = dim_tile(head_dim)
     grid = (num_seqs, hkv, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q,
@@ -187,10 +184,9 @@ def paged_attention(
         GROUP_P=group_p,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=key_tile(q.dtype),
         BLOCK_SIZE=block_size,
-        IEEE=q.dtype == torch.float32,
-        DOT_UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        **dot_flags(q),
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
         num_stages=2,
     )
