@@ -10,6 +10,7 @@ import torch
 
 from libs.engine.adapters.batch import Entries
 from libs.engine.adapters.device import PAGE_ROWS
+from libs.engine.kernels import Ia3Slice, LoraSlice
 from libs.engine.kernels.triton import unavailable_reason
 from libs.engine.kernels.triton.lora import ia3_scale, lora_apply
 
@@ -97,7 +98,8 @@ def _run_lora(
     x = torch.randn(batch.num_tokens + padding, k, generator=g).to(dtype)
     y = torch.randn(batch.num_tokens + padding, offset + n + 5, generator=g).to(dtype)
     expected = y.clone()
-    ref.lora_apply(expected, x, a, bt, offset, batch.query_start_loc, batch.token_ranges, batch.entries)
+    ref_slices = [LoraSlice(a, bt, offset, batch.entries)]
+    ref.lora_apply(expected, x, ref_slices, batch.query_start_loc, batch.token_ranges)
     e = batch.entries
     got, *inputs = _on_device(y, x, a, bt, batch.query_start_loc, e.entry_ptr, e.index, e.count, e.scale)
     x_d, a_d, bt_d, qsl, entry_ptr, index, count, scale = inputs
@@ -186,7 +188,9 @@ def test_lora_reads_strided_x_rows(ref):
     x = fused[:, 32:]
     y = torch.randn(batch.num_tokens, 96)
     expected = y.clone()
-    ref.lora_apply(expected, x, a, bt, 0, batch.query_start_loc, batch.token_ranges, batch.entries)
+    ref.lora_apply(
+        expected, x, [LoraSlice(a, bt, 0, batch.entries)], batch.query_start_loc, batch.token_ranges
+    )
     e = batch.entries
     got, wide, *inputs = _on_device(
         y, fused, a, bt, batch.query_start_loc, e.entry_ptr, e.index, e.count, e.scale
@@ -219,7 +223,9 @@ def _run_ia3(ref, batch: Batch, n: int, width: int, offset: int, *, dtype=torch.
     table = _table(n, dtype, seed)
     y = torch.randn(batch.num_tokens, width, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     expected = y.clone()
-    ref.ia3_scale(expected, offset, table, batch.query_start_loc, batch.token_ranges, batch.entries)
+    ref.ia3_scale(
+        expected, [Ia3Slice(table, offset, batch.entries)], batch.query_start_loc, batch.token_ranges
+    )
     e = batch.entries
     got, table_d, qsl, entry_ptr, index, scale = _on_device(
         y, table, batch.query_start_loc, e.entry_ptr, e.index, e.scale

@@ -10,11 +10,11 @@ captured in a CUDA graph (`graph_safe`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, TorchOps
+from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, Ia3Slice, LoraSlice, TorchOps
 from libs.engine.kernels.triton import attention, fused, lora
 
 
@@ -88,44 +88,36 @@ class TritonOps(TorchOps):
         self,
         y: torch.Tensor,
         x: torch.Tensor,
-        a: torch.Tensor,
-        bt: torch.Tensor,
-        col_offset: int,
+        slices: Sequence[LoraSlice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        lora.lora_apply(
-            y,
-            x,
-            a,
-            bt,
-            col_offset,
-            query_start_loc,
-            entries.entry_ptr,
-            entries.index,
-            entries.count,
-            entries.scale,
-            entries.max_query_len,
-            entries.max_entries,
-        )
+        for s in slices:
+            e = s.entries
+            lora.lora_apply(
+                y,
+                x,
+                s.a,
+                s.bt,
+                s.col_offset,
+                query_start_loc,
+                e.entry_ptr,
+                e.index,
+                e.count,
+                e.scale,
+                e.max_query_len,
+                e.max_entries,
+            )
 
     def ia3_scale(
         self,
         y: torch.Tensor,
-        col_offset: int,
-        table: torch.Tensor,
+        slices: Sequence[Ia3Slice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        lora.ia3_scale(
-            y,
-            col_offset,
-            table,
-            query_start_loc,
-            entries.entry_ptr,
-            entries.index,
-            entries.scale,
-            entries.max_query_len,
-        )
+        for s in slices:
+            e = s.entries
+            lora.ia3_scale(
+                y, s.col_offset, s.table, query_start_loc, e.entry_ptr, e.index, e.scale, e.max_query_len
+            )
