@@ -4,8 +4,9 @@ Linear layers stay cuBLAS matmuls (`F.linear`; projections are fused at load, so
 gate/up matmul). Everything between them is a Triton kernel that reads its inputs where they lie:
 RMSNorm fused with the residual add, rotary embedding fused with the QK norm and the KV-cache
 write, SiLU·mul, paged attention over the block table, and the batched LoRA / IA³ kernels indexed
-by the step's CSR entries. None of them reads a device value on the host, so a decode step can be
-captured in a CUDA graph (`graph_safe`).
+by the step's CSR entries, one set of launches for all the slices of a fused projection. None of
+them reads a device value on the host, so a decode step can be captured in a CUDA graph
+(`graph_safe`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, Ia3Slice, LoraSlice, TorchOps
-from libs.engine.kernels.triton import attention, fused, lora
+from libs.engine.kernels.triton import attention, fused, ia3, lora
 
 
 class TritonOps(TorchOps):
@@ -92,22 +93,9 @@ class TritonOps(TorchOps):
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
     ) -> None:
-        for s in slices:
-            e = s.entries
-            lora.lora_apply(
-                y,
-                x,
-                s.a,
-                s.bt,
-                s.col_offset,
-                query_start_loc,
-                e.entry_ptr,
-                e.index,
-                e.count,
-                e.scale,
-                e.max_query_len,
-                e.max_entries,
-            )
+        # Every slice's entries come from one step's plan: one bound on tokens and entries.
+        bounds = slices[0].entries
+        lora.lora_apply(y, x, slices, query_start_loc, bounds.max_query_len, bounds.max_entries)
 
     def ia3_scale(
         self,
@@ -116,8 +104,4 @@ class TritonOps(TorchOps):
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
     ) -> None:
-        for s in slices:
-            e = s.entries
-            lora.ia3_scale(
-                y, s.col_offset, s.table, query_start_loc, e.entry_ptr, e.index, e.scale, e.max_query_len
-            )
+        ia3.ia3_scale(y, slices, query_start_loc, slices[0].entries.max_query_len)
