@@ -17,14 +17,23 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from libs.engine.kernels.triton import attention, fused, lora, sampling, split_kv
+from libs.engine.kernels.triton import (
+    attention,
+    fused,
+    ia3,
+    lora,
+    lora_expand,
+    lora_shrink,
+    sampling,
+    split_kv,
+)
+from libs.engine.kernels.triton.slices import MAX_SLICES
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def variants():
     """(kernel, {argument: type}, {constexpr: value}) for each variant; unnamed arguments are i32."""
-    index = {name: "*i32" for name in ("qsl_ptr", "entry_ptr_ptr", "index_ptr", "count_ptr")}
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
         for head_dim, group in ((64, 4), (128, 4), (64, 3)):
@@ -71,22 +80,27 @@ def variants():
                 "BLOCK_HALF": head_dim // 2,
             },
         )
+    slices = {f"{name}{i}_ptr": "*i32" for name in ("entry_ptr", "index", "count") for i in range(MAX_SLICES)}
+    weights = {f"scale{i}_ptr": "*fp32" for i in range(MAX_SLICES)}
     for pool, ieee in (("*bf16", False), ("*fp32", True)):
+        a = {f"a{i}_ptr": pool for i in range(MAX_SLICES)}
+        bt = {f"bt{i}_ptr": pool for i in range(MAX_SLICES)}
+        tables = {f"table{i}_ptr": pool for i in range(MAX_SLICES)}
         for block_m in (16, 64):
             yield (
-                lora._lora_shrink_kernel,
-                index | {"h_ptr": "*fp32", "x_ptr": p, "a_ptr": pool, "scale_ptr": "*fp32"},
-                {"IEEE": ieee, "PAGE": 8, "BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_K": 128},
+                lora_shrink._lora_shrink_kernel,
+                slices | a | {"h_ptr": "*fp32", "x_ptr": p, "qsl_ptr": "*i32"},
+                {"IEEE": ieee, "PAGE": 8, "BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_K": lora.BLOCK_K},
             )
             yield (
-                lora._lora_expand_kernel,
-                index | {"y_ptr": p, "h_ptr": "*fp32", "bt_ptr": pool},
-                {"PAGE": 8, "BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": 64},
+                lora_expand._lora_expand_kernel,
+                slices | weights | bt | {"y_ptr": p, "h_ptr": "*fp32", "qsl_ptr": "*i32"},
+                {"PAGE": 8, "BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": lora.BLOCK_N},
             )
         yield (
-            lora._ia3_kernel,
-            index | {"y_ptr": p, "table_ptr": pool, "scale_ptr": "*fp32"},
-            {"BLOCK_M": 16, "BLOCK_N": 64},
+            ia3._ia3_kernel,
+            slices | weights | tables | {"y_ptr": p, "qsl_ptr": "*i32"},
+            {"BLOCK_M": 16, "BLOCK_N": ia3.BLOCK_N},
         )
     yield (
         sampling._top_p_cutoff_kernel,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from libs.engine.adapters.device import PAGE_ROWS, DeviceAdapters, ia3_key
-from libs.engine.kernels import TorchOps
+from libs.engine.kernels import Ia3Slice, LoraSlice, TorchOps
 from libs.engine.sequence import Sequence
 from libs.engine.staging import Layout
 
@@ -164,10 +164,11 @@ class AdapterBatch:
 
     def scale_input(self, ops: TorchOps, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
         """IA³ input scaling (PEFT feedforward modules), in place on the projection's input."""
-        entries = self.ia3.get(ia3_key(projection, True))
+        key = ia3_key(projection, True)
+        entries = self.ia3.get(key)
         if entries is not None:
-            table = self.pools.ia3_tables[ia3_key(projection, True)][layer]
-            ops.ia3_scale(x, 0, table, self.query_start_loc, self.token_ranges, entries)
+            table = self.pools.ia3_tables[key][layer]
+            ops.ia3_scale(x, [Ia3Slice(table, 0, entries)], self.query_start_loc, self.token_ranges)
         return x
 
     def apply_output(
@@ -179,18 +180,23 @@ class AdapterBatch:
         y: torch.Tensor,
         x: torch.Tensor,
     ) -> None:
-        """IA³ output scaling, then LoRA deltas, for each projection fused into `y` at its column offset."""
+        """IA³ output scaling, then LoRA deltas, for the projections fused into `y` at their column
+        offsets: one operator call for all of them, so a batched kernel serves the fused projection
+        (q/k/v, gate/up) in one launch. The projections own disjoint columns, so scaling them all
+        before any delta is the same as projection by projection."""
+        ia3: list[Ia3Slice] = []
+        lora: list[LoraSlice] = []
         for projection, offset in zip(projections, offsets, strict=True):
-            entries = self.ia3.get(ia3_key(projection, False))
-            if entries is not None:
-                table = self.pools.ia3_tables[ia3_key(projection, False)][layer]
-                ops.ia3_scale(y, offset, table, self.query_start_loc, self.token_ranges, entries)
-            entries = self.lora.get(projection)
-            if entries is not None:
+            key = ia3_key(projection, False)
+            if key in self.ia3:
+                ia3.append(Ia3Slice(self.pools.ia3_tables[key][layer], offset, self.ia3[key]))
+            if projection in self.lora:
                 a, bt = self.pools.lora[projection].tensors
-                ops.lora_apply(
-                    y, x, a[layer], bt[layer], offset, self.query_start_loc, self.token_ranges, entries
-                )
+                lora.append(LoraSlice(a[layer], bt[layer], offset, self.lora[projection]))
+        if ia3:
+            ops.ia3_scale(y, ia3, self.query_start_loc, self.token_ranges)
+        if lora:
+            ops.lora_apply(y, x, lora, self.query_start_loc, self.token_ranges)
 
 
 def plan_adapters(

@@ -11,10 +11,25 @@ from __future__ import annotations
 import torch
 
 from libs.engine.kernels.build import load, load_error
-from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
+from libs.engine.kernels.reference import (
+    AttentionMetadata,
+    HeadLayout,
+    Ia3Slice,
+    LinearWeight,
+    LoraSlice,
+    TorchOps,
+)
 from libs.engine.kernels.triton import unavailable_reason as triton_unavailable
 
-__all__ = ["AttentionMetadata", "HeadLayout", "LinearWeight", "TorchOps", "select_ops"]
+__all__ = [
+    "AttentionMetadata",
+    "HeadLayout",
+    "Ia3Slice",
+    "LinearWeight",
+    "LoraSlice",
+    "TorchOps",
+    "select_ops",
+]
 
 KERNEL_CHOICES = ("auto", "native", "triton", "torch")
 

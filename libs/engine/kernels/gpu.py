@@ -4,18 +4,19 @@ Linear layers stay cuBLAS matmuls (`F.linear`; projections are fused at load, so
 gate/up matmul). Everything between them is a Triton kernel that reads its inputs where they lie:
 RMSNorm fused with the residual add, rotary embedding fused with the QK norm and the KV-cache
 write, SiLU·mul, paged attention over the block table, and the batched LoRA / IA³ kernels indexed
-by the step's CSR entries. None of them reads a device value on the host, so a decode step can be
-captured in a CUDA graph (`graph_safe`).
+by the step's CSR entries, one set of launches for all the slices of a fused projection. None of
+them reads a device value on the host, so a decode step can be captured in a CUDA graph
+(`graph_safe`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, TorchOps
-from libs.engine.kernels.triton import attention, fused, lora, sampling
+from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, Ia3Slice, LoraSlice, TorchOps
+from libs.engine.kernels.triton import attention, fused, ia3, lora, sampling
 
 
 class TritonOps(TorchOps):
@@ -90,44 +91,19 @@ class TritonOps(TorchOps):
         self,
         y: torch.Tensor,
         x: torch.Tensor,
-        a: torch.Tensor,
-        bt: torch.Tensor,
-        col_offset: int,
+        slices: Sequence[LoraSlice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        lora.lora_apply(
-            y,
-            x,
-            a,
-            bt,
-            col_offset,
-            query_start_loc,
-            entries.entry_ptr,
-            entries.index,
-            entries.count,
-            entries.scale,
-            entries.max_query_len,
-            entries.max_entries,
-        )
+        # Every slice's entries come from one step's plan: one bound on tokens and entries.
+        bounds = slices[0].entries
+        lora.lora_apply(y, x, slices, query_start_loc, bounds.max_query_len, bounds.max_entries)
 
     def ia3_scale(
         self,
         y: torch.Tensor,
-        col_offset: int,
-        table: torch.Tensor,
+        slices: Sequence[Ia3Slice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        lora.ia3_scale(
-            y,
-            col_offset,
-            table,
-            query_start_loc,
-            entries.entry_ptr,
-            entries.index,
-            entries.scale,
-            entries.max_query_len,
-        )
+        ia3.ia3_scale(y, slices, query_start_loc, slices[0].entries.max_query_len)

@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from libs.engine.host_memory import WeightArena
-from libs.engine.kernels.reference import AttentionMetadata, HeadLayout, LinearWeight, TorchOps
+from libs.engine.kernels.reference import (
+    AttentionMetadata,
+    HeadLayout,
+    Ia3Slice,
+    LinearWeight,
+    LoraSlice,
+    TorchOps,
+)
 from libs.engine.quant import QuantizedWeight, unpack_nibbles
 
 PANEL = 16  # output columns per weight panel (csrc/gemm_tiles.h)
@@ -207,38 +214,28 @@ class NativeOps(TorchOps):
         self,
         y: torch.Tensor,
         x: torch.Tensor,
-        a: torch.Tensor,
-        bt: torch.Tensor,
-        col_offset: int,
+        slices: Sequence[LoraSlice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        self._k.lora_apply(
-            y,
-            x,
-            a,
-            bt,
-            col_offset,
-            query_start_loc,
-            entries.entry_ptr,
-            entries.index,
-            entries.count,
-            entries.scale,
-        )
+        # One kernel call per slice: slices own disjoint columns, so the bits are those of a call
+        # per projection.
+        for s in slices:
+            e = s.entries
+            self._k.lora_apply(
+                y, x, s.a, s.bt, s.col_offset, query_start_loc, e.entry_ptr, e.index, e.count, e.scale
+            )
 
     def ia3_scale(
         self,
         y: torch.Tensor,
-        col_offset: int,
-        table: torch.Tensor,
+        slices: Sequence[Ia3Slice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        self._k.ia3_scale(
-            y, col_offset, table, query_start_loc, entries.entry_ptr, entries.index, entries.scale
-        )
+        for s in slices:
+            e = s.entries
+            self._k.ia3_scale(y, s.col_offset, s.table, query_start_loc, e.entry_ptr, e.index, e.scale)
 
     @staticmethod
     def supports(head_dim: int, device: torch.device, dtype: torch.dtype) -> str | None:

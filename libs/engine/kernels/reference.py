@@ -82,6 +82,28 @@ class AttentionMetadata:
     backend_state: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LoraSlice:
+    """One projection of a (possibly fused) output for `lora_apply`: its layer's pool rows, the
+    columns of the output it owns, and the step's entries for it. A fused projection (q/k/v,
+    gate/up) passes one slice per part, so an operator set can serve them in one launch."""
+
+    a: torch.Tensor  # [rows, in] A rows
+    bt: torch.Tensor  # [rows, out] B transposed, times the LoRA scaling
+    col_offset: int  # the slice's first column in the fused output
+    entries: Any  # libs.engine.adapters.batch.Entries
+
+
+@dataclass(frozen=True)
+class Ia3Slice:
+    """One projection's columns for `ia3_scale`: its layer's IA³ table, the columns it owns, and the
+    step's entries for it (one slice per part of a fused output)."""
+
+    table: torch.Tensor  # [slots, n]
+    col_offset: int
+    entries: Any  # libs.engine.adapters.batch.Entries
+
+
 class TorchOps:
     """Operators written with torch functions only."""
 
@@ -206,41 +228,40 @@ class TorchOps:
         self,
         y: torch.Tensor,  # [T, out_total], updated in place
         x: torch.Tensor,  # [T, in]
-        a: torch.Tensor,  # [rows, in]
-        bt: torch.Tensor,  # [rows, out]
-        col_offset: int,
+        slices: Sequence[LoraSlice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,  # libs.engine.adapters.batch.Entries
     ) -> None:
-        """y[:, col_offset:col_offset+out] += weight * (x A^T) B^T for each sequence's LoRA entries.
+        """y[:, s.col_offset:s.col_offset+out] += weight * (x A^T) B^T for each slice s and each
+        sequence's LoRA entries of that slice.
 
         The delta is computed in float32 whatever the model's and the pools' dtypes, and added to y
         in float32 before y's rounding, as peft does with its float32 adapter weights."""
-        out = bt.shape[1]
-        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
-            for row, count, weight in seq_entries:
-                shrunk = x[start:end].float() @ a[row : row + count].float().t()  # [t, count]
-                delta = (shrunk * weight) @ bt[row : row + count].float()
-                y[start:end, col_offset : col_offset + out] += delta
+        for s in slices:
+            out = s.bt.shape[1]
+            for (start, end), seq_entries in zip(token_ranges, s.entries.per_seq, strict=True):
+                for row, count, weight in seq_entries:
+                    shrunk = x[start:end].float() @ s.a[row : row + count].float().t()  # [t, count]
+                    delta = (shrunk * weight) @ s.bt[row : row + count].float()
+                    y[start:end, s.col_offset : s.col_offset + out] += delta
 
     def ia3_scale(
         self,
         y: torch.Tensor,  # [T, width_total], updated in place
-        col_offset: int,
-        table: torch.Tensor,  # [slots, n]
+        slices: Sequence[Ia3Slice],
         query_start_loc: torch.Tensor,
         token_ranges: list[tuple[int, int]],
-        entries: Any,
     ) -> None:
-        """y[:, col_offset:col_offset+n] *= l (weight 1) or 1 + weight (l - 1), per sequence's IA³ entries
-        (the factors in float32, y rounded once per entry)."""
-        n = table.shape[1]
-        for (start, end), seq_entries in zip(token_ranges, entries.per_seq, strict=True):
-            for slot, _, weight in seq_entries:
-                vector = table[slot].float()
-                factor = vector if weight == 1.0 else 1.0 + weight * (vector - 1.0)
-                y[start:end, col_offset : col_offset + n] *= factor
+        """y[:, s.col_offset:s.col_offset+n] *= l (weight 1) or 1 + weight (l - 1), for each slice s
+        and each sequence's IA³ entries of that slice (the factors in float32, y rounded once per
+        entry)."""
+        for s in slices:
+            n = s.table.shape[1]
+            for (start, end), seq_entries in zip(token_ranges, s.entries.per_seq, strict=True):
+                for slot, _, weight in seq_entries:
+                    vector = s.table[slot].float()
+                    factor = vector if weight == 1.0 else 1.0 + weight * (vector - 1.0)
+                    y[start:end, s.col_offset : s.col_offset + n] *= factor
 
 
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
