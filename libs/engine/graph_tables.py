@@ -13,9 +13,17 @@ nothing to.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from libs.engine.sequence import Sequence
+
+class TableOwner(Protocol):
+    """What a row's table is read from (a Sequence)."""
+
+    seq_id: int
+    table_edits: int
+    block_table: list[int]
 
 
 class ResidentTables:
@@ -25,7 +33,7 @@ class ResidentTables:
         # Per row: (seq_id, that sequence's table_edits, entries sent), or nothing for a row never used.
         self._held: list[tuple[int, int, int] | None] = [None] * rows
 
-    def changes(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def changes(self, seqs: list[TableOwner]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The entries to write for the sequences in rows 0..len(seqs)-1: rows, columns and block
         ids (int64 each), and the rows are recorded as holding them."""
         rows: list[int] = []

@@ -16,6 +16,7 @@ ENGINE = REPO / "libs/engine"
 # (kernels, tokenizer, the GGUF importer) are one unit each.
 LAYERS: list[set[str]] = [
     {"errors", "sampler", "tokenizer", "models.errors", "adapters", "models", "host_memory", "staging"},
+    {"graph_tables"},
     {"beam_params", "speculative_sampling"},
     {"sampling_params", "config", "models.rope", "models.generation_config", "grammar", "cuda_graphs"},
     {"models.config", "quant"},
