@@ -58,8 +58,10 @@ def test_an_engine_killed_with_jobs_running_loses_none_once_it_is_restarted(tiny
         openai_stream = pool.submit(
             _follow_openai, openai.completions.create(stream=True, **sampled), started[1]
         )
-        first = [client.submit(prompt=long_prompt, max_tokens=LONG, **options).job_id for _ in range(9)]
+        # The streams first, then the rest: queued behind the nine, a stream could start only after
+        # the other stream had already ended, and the kill would find it finished.
         assert all(event.wait(120) for event in started), "a streamed job never started"
+        first = [client.submit(prompt=long_prompt, max_tokens=LONG, **options).job_id for _ in range(9)]
         stack.kill("engine")
         later = [client.submit(prompt=long_prompt, max_tokens=64, **options).job_id for _ in range(10)]
         stack.start_service("engine")
