@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -204,24 +205,20 @@ class DecodeGraphs:
         return True
 
 
-class GraphRecorder:
+class GraphRecorder(Protocol):
     """What capturing needs from the device: the CUDA implementation below, or a test's stand-in."""
 
-    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
-        raise NotImplementedError
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]: ...
 
-    def synchronize(self) -> None:
-        raise NotImplementedError
+    def synchronize(self) -> None: ...
 
     def settle(self) -> None:
         """Wait for the device after a failed capture, without raising again."""
-        raise NotImplementedError
 
-    def reserved_bytes(self) -> int:
-        raise NotImplementedError
+    def reserved_bytes(self) -> int: ...
 
 
-class CudaGraphRecorder(GraphRecorder):
+class CudaGraphRecorder:
     """Records a step in a CUDA graph, every graph in one memory pool (the smaller sizes, captured
     after the largest, reuse its memory)."""
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from libs.engine import LLMEngine, SamplingParams
-from libs.engine.cuda_graphs import DECODE_SIZES, VARIANTS_PER_SIZE, DecodeGraphs, GraphRecorder, decode_sizes
+from libs.engine.cuda_graphs import DECODE_SIZES, VARIANTS_PER_SIZE, DecodeGraphs, decode_sizes
 from libs.engine.staging import Layout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -192,7 +192,7 @@ class _CompileError(Exception):
     """What a Triton compile failure looks like to the caller: not a RuntimeError."""
 
 
-class _FailingRecorder(GraphRecorder):
+class _FailingRecorder:
     """Stands in for the CUDA graph recorder (no GPU here): recording the sizes in `failing` raises,
     and the next synchronize raises again, as a CUDA stream does after a failed capture."""
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from libs.engine.kernels.triton import split_kv
-from libs.engine.kernels.triton.attention_tiles import dim_tile, dot, dot_flags, key_tile
+from libs.engine.kernels.triton.attention_tiles import dim_tile, dot, dot_flags, key_tile, load_kv_tile
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -99,12 +99,20 @@ def _paged_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)  # [N] token positions
         key_ok = keys < kv_end
-        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)  # [N]
-        # int64: block * stride_kb passes 2**31 elements in a large cache.
-        slot = block * stride_kb + kv_head * stride_kh + (keys % BLOCK_SIZE) * stride_kt  # [N]
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        k, v = load_kv_tile(
+            k_ptr,
+            v_ptr,
+            table_row,
+            keys,
+            key_ok,
+            kv_head,
+            dims,
+            dim_ok,
+            stride_kb,
+            stride_kh,
+            stride_kt,
+            BLOCK_SIZE,
+        )
 
         s = dot(q, tl.trans(k), IEEE, DOT_UPCAST)  # [M, N] float32
         visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]

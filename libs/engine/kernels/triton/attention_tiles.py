@@ -24,6 +24,32 @@ def dot(a, b, IEEE: tl.constexpr, DOT_UPCAST: tl.constexpr):
     return c
 
 
+@triton.jit
+def load_kv_tile(
+    k_ptr,
+    v_ptr,
+    table_row,
+    keys,
+    key_ok,
+    kv_head,
+    dims,
+    dim_ok,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """The keys and values [N, D] of token positions `keys` of one KV head, read through the
+    sequence's block-table row where they lie in the paged cache (zeros where masked)."""
+    block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)  # [N]
+    # int64: block * stride_kb passes 2**31 elements in a large cache.
+    slot = block * stride_kb + kv_head * stride_kh + (keys % BLOCK_SIZE) * stride_kt  # [N]
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    return k, v
+
+
 def dot_flags(q: torch.Tensor) -> dict[str, bool]:
     """The `dot` constexprs for queries (and caches) of q's dtype on q's device."""
     return {
